@@ -1,0 +1,15 @@
+"""simplefsdp: PyTorch-native, compiler-friendly Fully Sharded Data Parallel."""
+
+from .data_parallel import MixedPrecisionPolicy, data_parallel, disable_active_parametrization
+from .mesh import make_mesh
+from .state_dict import full_state_dict, load_checkpoint, save_checkpoint
+
+__all__ = [
+    "MixedPrecisionPolicy",
+    "data_parallel",
+    "disable_active_parametrization",
+    "full_state_dict",
+    "load_checkpoint",
+    "make_mesh",
+    "save_checkpoint",
+]

@@ -1,0 +1,332 @@
+"""`data_parallel`: FSDP / DDP / HSDP from three PyTorch primitives.
+
+1. Every parameter is stored as a DTensor shard (``Shard(0)`` on the data-parallel mesh).
+2. Reading the parameter inside forward runs a *parametrization*: ``redistribute`` to
+   ``Replicate`` (an all-gather) and ``to_local`` with ``Partial`` gradient placements,
+   so autograd turns the gradient into a reduce-scatter (``fully_shard``), an
+   all-reduce (``replicate``) or both (``hybrid_shard``).
+3. That read runs under selective activation checkpointing that recomputes only the
+   all-gather and its wait: the gathered copy is freed after forward and gathered again
+   in backward.
+
+Nothing else is special, so eager mode stays debuggable and ``torch.compile`` sees one
+graph that holds computation and communication.
+
+The parametrization is a property on a per-class subclass (not ``nn.utils.parametrize``)
+so that ``state_dict`` keeps the original names. Outside forward the property returns
+the sharded DTensor itself: ``print(model)`` or ``model.w.weight`` never start a
+collective on one rank only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from .mesh import data_parallel_mesh
+
+Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
+MODES = ("fully_shard", "replicate", "hybrid_shard")
+_CLASS_PREFIX = "SimpleFSDP"
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the gathered parameter (and compute) and for the gradient reduction.
+
+    ``None`` keeps the parameter's own dtype. The sharded master weights, and so the
+    optimizer, always stay in the dtype the model was built with.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# When is the parametrization active?
+# ---------------------------------------------------------------------------------------
+_forward_depth = 0  # > 0 while a data_parallel root runs forward in eager mode
+_parametrization_enabled = True
+
+
+@contextmanager
+def disable_active_parametrization() -> Iterator[None]:
+    """Within this block parameters read as their sharded DTensors, even in forward.
+
+    Use it for ``init_weights`` after meta-device init, or to inspect shards.
+    """
+    global _parametrization_enabled
+    previous, _parametrization_enabled = _parametrization_enabled, False
+    try:
+        yield
+    finally:
+        _parametrization_enabled = previous
+
+
+def _gather_on_read() -> bool:
+    # Compiled code is only ever the model's forward, so it always gathers.
+    return _parametrization_enabled and (_forward_depth > 0 or torch.compiler.is_compiling())
+
+
+def _enter_forward(module: nn.Module, args: object) -> None:
+    global _forward_depth
+    if not torch.compiler.is_compiling():
+        _forward_depth += 1
+
+
+def _exit_forward(module: nn.Module, args: object, output: object) -> None:
+    global _forward_depth
+    if not torch.compiler.is_compiling():
+        _forward_depth -= 1
+
+
+# ---------------------------------------------------------------------------------------
+# The parametrization: gather on read, reduce on backward.
+# ---------------------------------------------------------------------------------------
+_GATHER_OPS = {
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+}
+
+
+def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: recompute the all-gather and its wait, save the rest."""
+    return CheckpointPolicy.MUST_RECOMPUTE if func in _GATHER_OPS else CheckpointPolicy.MUST_SAVE
+
+
+def _gather_policy_contexts():
+    return create_selective_checkpoint_contexts(_recompute_gathers)
+
+
+class _ReplicateComputation:
+    """Turns a sharded DTensor parameter into the full tensor used by the computation.
+
+    For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
+    shard shape)) only the data-parallel dims are gathered: the result is the TP shard,
+    returned as a DTensor on the TP mesh, ready for the TP module's computation.
+    """
+
+    def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
+                 reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+                 tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
+        self.dp_mesh = dp_mesh
+        self.dp_placements = dp_placements
+        self.compute_placements = (Replicate(),) * dp_mesh.ndim
+        self.grad_placements = (Partial(reduce_op),) * dp_mesh.ndim
+        self.param_dtype = mp_policy.param_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.tp = tp
+
+    def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
+        if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
+            tp_mesh, tp_placements, tp_shape = self.tp
+            sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
+                                         run_check=False, shape=tp_shape,
+                                         stride=_contiguous_stride(tp_shape))
+        gathered = sharded.redistribute(
+            placements=self.compute_placements,
+            forward_dtype=self.param_dtype,
+            backward_dtype=self.reduce_dtype,
+        )
+        local = gathered.to_local(grad_placements=self.grad_placements)
+        if self.tp is None:
+            return local
+        return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False)
+
+    def __call__(self, sharded: DTensor) -> torch.Tensor:
+        if not self.reshard_after_forward:
+            return self.replicate_compute(sharded)
+        return checkpoint(self.replicate_compute, sharded, use_reentrant=False,
+                          context_fn=_gather_policy_contexts)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _make_property(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        param = self._parameters[name]
+        if param is None or not _gather_on_read():
+            return param
+        return self._sf_compute[name](param)
+
+    return property(get)
+
+
+@functools.cache
+def _parametrized_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
+    """A subclass of ``cls`` whose parameter names are gathering properties (cached, so
+    modules of one class share one subclass and pickling stays possible by class)."""
+    attrs = {name: _make_property(name) for name in names}
+    return type(f"{_CLASS_PREFIX}{cls.__name__}", (cls,), attrs)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding.
+# ---------------------------------------------------------------------------------------
+def _placements_for(mode: Mode) -> tuple[Placement, ...]:
+    return {
+        "fully_shard": (Shard(0),),
+        "replicate": (Replicate(),),
+        "hybrid_shard": (Replicate(), Shard(0)),
+    }[mode]
+
+
+def _check_mesh(mesh: DeviceMesh, mode: Mode) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
+                        f"got {type(mesh).__name__}")
+    want = 2 if mode == "hybrid_shard" else 1
+    if mesh.ndim != want:
+        hint = ("build it with simplefsdp.make_mesh(dp_replicate=R, dp_shard=S) and pass the "
+                "2-D ('dp_replicate', 'dp_shard') mesh" if want == 2 else
+                "pass the 1-D data-parallel sub-mesh, e.g. mesh['dp_shard']")
+        raise ValueError(f"mode={mode!r} needs a {want}-D mesh, got a {mesh.ndim}-D mesh "
+                         f"{mesh.mesh_dim_names or ''}: {hint}")
+    if dist.is_initialized() and mesh.size() > dist.get_world_size():
+        raise ValueError(f"mesh has {mesh.size()} ranks but the world size is "
+                         f"{dist.get_world_size()}")
+
+
+def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh,
+                 placements: tuple[Placement, ...]):
+    """Return (sharded parameter, TP info for the gather or None)."""
+    if param.dim() == 0 and any(isinstance(p, Shard) for p in placements):
+        raise ValueError(f"parameter {fqn!r} is a 0-dim scalar and cannot be sharded on dim 0; "
+                         f"give it shape (1,) or use mode='replicate'")
+    if isinstance(param, DTensor):
+        new, tp = _add_dp_dims(param, fqn, mesh, placements)
+    else:
+        # Rank 0's values win so every rank starts from the same model; a meta tensor has
+        # no values, so each rank just takes its own (meta) shard.
+        src = None if param.device.type == "meta" else 0
+        new, tp = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src), None
+    return nn.Parameter(new, requires_grad=param.requires_grad), tp
+
+
+def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[Placement, ...]):
+    """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh."""
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    root = _root_mesh(mesh)
+    if (root is not _root_mesh(tp_mesh) or not mesh.mesh_dim_names
+            or not tp_mesh.mesh_dim_names):
+        raise ValueError(f"parameter {fqn!r} is a DTensor on a mesh unrelated to the "
+                         f"data-parallel mesh; slice both from one mesh, e.g. "
+                         f"simplefsdp.make_mesh(dp_shard=.., tp=..)")
+    full_mesh = root[tuple(mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names)]
+    tp_local = param.to_local().detach()
+    local, dp_placements = tp_local, []
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
+            local = torch.chunk(local, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)] \
+                if local.shape[0] else local
+            tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
+            # DP slices *within* the TP shard: DTensor calls that a strided shard.
+            placement = _StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
+                else Shard(0)
+        dp_placements.append(placement)
+    new = DTensor.from_local(local.contiguous(), full_mesh, tuple(dp_placements) + tp_placements,
+                             run_check=False, shape=param.shape, stride=param.stride())
+    return new, (tp_mesh, tp_placements, tp_local.shape)
+
+
+def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.12
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mode: Mode = "fully_shard",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    reduce_op: Literal["avg", "sum"] = "avg",
+) -> nn.Module:
+    """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
+
+    Args:
+        model: the module; its parameters may be on ``meta`` (then call ``to_empty`` and
+            initialize under :func:`disable_active_parametrization`).
+        mesh: 1-D data-parallel mesh for ``fully_shard``/``replicate``; 2-D
+            ``(dp_replicate, dp_shard)`` mesh for ``hybrid_shard``.
+        mode: ``fully_shard`` (ZeRO-3), ``replicate`` (DDP) or ``hybrid_shard`` (HSDP).
+        mp_policy: dtypes for the gathered parameters and for gradient reduction.
+        reshard_after_forward: free gathered parameters after forward and gather them
+            again in backward (True), or keep them until backward (False).
+        reduce_op: ``avg`` averages gradients over the data-parallel ranks; ``sum`` sums
+            them (for losses already normalized by the global token count).
+    Returns:
+        ``model`` itself, with its parameters sharded.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if reduce_op not in ("avg", "sum"):
+        raise ValueError(f"reduce_op must be 'avg' or 'sum', got {reduce_op!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"data_parallel expects an nn.Module, got {type(model).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError("mp_policy must be a simplefsdp.MixedPrecisionPolicy")
+    mesh = data_parallel_mesh(mesh, mode)
+    _check_mesh(mesh, mode)
+    if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")
+           for m in model.modules()):
+        raise ValueError("data_parallel was already applied to this model (or a submodule); "
+                         "apply it once, to the root module")
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    placements = _placements_for(mode)
+
+    sharded: dict[int, tuple[nn.Parameter, _ReplicateComputation]] = {}  # tied weights
+    for module_name, module in list(model.named_modules()):
+        names = tuple(n for n, p in module._parameters.items() if p is not None)
+        if not names:
+            continue
+        compute: dict[str, _ReplicateComputation] = {}
+        for name in names:
+            param = module._parameters[name]
+            if id(param) not in sharded:
+                fqn = f"{module_name}.{name}" if module_name else name
+                new, tp = _shard_param(param, fqn, mesh, placements)
+                gather = _ReplicateComputation(mesh, placements, reduce_op, mp_policy,
+                                               reshard_after_forward, tp)
+                sharded[id(param)] = (new, gather)
+            new, gather = sharded[id(param)]
+            module._parameters[name] = new
+            compute[name] = gather
+        module._sf_compute = compute
+        module.__class__ = _parametrized_class(type(module), names)
+    model.register_forward_pre_hook(_enter_forward)
+    model.register_forward_hook(_exit_forward, always_call=True)
+    return model

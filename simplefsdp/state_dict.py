@@ -1,0 +1,100 @@
+"""State dicts and distributed checkpoints (DCP) for data_parallel models.
+
+``model.state_dict()`` already holds sharded DTensors under the original names; these
+helpers add the optimizer (keyed by parameter name), atomic saves, and a full
+(consolidated) state dict for export.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+_COMPLETE_MARK = ".complete"
+
+
+class ModelAndOptimizer(Stateful):
+    """Model + optimizer as one DCP ``Stateful``: sharded, keyed by parameter name."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        return {"model": model_sd, "optimizer": optim_sd} if optimizers else {"model": model_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.model, optimizers, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict.get("optimizer", {}))
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+    """Save ``state`` (values may be ``Stateful``) with DCP, atomically.
+
+    Every rank writes into ``<path>.tmp``; after a barrier rank 0 marks it complete and
+    renames it to ``path``. A crash before the rename leaves no folder named ``path``,
+    so a half-written checkpoint never looks complete.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if rank == 0:
+        (tmp / _COMPLETE_MARK).touch()
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``state`` in place."""
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing or half-written)")
+    dcp.load(state, checkpoint_id=str(path))
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / _COMPLETE_MARK).is_file()
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """Gather every parameter and buffer to full CPU tensors (a collective on all ranks).
+
+    With ``rank0_only`` the other ranks get an empty dict, which is what an export needs.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    full = get_model_state_dict(model, options=options)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return full
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,89 @@
+"""The one helper every multi-rank test uses: spawn N gloo processes, fail fast, never hang.
+
+`run_ranks(fn, world_size, *args)` starts `world_size` processes, each joins a gloo
+process group (with a timeout, so a collective mismatch raises instead of hanging),
+calls `fn(rank, world_size, *args)` and sends back its return value. The first rank
+that fails is re-raised in the test process with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+COLLECTIVE_TIMEOUT_S = 120  # one collective; a deadlock turns into an error after this
+TEST_TIMEOUT_S = 600  # the whole group of processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows them
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = TEST_TIMEOUT_S) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                crashed = [(i, p.exitcode) for i, p in enumerate(procs)
+                           if p.exitcode not in (None, 0) and i not in results]
+                if crashed:  # killed by a signal (e.g. SIGABRT) before it could report
+                    raise RankFailure(f"rank {crashed[0][0]} died with exit code "
+                                      f"{crashed[0][1]} without reporting") from None
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"ranks did not finish within {timeout_s}s") from None
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
