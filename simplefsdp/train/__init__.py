@@ -1,0 +1,1 @@
+"""The trainer: config (TOML -> dataclasses), data, training loop, checkpoints, metrics."""

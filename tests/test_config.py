@@ -1,0 +1,124 @@
+"""Job config: defaults, files, command-line overrides, errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from simplefsdp.train.config import ConfigError, JobConfig, load_config, parse_args
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_default_loads_and_is_the_debug_run():
+    cfg = load_config(None, [])
+    assert cfg == JobConfig()
+    assert cfg.model.name == "debug" and cfg.job.device == "cpu"
+    assert cfg.model.model_args().vocab_size == 256
+
+
+def test_debug_file_equals_default():
+    assert load_config(CONFIGS / "debug.toml", []) == load_config(None, [])
+
+
+@pytest.mark.parametrize("name,world", [("llama3_8b", 8), ("llama3_70b", 64),
+                                        ("llama3_405b", 256)])
+def test_large_configs_load(name: str, world: int):
+    cfg = load_config(CONFIGS / f"{name}.toml", [])
+    assert cfg.model.name == name and cfg.job.device == "cuda" and cfg.compile.enable
+    assert cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.parallel.resolve(world).dp_shard >= 1
+
+
+def test_cli_overrides_parse_types():
+    cfg = load_config(None, [
+        "--training.steps", "7", "--training.lr=3e-4", "--compile.enable",
+        "--parallel.reshard_after_forward", "false", "--parallel.dp_shard", "-1",
+        "--model.dim", "64", "--model.ffn_dim_multiplier", "1.5",
+        "--compile.memory_limit_gb", "12", "--parallel.dp_mode", "hybrid_shard",
+        "--job.name", "x",
+    ])
+    assert cfg.training.steps == 7 and isinstance(cfg.training.steps, int)
+    assert cfg.training.lr == 3e-4
+    assert cfg.compile.enable is True and cfg.parallel.reshard_after_forward is False
+    assert cfg.parallel.dp_shard == -1 and cfg.parallel.dp_mode == "hybrid_shard"
+    assert cfg.compile.memory_limit_gb == 12.0
+    assert cfg.model.model_args().dim == 64 and cfg.model.model_args().ffn_dim_multiplier == 1.5
+    assert cfg.job.name == "x"
+
+
+def test_cli_overrides_file(tmp_path: Path):
+    path = _toml(tmp_path, "[training]\nsteps = 3\nlr = 1\n")
+    cfg = parse_args(["--config", path, "--training.steps", "4"])
+    assert cfg.training.steps == 4 and cfg.training.lr == 1.0  # TOML int accepted as float
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["--training.stepz", "3"], "training.stepz"),
+    (["--trainin.steps", "3"], "[trainin]"),
+    (["--training.steps", "three"], "training.steps"),
+    (["--training.steps", "1.5"], "training.steps"),
+    (["--compile.enable", "yes"], "compile.enable"),
+    (["--parallel.dp_mode", "zero3"], "parallel.dp_mode"),
+    (["--compile.backend", "eager"], "compile.backend"),
+    (["--training.mixed_precision_param", "fp16"], "training.mixed_precision_param"),
+    (["--training.lr", "0"], "training.lr"),
+    (["--parallel.dp_shard", "0"], "parallel.dp_shard"),
+    (["--model.name", "gpt2"], "model.name"),
+    (["--training.seq_len", "4096"], "training.seq_len"),
+    (["--data.dataset", "/no/such/file.txt"], "data.dataset"),
+    (["--training.steps"], "training.steps"),
+    (["steps", "3"], "steps"),
+])
+def test_bad_cli_input_names_the_key(overrides: list[str], named: str):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert named in str(info.value)
+
+
+def test_bad_enum_lists_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--activation_checkpoint.mode", "some"])
+    for allowed in ("'none'", "'selective'", "'full'"):
+        assert allowed in str(info.value)
+
+
+@pytest.mark.parametrize("text,named", [
+    ("[nope]\nx = 1\n", "[nope]"),
+    ("[training]\nstep = 1\n", "training.step"),
+    ("[training]\nsteps = \"10\"\n", "training.steps"),
+    ("[training]\nsteps = true\n", "training.steps"),
+    ("[compile]\nenable = 1\n", "compile.enable"),
+    ("[parallel]\ndp_mode = \"ddp\"\n", "parallel.dp_mode"),
+    ("training = 3\n", "training"),
+    ("[training\n", "invalid TOML"),
+])
+def test_bad_file_input_names_the_key(tmp_path: Path, text: str, named: str):
+    with pytest.raises(ConfigError) as info:
+        load_config(_toml(tmp_path, text), [])
+    assert named in str(info.value)
+
+
+def test_world_size_product():
+    par = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2"]).parallel
+    resolved = par.resolve(8)
+    assert (resolved.dp_shard, resolved.dp_degree) == (2, 2)
+    with pytest.raises(ConfigError, match="not divisible"):
+        par.resolve(6)
+    fixed = load_config(None, ["--parallel.dp_shard", "3"]).parallel
+    with pytest.raises(ConfigError, match="world size is 4.*dp_shard = -1"):
+        fixed.resolve(4)
+    replicate = load_config(None, ["--parallel.dp_mode", "replicate"]).parallel
+    with pytest.raises(ConfigError, match="dp_replicate = 4"):
+        replicate.resolve(4)
+    assert load_config(None, ["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
+                              "--parallel.dp_replicate", "4"]).parallel.resolve(4).dp_degree == 4
+    with pytest.raises(ConfigError, match="hybrid_shard"):
+        load_config(None, ["--parallel.dp_replicate", "2"])
