@@ -1,0 +1,152 @@
+"""Text data: a byte-level tokenizer and a resumable, data-parallel batch loader.
+
+The corpus is tokenized once into one long 1-D tensor and cut into non-overlapping
+windows of ``seq_len + 1`` tokens (inputs are the first ``seq_len``, targets the last
+``seq_len``). A window's place in the stream is a pure function of a global sample
+counter: sample ``p`` is window ``perm(epoch)[p % n]`` with ``epoch = p // n`` and a
+permutation seeded by ``(seed, epoch)``. A global batch is ``dp_world * batch_size``
+consecutive samples; DP rank ``r`` takes the ``r``-th slice of ``batch_size``. So the
+ranks read disjoint slices that together are the single-rank global batch, and the
+whole state to checkpoint is the counter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+SHAKESPEARE = "shakespeare"  # the corpus shipped in simplefsdp/data/
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the trainer needs from a tokenizer; plug in any object that has these."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens: 256 ids, no unknown words, no training needed."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        # Bytes cut mid-character (e.g. by a window edge) decode as U+FFFD.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def build_tokenizer(name: str) -> Tokenizer:
+    """Tokenizer by config name (``[data] tokenizer``)."""
+    if name == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"data.tokenizer = {name!r} is unknown; choose 'byte', or pass your own "
+                     f"Tokenizer object to TextDataset")
+
+
+def read_corpus(dataset: str) -> str:
+    """Text of ``dataset``: ``"shakespeare"`` (shipped with the package) or a .txt path."""
+    if dataset == SHAKESPEARE:
+        return (resources.files("simplefsdp") / "data" / "shakespeare.txt").read_text("utf-8")
+    path = Path(dataset)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.dataset = {dataset!r}: no such file (use "
+                                f"'{SHAKESPEARE}' or a path to a .txt file)")
+    return path.read_text("utf-8")
+
+
+class BatchLoader:
+    """Endless iterator of ``(inputs, targets)``, each ``(batch_size, seq_len)`` int64,
+    for one data-parallel rank. ``state_dict`` / ``load_state_dict`` save and restore
+    the position, so a resumed run sees exactly the batches it would have seen."""
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int,
+                 dp_rank: int = 0, dp_world: int = 1, seed: int = 0, shuffle: bool = True):
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank must be in [0, {dp_world}), got {dp_rank}")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"{len(tokens)} tokens are too few for one window of "
+                             f"seq_len + 1 = {seq_len + 1}")
+        self.tokens = tokens
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.seed, self.shuffle = seed, shuffle
+        self.samples = 0  # global samples consumed, over all DP ranks
+        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp_world
+
+    @property
+    def epoch(self) -> int:
+        return self.samples // self.num_windows
+
+    def _windows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Window index of each global sample position."""
+        epochs, offsets = positions // self.num_windows, positions % self.num_windows
+        if not self.shuffle:
+            return offsets
+        out = torch.empty_like(positions)
+        for epoch in epochs.unique().tolist():
+            if epoch != self._perm_epoch:  # one permutation per epoch, made on demand
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.num_windows, generator=gen)
+                self._perm_epoch = epoch
+            mask = epochs == epoch
+            out[mask] = self._perm[offsets[mask]]
+        return out
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.samples + self.dp_rank * self.batch_size
+        windows = self._windows(torch.arange(first, first + self.batch_size))
+        index = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
+        chunk = self.tokens[index].long()
+        self.samples += self.global_batch_size
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"checkpointed data seed {state['seed']} differs from the "
+                             f"configured training.seed {self.seed}")
+        self.samples = int(state["samples"])
+
+
+class TextDataset:
+    """A corpus tokenized once, split into train (first part) and val (the tail)."""
+
+    def __init__(self, dataset: str = SHAKESPEARE, tokenizer: Tokenizer | None = None,
+                 val_fraction: float = 0.05):
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        tokens = torch.tensor(self.tokenizer.encode(read_corpus(dataset)), dtype=torch.int32)
+        split = len(tokens) - int(len(tokens) * val_fraction)
+        self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
+
+    def loader(self, split: str, batch_size: int, seq_len: int, dp_rank: int = 0,
+               dp_world: int = 1, seed: int = 0, shuffle: bool | None = None) -> BatchLoader:
+        """Batches of ``split`` ("train" or "val") for one DP rank; val is not shuffled."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        tokens = self.train_tokens if split == "train" else self.val_tokens
+        shuffle = split == "train" if shuffle is None else shuffle
+        return BatchLoader(tokens, batch_size, seq_len, dp_rank, dp_world, seed, shuffle)
