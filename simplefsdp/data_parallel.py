@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from . import eager_reshard
 from .mesh import data_parallel_mesh
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
@@ -93,6 +94,8 @@ def _gather_on_read() -> bool:
 def _enter_forward(module: nn.Module, args: object) -> None:
     global _forward_depth
     if not torch.compiler.is_compiling():
+        if _forward_depth == 0:
+            eager_reshard.start_forward()
         _forward_depth += 1
 
 
@@ -100,6 +103,8 @@ def _exit_forward(module: nn.Module, args: object, output: object) -> None:
     global _forward_depth
     if not torch.compiler.is_compiling():
         _forward_depth -= 1
+        if _forward_depth == 0:
+            eager_reshard.end_forward()
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,11 +161,21 @@ class _ReplicateComputation:
             return local
         return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False)
 
+    def regather(self, sharded: DTensor) -> torch.Tensor:
+        """The gathered value again, without autograd (eager backward)."""
+        full = self.replicate_compute(sharded)
+        return full.to_local() if isinstance(full, DTensor) else full
+
     def __call__(self, sharded: DTensor) -> torch.Tensor:
         if not self.reshard_after_forward:
             return self.replicate_compute(sharded)
-        return checkpoint(self.replicate_compute, sharded, use_reentrant=False,
-                          context_fn=_gather_policy_contexts)
+        if torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
+            return checkpoint(self.replicate_compute, sharded, use_reentrant=False,
+                              context_fn=_gather_policy_contexts)
+        full = self.replicate_compute(sharded)  # eager: saved-tensor hooks re-gather it
+        eager_reshard.note_gathered(full.to_local() if isinstance(full, DTensor) else full,
+                                    sharded, self.regather)
+        return full
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -201,9 +216,6 @@ def _placements_for(mode: Mode) -> tuple[Placement, ...]:
 
 
 def _check_mesh(mesh: DeviceMesh, mode: Mode) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
-                        f"got {type(mesh).__name__}")
     want = 2 if mode == "hybrid_shard" else 1
     if mesh.ndim != want:
         hint = ("build it with simplefsdp.make_mesh(dp_replicate=R, dp_shard=S) and pass the "
@@ -299,6 +311,9 @@ def data_parallel(
         raise TypeError(f"data_parallel expects an nn.Module, got {type(model).__name__}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError("mp_policy must be a simplefsdp.MixedPrecisionPolicy")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
+                        f"got {type(mesh).__name__}")
     mesh = data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")
@@ -327,6 +342,16 @@ def data_parallel(
             compute[name] = gather
         module._sf_compute = compute
         module.__class__ = _parametrized_class(type(module), names)
-    model.register_forward_pre_hook(_enter_forward)
-    model.register_forward_hook(_exit_forward, always_call=True)
+        _mark_forward(module)
+    _mark_forward(model)
     return model
+
+
+def _mark_forward(module: nn.Module) -> None:
+    """Parameters gather only while a forward runs: on the root, and on each module that
+    owns parameters (activation-checkpoint recompute re-runs a block on its own)."""
+    if getattr(module, "_sf_forward_hooks", False):
+        return
+    module._sf_forward_hooks = True
+    module.register_forward_pre_hook(_enter_forward)
+    module.register_forward_hook(_exit_forward, always_call=True)

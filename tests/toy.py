@@ -1,0 +1,80 @@
+"""A tiny transformer-shaped model and a training loop shared by the multi-rank tests.
+
+Small enough for CPU tests, shaped to hit the interesting cases: an embedding tied to
+the output head, a hidden size of 7 (uneven shards on 2 and 4 ranks), a 1-row
+parameter (empty shards on 4 ranks), a buffer, and a frozen parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN = 16, 8, 7
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.gate = nn.Parameter(torch.ones(1, DIM))  # 1 row: empty shards on 4 ranks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self, n_layers: int = 2, tie: bool = True, frozen: bool = True) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(n_layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("position_scale", torch.linspace(0.5, 1.5, 4).unsqueeze(-1))
+        if frozen:
+            self.norm.bias.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        h = h * self.position_scale[: tokens.shape[1]].to(h.dtype)  # compute in param dtype
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def global_batch(step: int, world: int, per_rank: int = 2, seq: int = 4) -> torch.Tensor:
+    """The same deterministic tokens on every process: rank r trains on rows
+    [r * per_rank, (r + 1) * per_rank), the reference on all of them."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (per_rank * world, seq + 1), generator=g)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def train(model: nn.Module, steps: int, rank: int | None, world: int, lr: float = 1e-2
+          ) -> list[float]:
+    """AdamW steps on this rank's slice of each global batch; rank=None trains on the
+    whole global batch (the single-process reference). Returns the global mean loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=False)
+    losses = []
+    for step in range(steps):
+        tokens = global_batch(step, world)
+        local = tokens if rank is None else tokens[2 * rank:2 * (rank + 1)]
+        loss = loss_fn(model, local)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank is not None:  # every rank has an equal share: the global loss is the mean
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
