@@ -1,11 +1,13 @@
 """simplefsdp: PyTorch-native, compiler-friendly Fully Sharded Data Parallel."""
 
+from .compiler.backend import compile_backend
 from .data_parallel import MixedPrecisionPolicy, data_parallel, disable_active_parametrization
 from .mesh import make_mesh
 from .state_dict import full_state_dict, load_checkpoint, save_checkpoint
 
 __all__ = [
     "MixedPrecisionPolicy",
+    "compile_backend",
     "data_parallel",
     "disable_active_parametrization",
     "full_state_dict",

@@ -1,0 +1,185 @@
+"""The ``torch.compile`` backend: AOTAutograd graphs -> our passes -> Inductor or eager.
+
+``aot_eager``: our own forward/backward compilers run the passes and execute the graph
+as is; the min-cut partitioner keeps the selective-checkpoint recompute (re-gather in
+backward), which the default partitioner would drop.
+``inductor``: the passes run as Inductor's post-grad custom pass on both graphs.
+
+Every pass decision depends only on the sequence of collectives and module names, which
+is the same on every rank, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import fx
+
+from . import manual_wrap
+from .bucketing import bucket_collectives, single
+from .collectives import find_collectives, is_backward, stable_topological_sort
+from .reordering import reorder
+
+log = logging.getLogger("simplefsdp.compiler")
+BACKENDS = ("inductor", "aot_eager")
+BUCKETING = ("none", "manual")
+
+
+@dataclass
+class GraphReport:
+    """What our passes did to one graph."""
+
+    graph: str  # "forward" or "backward"
+    collectives_before: dict[str, int]
+    collectives_after: dict[str, int] = field(default_factory=dict)
+    buckets: list[dict] = field(default_factory=list)
+    moves: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    pass_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [f"[simplefsdp] {self.graph}: collectives {self.collectives_before} -> "
+                 f"{self.collectives_after}, {len(self.buckets)} buckets, "
+                 f"{len(self.moves)} moves, {self.pass_seconds * 1e3:.1f} ms"]
+        lines += [f"  bucket {b['kind']} {b['name']}: {b['count']} tensors, {b['bytes']} B"
+                  for b in self.buckets if b["count"] > 1]
+        lines += [f"  {m}" for m in self.moves] + [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+class SimpleFSDPBackend:
+    """Callable ``torch.compile`` backend; ``reports`` holds one entry per compiled graph."""
+
+    def __init__(self, backend: str = "inductor", bucketing: str = "none",
+                 reordering: bool = True, module_plan: Sequence | None = None,
+                 memory_limit_gb: float | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if bucketing == "auto":
+            raise ValueError("bucketing='auto' is not available yet; use 'manual' "
+                             "(default per-block plan) or 'none'")
+        if bucketing not in BUCKETING:
+            raise ValueError(f"bucketing must be one of {BUCKETING + ('auto',)}, "
+                             f"got {bucketing!r}")
+        if module_plan is not None and bucketing != "manual":
+            raise ValueError("module_plan is used only with bucketing='manual'")
+        if module_plan is not None:
+            manual_wrap.bucket_names(module_plan)  # validate now, not mid-compile
+        self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
+        self.module_plan = list(module_plan) if module_plan is not None else None
+        self.memory_limit_gb = memory_limit_gb
+        self.reports: list[GraphReport] = []
+        self._forward_plan: list | None = None
+
+    # -- torch.compile entry point ------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        _install_cpu_collectives()
+        if self.backend == "aot_eager":
+            from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+            from torch._dynamo.backends.common import aot_autograd
+
+            def compile_graph(graph_module, _inputs):
+                self.run_passes(graph_module.graph)
+                graph_module.recompile()
+                return make_boxed_func(graph_module.forward)
+
+            return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+                                partition_fn=min_cut_rematerialization_partition)(
+                gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs,
+                          config_patches={"post_grad_custom_post_pass": _InductorPass(self)})
+
+    # -- the passes ---------------------------------------------------------------------
+    def run_passes(self, graph: fx.Graph) -> GraphReport:
+        """Bucket and reorder the collectives of one forward or backward graph in place."""
+        started = time.perf_counter()
+        backward = is_backward(graph)
+        collectives = find_collectives(graph)
+        report = GraphReport("backward" if backward else "forward", _count(collectives))
+        if self.bucketing == "manual":
+            plan = self.module_plan or (self._forward_plan if backward else None)
+            if plan is None:  # derived from the graph; the backward reuses the forward's
+                plan = manual_wrap.default_plan(collectives, backward)
+                if not backward:
+                    self._forward_plan = plan
+            assignment, unused = manual_wrap.assign(collectives, plan)
+            if unused and not backward:
+                report.notes.append(f"plan entries matching no collective: {unused}")
+            buckets = bucket_collectives(graph, collectives, assignment)
+            stable_topological_sort(graph)
+        else:
+            buckets = [single(c) for c in collectives]
+        if self.reordering:
+            report.moves = reorder(graph, buckets, backward)
+        graph.lint()
+        report.buckets = [b.summary() for b in buckets]
+        report.collectives_after = _count(find_collectives(graph))
+        report.pass_seconds = time.perf_counter() - started
+        self.reports.append(report)
+        log.info("%s", report)
+        return report
+
+    def buckets_of(self, graph: str) -> list[dict]:
+        """Bucket summaries of the latest report for "forward" or "backward"."""
+        return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
+
+
+def compile_backend(backend: str = "inductor", bucketing: str = "none",
+                    reordering: bool = True, module_plan: Sequence | None = None,
+                    memory_limit_gb: float | None = None) -> SimpleFSDPBackend:
+    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
+    bucketing and reordering passes on the forward and backward graphs."""
+    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb)
+
+
+def _count(collectives) -> dict[str, int]:
+    return dict(sorted(Counter(c.kind for c in collectives).items()))
+
+
+def _install_cpu_collectives() -> None:
+    import torch.distributed as dist
+
+    from .gloo_collectives import install_gloo_collectives, uses_gloo
+
+    if dist.is_initialized() and uses_gloo():
+        install_gloo_collectives()
+
+
+@functools.cache
+def _source_hash() -> str:
+    """Our passes' source, so Inductor's cache never reuses a graph from older passes."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _inductor_pass_base():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+class _InductorPass(_inductor_pass_base()):
+    """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
+
+    def __init__(self, owner: SimpleFSDPBackend):
+        self.owner = owner
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.owner.run_passes(graph)
+
+    def uuid(self) -> str:
+        o = self.owner
+        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+        return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+

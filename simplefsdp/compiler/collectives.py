@@ -1,0 +1,126 @@
+"""Find the FSDP collectives in an AOTAutograd FX graph and the module each came from.
+
+A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor``)
+plus the ``wait_tensor`` that consumes it. Forward and recomputed (backward) all-gathers
+carry ``nn_module_stack``; backward reduce-scatters carry ``fwd_nn_module_stack``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+c10d = torch.ops._c10d_functional
+ALL_GATHER = c10d.all_gather_into_tensor.default
+REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
+WAIT = c10d.wait_tensor.default
+KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+_WRAPPERS = re.compile(r"\.(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
+
+
+@dataclass
+class Collective:
+    """One collective in a graph: its start node, its wait, and where it came from."""
+
+    start: fx.Node
+    wait: fx.Node
+    kind: str
+    module: str  # FQN of the module that owns the parameter, e.g. "layers.0.attention.wq"
+
+    @property
+    def group(self) -> tuple:
+        """What must match for two collectives to merge: group, size, dtype, reduce op."""
+        args = self.start.args
+        if self.kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
+            return (self.kind, args[2], args[3], args[1], self.start.meta["val"].dtype)
+        return (self.kind, args[1], args[2], self.start.meta["val"].dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter input."""
+        full = self.start.meta["val"] if self.kind == "all_gather" else \
+            self.start.args[0].meta["val"]
+        return full.numel() * full.element_size()
+
+
+def module_fqn(node: fx.Node) -> str:
+    """The innermost module a node was traced in, without dynamo's and wrappers' prefixes."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]  # e.g. "L['self'].layers.0.up"
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path).lstrip(".")  # ['0'] -> .0
+    return _WRAPPERS.sub("", path).replace("._modules.", ".")
+
+
+def find_collectives(graph: fx.Graph) -> list[Collective]:
+    """Every collective start node with exactly one wait, in graph order."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in KINDS:
+            continue
+        waits = [u for u in node.users if u.target == WAIT]
+        if len(waits) != 1 or len(node.users) != 1:
+            continue  # not a shape we know how to move; leave it alone
+        found.append(Collective(node, waits[0], KINDS[node.target], module_fqn(node)))
+    return found
+
+
+def is_backward(graph: fx.Graph) -> bool:
+    """AOTAutograd names the incoming gradients of a backward graph `tangents_*`."""
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+
+
+def call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """Add ``target(*args)`` to ``graph`` with its fake value in ``meta["val"]``, as the
+    nodes AOTAutograd and Inductor produce have."""
+    node = graph.call_function(target, args, kwargs or {})
+    vals = [a.meta["val"] for a in node.all_input_nodes if "val" in a.meta]
+    mode = detect_fake_mode(vals) or FakeTensorMode()
+
+    def fake(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+
+    with mode:
+        node.meta["val"] = target(*fx.node.map_aggregate(args, fake),
+                                  **fx.node.map_aggregate(kwargs or {}, fake))
+    return node
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder as little as possible so every node comes after its inputs: a node whose
+    input is still ahead waits until that input has been placed."""
+    pending: dict[fx.Node, int] = {}
+    waiting_on: dict[fx.Node, list[fx.Node]] = {}
+    placed: set[fx.Node] = set()
+    cursor = None  # the last placed node
+    order = list(graph.nodes)
+    for node in order:
+        missing = [i for i in node.all_input_nodes if i not in placed]
+        if missing:
+            pending[node] = len(missing)
+            for i in missing:
+                waiting_on.setdefault(i, []).append(node)
+            continue
+        ready = [node]
+        while ready:
+            n = ready.pop(0)
+            if cursor is not None and cursor.next is not n:
+                cursor.append(n)
+            cursor = n
+            placed.add(n)
+            for user in waiting_on.pop(n, []):
+                pending[user] -= 1
+                if pending[user] == 0:
+                    del pending[user]
+                    ready.append(user)
+    if pending:
+        raise RuntimeError(f"graph has a cycle through {list(pending)[:3]}")

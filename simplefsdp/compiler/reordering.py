@@ -1,0 +1,76 @@
+"""Move collectives so communication hides behind computation (paper section 3.2.2).
+
+Forward: bucket i+1's all-gather is issued before bucket i's wait, so it overlaps bucket
+i's copy-out and compute (the placement the paper's Table 6 found fastest).
+Backward: bucket i+1's all-gather is issued right after bucket i's wait (overlapping
+bucket i's compute), and each reduce-scatter's wait is deferred to just before the next
+reduce-scatter, so the reduction overlaps the following compute.
+
+Only all-gather starts move earlier and waits move later; all-gathers keep their order,
+reduce-scatters keep theirs, and every decision depends only on the bucket sequence, so
+every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from .bucketing import Bucket, hoist_before
+from .collectives import stable_topological_sort
+
+
+def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]:
+    """Reorder in place; returns a line per move made."""
+    gathers = [b for b in buckets if b.kind == "all_gather"]
+    scatters = [b for b in buckets if b.kind == "reduce_scatter"]
+    moves: list[str] = []
+    for prev, nxt in zip(gathers, gathers[1:], strict=False):
+        # Forward: before prev's wait. Backward: right after prev's wait.
+        anchor = prev.wait if not backward else prev.wait.next
+        if _before(nxt.start, anchor):
+            continue  # already early enough
+        _move_gather_before(nxt, anchor)
+        where = "before" if not backward else "after"
+        moves.append(f"all_gather {nxt.name} issued {where} wait of {prev.name}")
+    if backward:
+        for prev, nxt in zip(scatters, scatters[1:], strict=False):
+            # The wait and its copy-out go right before the next reduce-scatter's copy-in.
+            anchor = nxt.copy_in[0] if nxt.copy_in else nxt.start
+            if _before(anchor, prev.wait):
+                continue
+            for node in [prev.wait, *prev.copy_out]:
+                anchor.prepend(node)
+            moves.append(f"wait of reduce_scatter {prev.name} deferred to before "
+                         f"reduce_scatter {nxt.name}")
+        stable_topological_sort(graph)  # users of a deferred wait follow it
+    _check_collective_order_kept(graph, buckets)
+    return moves
+
+
+def _move_gather_before(bucket: Bucket, anchor: fx.Node) -> None:
+    for node in bucket.start.all_input_nodes:
+        hoist_before(node, anchor)
+    anchor.prepend(bucket.start)
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    node = a
+    while node is not None and node.op != "root":
+        if node is b:
+            return True
+        node = node.next
+    return False
+
+
+def _check_collective_order_kept(graph: fx.Graph, buckets: list[Bucket]) -> None:
+    """All-gathers keep their order among themselves, and so do reduce-scatters.
+
+    (An all-gather may move ahead of a reduce-scatter: that is the backward prefetch,
+    and it is the same on every rank because it depends only on the bucket sequence.)
+    """
+    for kind in ("all_gather", "reduce_scatter"):
+        starts = [b.start for b in buckets if b.kind == kind]
+        seen = [n for n in graph.nodes if n in set(starts)]
+        if seen != starts:
+            raise RuntimeError(f"reordering changed the order of {kind}s, which would "
+                               f"deadlock ranks: {[n.name for n in seen]}")
