@@ -316,6 +316,10 @@ def data_parallel(
                         f"got {type(mesh).__name__}")
     mesh = data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
+    from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
+
+    if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
+        install_gloo_collectives()
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")
            for m in model.modules()):
         raise ValueError("data_parallel was already applied to this model (or a submodule); "

@@ -42,6 +42,8 @@ class GraphReport:
     buckets: list[dict] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
+    overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
     pass_seconds: float = 0.0
 
     def __str__(self) -> str:
@@ -76,7 +78,6 @@ class SimpleFSDPBackend:
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
         self.reports: list[GraphReport] = []
-        self._forward_plan: list | None = None
 
     # -- torch.compile entry point ------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -106,22 +107,22 @@ class SimpleFSDPBackend:
         collectives = find_collectives(graph)
         report = GraphReport("backward" if backward else "forward", _count(collectives))
         if self.bucketing == "manual":
-            plan = self.module_plan or (self._forward_plan if backward else None)
-            if plan is None:  # derived from the graph; the backward reuses the forward's
+            plan = self.module_plan
+            if plan is None:  # derived from this graph's own collectives
                 plan = manual_wrap.default_plan(collectives, backward)
-                if not backward:
-                    self._forward_plan = plan
             assignment, unused = manual_wrap.assign(collectives, plan)
             if unused and not backward:
                 report.notes.append(f"plan entries matching no collective: {unused}")
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         else:
-            buckets = [single(c) for c in collectives]
+            buckets = [single(c, i) for i, c in enumerate(collectives)]
         if self.reordering:
             report.moves = reorder(graph, buckets, backward)
         graph.lint()
         report.buckets = [b.summary() for b in buckets]
+        report.schedule = _schedule(graph, buckets)
+        report.overlap = _overlap(graph, buckets)
         report.collectives_after = _count(find_collectives(graph))
         report.pass_seconds = time.perf_counter() - started
         self.reports.append(report)
@@ -139,6 +140,26 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
     bucketing and reordering passes on the forward and backward graphs."""
     return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb)
+
+
+def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
+    """The final order of collective starts and waits, e.g. ("all_gather", "layers.0", B)
+    then ("wait all_gather", "layers.0", B)."""
+    events = {}
+    for b in buckets:
+        events[b.start] = (b.kind, b.name, b.nbytes)
+        events[b.wait] = (f"wait {b.kind}", b.name, b.nbytes)
+    return [events[n] for n in graph.nodes if n in events]
+
+
+def _overlap(graph: fx.Graph, buckets) -> dict[str, int]:
+    """Per bucket, how many computation nodes run between its start and its wait."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    comm = {n for b in buckets for n in (b.start, b.wait)}
+    nodes = list(graph.nodes)
+    return {f"{b.kind} {b.name}": sum(
+        1 for n in nodes[position[b.start] + 1:position[b.wait]]
+        if n not in comm and n.op == "call_function") for b in buckets}
 
 
 def _count(collectives) -> dict[str, int]:

@@ -39,9 +39,10 @@ class Bucket:
                 "bytes": self.nbytes, "modules": sorted(set(self.members))}
 
 
-def single(c: Collective) -> Bucket:
-    """An unmerged collective seen as a bucket of one."""
-    return Bucket(c.kind, c.module, [c.module], c.nbytes, c.start, c.wait)
+def single(c: Collective, index: int | None = None) -> Bucket:
+    """An unmerged collective seen as a bucket of one (``index`` makes its name unique)."""
+    name = c.module if index is None else f"{c.module}#{index}"
+    return Bucket(c.kind, name, [c.module], c.nbytes, c.start, c.wait)
 
 
 def merge(graph: fx.Graph, name: str, members: list[Collective]) -> Bucket:

@@ -48,7 +48,8 @@ def bucket_names(plan: Sequence[PlanEntry]) -> list[tuple[str, tuple[str, ...]]]
     """(bucket name, module prefixes) per plan entry."""
     out = []
     for entry in plan:
-        prefixes = (entry,) if isinstance(entry, str) else tuple(entry)
+        prefixes = (entry,) if isinstance(entry, str) else \
+            tuple(entry) if isinstance(entry, list | tuple) else ()
         if not prefixes or not all(isinstance(p, str) for p in prefixes):
             raise ValueError(f"module_plan entries must be module names or lists of names, "
                              f"got {entry!r}")

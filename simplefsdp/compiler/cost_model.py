@@ -1,0 +1,861 @@
+"""Cost model for the auto-wrapping pass (SimpleFSDP section 3.3.2, Table 1, Algorithm 1).
+
+Three estimates feed the greedy bucketing decision:
+
+* communication: ``T = alpha + beta * bytes`` per collective kind, calibrated on the live
+  process group (or read from a disk cache, or taken from a table of known fabrics);
+* computation: the time of one FX node, measured by running its ATen kernel on real
+  tensors built from the node's FakeTensor metadata, with a FLOP/byte roofline fallback;
+* memory: bytes of a node's output and a liveness-based peak for a whole graph.
+
+Every rank must take the same bucketing decisions, or the collectives they issue stop
+matching and the job deadlocks. Anything measured is therefore combined across ranks
+(``agree_across_ranks``, the MAX of the per-rank measurements) before it is used, and a
+cached communication model is read by rank 0 only and broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import operator
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "KNOWN_FABRICS",
+    "CommModel",
+    "ComputeSpec",
+    "Fabric",
+    "agree_across_ranks",
+    "cache_dir",
+    "cache_key",
+    "cache_path",
+    "calibrate",
+    "default_comm_model",
+    "default_compute_spec",
+    "estimate_graph_compute",
+    "estimate_node_time",
+    "fit_alpha_beta",
+    "get_comm_model",
+    "measure_collective",
+    "peak_memory_estimate",
+    "tensor_bytes",
+]
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+# Names under which the kinds appear in FX graphs (functional collectives) or in c10d.
+_KIND_ALIASES = {
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "reducescatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "allreduce": "all_reduce",
+}
+
+
+def _normalize_kind(kind: str) -> str:
+    try:
+        return _KIND_ALIASES[kind.lower().rstrip("_")]
+    except KeyError:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of "
+                         f"{COLLECTIVE_KINDS}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Communication model
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Per-kind ``(alpha_s, beta_s_per_byte)``: ``predict(kind, n) = alpha + beta * n``.
+
+    For ``all_gather`` and ``reduce_scatter`` ``n`` is the full (unsharded) tensor size in
+    bytes, i.e. the all-gather's output or the reduce-scatter's input; for ``all_reduce``
+    it is the size of the reduced tensor. ``source`` and ``world_size`` describe where the
+    figures came from and take no part in equality.
+    """
+
+    all_gather: tuple[float, float]
+    reduce_scatter: tuple[float, float]
+    all_reduce: tuple[float, float]
+    world_size: int = dataclasses.field(default=1, compare=False)
+    source: str = dataclasses.field(default="unknown", compare=False)
+
+    def params(self, kind: str) -> tuple[float, float]:
+        """``(alpha_s, beta_s_per_byte)`` of one kind (aliases such as
+        ``all_gather_into_tensor`` are accepted)."""
+        return getattr(self, _normalize_kind(kind))
+
+    def predict(self, kind: str, nbytes: float) -> float:
+        """Predicted seconds for one collective of ``kind`` over ``nbytes`` bytes."""
+        alpha, beta = self.params(kind)
+        return alpha + beta * float(nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
+            "world_size": self.world_size, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommModel:
+        pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
+        return cls(**pairs, world_size=int(d.get("world_size", 1)),
+                   source=str(d.get("source", "unknown")))
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A link type: per-collective start-up latency and achievable ring bus bandwidth."""
+
+    alpha_s: float
+    bus_bandwidth_Bps: float
+    note: str
+
+
+# Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
+# moves (n-1)/n of the full tensor through every rank's link, a ring all-reduce twice
+# that (reduce-scatter + all-gather), so beta = factor / bus_bandwidth and the bus
+# bandwidth is the figure nccl-tests reports as "busbw".
+KNOWN_FABRICS: dict[str, Fabric] = {
+    # H100 SXM, NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA
+    # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
+    # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
+    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)"),
+    # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
+    # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
+    # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
+    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node"),
+    # Gloo over TCP loopback between CPU processes on one host. Measured with
+    # `calibrate()` on a 2-rank group in a busy 2-core container: alpha 0.5-0.7 ms,
+    # beta 1.2-1.6 ns per full byte (i.e. ~0.35 GB/s "busbw" with the 1/2 ring factor).
+    # Order-of-magnitude only: CPU hosts and their load vary a lot, calibrate instead.
+    "gloo_cpu_loopback": Fabric(500e-6, 0.35e9, "gloo over TCP loopback, CPU processes"),
+}
+
+
+def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> CommModel:
+    """A ``CommModel`` from ``KNOWN_FABRICS[fabric]`` for a ring over ``world_size`` ranks."""
+    spec = KNOWN_FABRICS[fabric]
+    n = max(int(world_size), 1)
+    ring = (n - 1) / n
+    bw = spec.bus_bandwidth_Bps
+    # all-reduce = reduce-scatter + all-gather: twice the latency and twice the bytes.
+    return CommModel(
+        all_gather=(spec.alpha_s, ring / bw),
+        reduce_scatter=(spec.alpha_s, ring / bw),
+        all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
+        world_size=n,
+        source=f"default:{fabric}",
+    )
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _group_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _local_world_size(world_size: int, device: torch.device) -> int:
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is not None:
+        return int(env)
+    if device.type == "cuda":
+        return min(world_size, max(torch.cuda.device_count(), 1))
+    return world_size
+
+
+def _pick_fabric(world_size: int, device: torch.device) -> str:
+    if device.type != "cuda":
+        return "gloo_cpu_loopback"
+    return "nvlink_h100" if world_size <= _local_world_size(world_size, device) \
+        else "infiniband_ndr"
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``seconds ~ alpha + beta * nbytes``, both clamped to >= 0.
+
+    Residuals are weighted by ``1 / seconds**2`` (a fit of the *relative* error): the
+    sizes span three orders of magnitude and an unweighted fit would let the largest
+    message decide everything, leaving alpha to noise. Pure Python floats, so the same
+    inputs give bit-identical output on every rank.
+    """
+    if len(nbytes) != len(seconds) or not nbytes:
+        raise ValueError("need as many sizes as times, at least one")
+    scale = max(float(n) for n in nbytes) or 1.0
+    xs = [float(n) / scale for n in nbytes]
+    ys = [float(t) for t in seconds]
+    ws = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    s = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
+    sy = sum(w * y for w, y in zip(ws, ys, strict=True))
+    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
+    det = s * sxx - sx * sx
+    if len(xs) >= 2 and det > 0:
+        b = (s * sxy - sx * sy) / det
+        a = (sy - b * sx) / s
+    else:  # one size (or all equal): no slope information
+        a, b = sy / s, 0.0
+    if a < 0:  # refit through the origin
+        a, b = 0.0, (sxy / sxx if sxx > 0 else 0.0)
+    if b < 0:  # flat: latency only
+        a, b = sy / s, 0.0
+    return max(a, 0.0), max(b, 0.0) / scale
+
+
+def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None,
+                       device: torch.device | str | None = None,
+                       dtype: torch.dtype = torch.float32, repeats: int = 5,
+                       warmup: int = 2) -> float:
+    """Median seconds, on this rank, of one synchronous collective of ``kind`` over
+    ``nbytes`` bytes (the full, unsharded size for all-gather and reduce-scatter).
+
+    Times the functional collectives (``torch.ops._c10d_functional`` + ``wait_tensor``):
+    that is what DTensor's redistribute runs in eager mode and what the compiled graphs
+    hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
+    Exactly one collective is in flight at a time (several concurrent functional
+    all-gathers crash gloo). Collective: every rank of ``group`` must call it.
+    """
+    kind = _normalize_kind(kind)
+    group = _resolve_group(group)
+    device = _group_device(group, device)
+    ws = dist.get_world_size(group)
+    name = group.group_name
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = max(nbytes // itemsize // ws, 1) * ws  # full numel, divisible by world size
+    c10d = torch.ops._c10d_functional
+    if kind == "all_gather":
+        x = torch.ones(numel // ws, dtype=dtype, device=device)
+        op = lambda: c10d.all_gather_into_tensor(x, ws, name)
+    elif kind == "reduce_scatter":
+        x = torch.ones(numel, dtype=dtype, device=device)
+        op = lambda: c10d.reduce_scatter_tensor(x, "sum", ws, name)
+    elif kind == "all_reduce":
+        x = torch.ones(numel, dtype=dtype, device=device)
+        op = lambda: c10d.all_reduce(x, "sum", name)
+    else:
+        raise ValueError(kind)
+
+    def once() -> None:
+        c10d.wait_tensor(op())
+
+    for _ in range(warmup):
+        once()
+    times = []
+    cuda = device.type == "cuda"
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            once()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(6))  # 4 KiB .. 4 MiB
+DEFAULT_CUDA_SIZES = tuple(2 ** 20 * 4 ** i for i in range(5))  # 1 MiB .. 256 MiB
+
+
+def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+              repeats: int = 5, device: torch.device | str | None = None, warmup: int = 2,
+              dtype: torch.dtype = torch.float32,
+              kinds: Iterable[str] = COLLECTIVE_KINDS) -> CommModel:
+    """Time each collective kind on ``group`` and fit ``alpha + beta * bytes`` per kind.
+
+    Collective: every rank of ``group`` must call it. Each rank takes the median of
+    ``repeats`` timings per (kind, size) after ``warmup`` runs; the per-rank medians are
+    combined with an all-reduce MAX (a collective finishes when its slowest rank does)
+    and then fitted, so every rank returns bit-identical figures. Kinds not in ``kinds``
+    keep the fabric defaults.
+    """
+    group = _resolve_group(group)
+    dev = _group_device(group, device)
+    ws = dist.get_world_size(group)
+    if sizes is None:
+        sizes = DEFAULT_CUDA_SIZES if dev.type == "cuda" else DEFAULT_CPU_SIZES
+    sizes = [int(s) for s in sizes]
+    kinds = [_normalize_kind(k) for k in kinds]
+    measured = []
+    for kind in kinds:
+        for nbytes in sizes:
+            dist.barrier(group)
+            measured.append(measure_collective(kind, nbytes, group, dev, dtype,
+                                               repeats, warmup))
+    agreed = agree_across_ranks(measured, group, op="max")
+    fitted = dict(dataclasses.asdict(default_comm_model(ws, _pick_fabric(ws, dev))))
+    for i, kind in enumerate(kinds):
+        times = agreed[i * len(sizes):(i + 1) * len(sizes)]
+        fitted[kind] = fit_alpha_beta(sizes, times)
+    fitted["source"] = "calibrated"
+    fitted["world_size"] = ws
+    return CommModel(**fitted)
+
+
+_calibrate = calibrate  # `get_comm_model`'s flag of the same name shadows the function
+
+
+def cache_dir() -> Path:
+    """``$SIMPLEFSDP_CACHE_DIR`` or ``~/.cache/simplefsdp``."""
+    env = os.environ.get("SIMPLEFSDP_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "simplefsdp"
+
+
+def cache_key(group: dist.ProcessGroup | None = None,
+              device: torch.device | str | None = None) -> dict[str, Any]:
+    """What a calibration depends on: world and node size, backend, device, torch version."""
+    group = _resolve_group(group)
+    dev = _group_device(group, device)
+    ws = dist.get_world_size(group)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+    return {
+        "world_size": ws,
+        "local_world_size": _local_world_size(ws, dev),
+        "backend": str(dist.get_backend(group)),
+        "device_type": dev.type,
+        "device_name": name,
+        "torch_version": torch.__version__,
+    }
+
+
+def cache_path(key: dict[str, Any], folder: Path | None = None) -> Path:
+    """The file a calibration for ``key`` lives in (a hash of the key in the name)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return (folder if folder is not None else cache_dir()) / f"comm_model_{digest}.json"
+
+
+def _load_cached(key: dict[str, Any]) -> CommModel | None:
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        return dataclasses.replace(CommModel.from_dict(data["model"]), source="cache")
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _store_cached(key: dict[str, Any], model: CommModel) -> None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps({"key": key, "model": model.to_dict()}, indent=1, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(payload)
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # a read-only home must not break training; the next run calibrates again
+
+
+def _broadcast_from_group_rank0(obj: Any, group: dist.ProcessGroup) -> Any:
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
+
+
+def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = True,
+                   cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
+    """The communication model for ``group``: cached, freshly calibrated, or defaults.
+
+    * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
+      it found, so all ranks agree even when only some of them see the file.
+    * on a miss with ``calibrate=True``: every rank runs ``calibrate`` (collective) and
+      rank 0 stores the result (tmp file + rename) when ``cache=True``.
+    * ``calibrate=False``: nothing is timed; a cached calibration is still used when
+      ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
+
+    Collective whenever the default process group exists: call it on every rank.
+    Without one (single process) it returns the CPU default for one rank.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return default_comm_model(1)
+    group = _resolve_group(group)
+    dev = _group_device(group, calibrate_kwargs.get("device"))
+    ws = dist.get_world_size(group)
+    key = cache_key(group, dev)
+    is_rank0 = dist.get_rank(group) == 0
+    if cache:
+        found = _load_cached(key) if is_rank0 else None
+        found = _broadcast_from_group_rank0(found.to_dict() if found else None, group)
+        if found is not None:
+            return CommModel.from_dict(found)
+    if not calibrate:
+        return default_comm_model(ws, _pick_fabric(ws, dev))
+    model = _calibrate(group, **calibrate_kwargs)
+    if cache and is_rank0:
+        _store_cached(key, model)
+    return model
+
+
+def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None = None,
+                       op: str = "max") -> list[float]:
+    """Make per-rank measurements identical on every rank (all-reduce MAX, MIN or mean).
+
+    MAX is the default: a step is as slow as its slowest rank. Collective when a process
+    group is initialized (all ranks must pass lists of the same length, which is checked
+    first); returns ``values`` unchanged otherwise.
+    """
+    values = [float(v) for v in values]
+    if not dist.is_available() or not dist.is_initialized():
+        return values
+    group = _resolve_group(group)
+    if dist.get_world_size(group) == 1:
+        return values
+    dev = _group_device(group, None)
+    n = torch.tensor([len(values), -len(values)], dtype=torch.int64, device=dev)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    if int(n[0]) != -int(n[1]):
+        raise ValueError(f"ranks disagree on the number of values ({len(values)} here, "
+                         f"between {-int(n[1])} and {int(n[0])} across ranks)")
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    if op == "max":
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    elif op == "min":
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    elif op == "mean":
+        # the summation order inside the backend is not specified: broadcast rank 0's
+        # result afterwards so the rounding is identical everywhere.
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t /= dist.get_world_size(group)
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    else:
+        raise ValueError(f"op must be 'max', 'min' or 'mean', not {op!r}")
+    return t.cpu().tolist()
+
+
+# --------------------------------------------------------------------------------------
+# Compute model
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeSpec:
+    """Roofline figures for the fallback estimate: dense peak FLOP/s per dtype and
+    memory bandwidth in bytes/s."""
+
+    peak_flops: dict[torch.dtype, float]
+    mem_bandwidth_Bps: float
+    name: str = ""
+
+    def flops_per_s(self, dtype: torch.dtype | None) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops.get(torch.float32, 1e12))
+
+
+def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpec:
+    """Datasheet figures (dense, no sparsity) for known GPUs, a rough guess for CPUs."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(dev)
+        if "H100" in name or "H200" in name or "H20" in name:
+            # H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32 (no TF32);
+            # HBM3 3.35 TB/s (H200: HBM3e 4.8 TB/s, same compute).
+            bw = 4.8e12 if "H200" in name else 3.35e12
+            return ComputeSpec({torch.bfloat16: 989e12, torch.float16: 989e12,
+                                torch.float32: 67e12}, bw, name)
+        # A100 SXM datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s.
+        return ComputeSpec({torch.bfloat16: 312e12, torch.float16: 312e12,
+                            torch.float32: 19.5e12}, 2.0e12, name)
+    # CPU: ~2 AVX2 FMA units x 8 fp32 lanes x 2 flop x ~2.5 GHz = 80 GFLOP/s per core at
+    # best; half of that is what MKL/oneDNN reach on small GEMMs. ~10 GB/s per core of
+    # streaming bandwidth. Only the fallback uses these; measurements come first.
+    cores = max(torch.get_num_threads(), 1)
+    fp32 = 40e9 * cores
+    return ComputeSpec({torch.float32: fp32, torch.bfloat16: fp32 / 2,
+                        torch.float16: fp32 / 4, torch.float64: fp32 / 2},
+                       10e9 * cores, "cpu")
+
+
+_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+_METADATA_ONLY = frozenset({
+    "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
+    "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
+    "aten::_local_scalar_dense", "prim::device", "prim::layout",
+})
+
+
+def _op_name(target: Any) -> str:
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+def _is_zero_cost(node: torch.fx.Node) -> bool:
+    """Views, getitem, collectives and waits, placeholders/outputs: no kernel time."""
+    if node.op != "call_function":
+        return True
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
+        return target is operator.getitem or getattr(target, "__module__", "") in (
+            "_operator", "operator", "builtins", "math")
+    if target.namespace in _COMM_NAMESPACES:
+        return True
+    return bool(getattr(target, "is_view", False)) or _op_name(target) in _METADATA_ONLY
+
+
+class _Unmeasurable(Exception):
+    pass
+
+
+def _hint(x: Any) -> int:
+    """A concrete int for a possibly symbolic size (no guards added where avoidable)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental import symbolic_shapes as ss
+        for fn_name in ("optimization_hint", "hint_int", "size_hint"):
+            fn = getattr(ss, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                return int(fn(x))
+            except Exception:  # noqa: BLE001 - try the next spelling
+                continue
+        hint = getattr(x.node, "hint", None) or getattr(x.node, "_hint", None)
+        if hint is not None:
+            return int(hint)
+        raise _Unmeasurable(f"no hint for symbolic size {x}")
+    return int(x)
+
+
+def _val_bytes(val: Any) -> int:
+    leaves, _ = tree_flatten(val)
+    total = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            numel = 1
+            for s in t.shape:
+                numel *= _hint(s)
+            total += numel * t.element_size()
+    return total
+
+
+def tensor_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the node's output(s) from ``node.meta["val"]`` (summed over tuples/lists);
+    0 when the node carries no tensor metadata. Logical size: numel x element size."""
+    val = node.meta.get("val")
+    if val is None:
+        return 0
+    try:
+        return _val_bytes(val)
+    except _Unmeasurable:
+        return 0
+
+
+_MISSING = object()
+
+
+def _node_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
+    def meta_of(n: torch.fx.Node) -> Any:
+        return n.meta.get("val", _MISSING)
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), meta_of)
+    leaves, _ = tree_flatten((args, kwargs))
+    if any(x is _MISSING for x in leaves):
+        raise _Unmeasurable(f"an input of {node.name} carries no meta['val']")
+    return args, kwargs
+
+
+def _describe(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(_hint(s) for s in x.shape), tuple(_hint(s) for s in x.stride()),
+                x.dtype, x.device.type)
+    if isinstance(x, torch.SymInt):
+        return _hint(x)
+    if isinstance(x, (torch.SymFloat, torch.SymBool)):
+        return repr(x)
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)
+
+
+def _cache_key(target: Any, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = tree_flatten((args, kwargs))
+    return (target, str(spec), tuple(_describe(x) for x in leaves))
+
+
+def _materialize(x: Any, budget: list[int]) -> Any:
+    """A real tensor with the fake tensor's shape/stride/dtype/device (random floats,
+    zero integers, so index tensors are always in range); SymInts become ints."""
+    if isinstance(x, torch.Tensor):
+        shape = [_hint(s) for s in x.shape]
+        stride = [_hint(s) for s in x.stride()]
+        offset = _hint(x.storage_offset())
+        extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+                           if all(n > 0 for n in shape) else 0)
+        budget[0] -= extent * x.element_size()
+        if budget[0] < 0:
+            raise _Unmeasurable("inputs larger than max_input_bytes")
+        dev = x.device
+        if dev.type == "meta" or (dev.type == "cuda" and not torch.cuda.is_available()):
+            raise _Unmeasurable(f"cannot allocate on {dev}")
+        if x.dtype.is_floating_point or x.dtype.is_complex:
+            try:
+                base = torch.randn(extent, dtype=x.dtype, device=dev)
+            except (RuntimeError, TypeError):  # e.g. float8: no randn kernel
+                base = torch.zeros(extent, dtype=x.dtype, device=dev)
+        else:
+            base = torch.zeros(extent, dtype=x.dtype, device=dev)
+        return base.as_strided(shape, stride, offset)
+    if isinstance(x, torch.SymInt):
+        return _hint(x)
+    if isinstance(x, torch.SymFloat):
+        raise _Unmeasurable("symbolic float argument")
+    return x
+
+
+def _run_and_time(target: Callable, args: tuple, kwargs: dict, repeats: int,
+                  device: torch.device | None) -> float:
+    cuda = device is not None and device.type == "cuda"
+    target(*args, **kwargs)  # warm-up: lazy init, allocator, oneDNN primitive caches
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            target(*args, **kwargs)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            target(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _first_device(leaves: Iterable[Any]) -> torch.device | None:
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
+
+
+def _roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
+              spec: ComputeSpec | None) -> float:
+    leaves, _ = tree_flatten((args, kwargs))
+    out = node.meta.get("val")
+    dev = _first_device(leaves) or _first_device(tree_flatten(out)[0])
+    spec = spec or default_compute_spec(dev)
+    nbytes = _val_bytes(out) + sum(_val_bytes(x) for x in leaves if isinstance(x, torch.Tensor))
+    flops = 0
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        try:
+            from torch.utils.flop_counter import flop_registry
+            formula = flop_registry.get(packet)
+            if formula is not None:
+                flops = int(formula(*args, out_val=out, **kwargs))
+        except Exception:  # noqa: BLE001 - no FLOP count is a fine answer here
+            flops = 0
+    dtype = next((x.dtype for x in leaves if isinstance(x, torch.Tensor)
+                  and x.dtype.is_floating_point), torch.float32)
+    return flops / spec.flops_per_s(dtype) + nbytes / spec.mem_bandwidth_Bps
+
+
+def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int = 3,
+                       cache: dict | None = None, spec: ComputeSpec | None = None,
+                       max_input_bytes: int = 1 << 30) -> float:
+    """Seconds one FX node's computation takes on this rank.
+
+    Zero for placeholders, outputs, getitem, views and collectives/waits. Otherwise the
+    node's ATen target is run on real tensors built from its inputs' ``meta["val"]``
+    (median of ``repeats`` after one warm-up; CUDA events on GPU), memoised in ``cache``
+    under (target, input shapes/strides/dtypes, other arguments) so repeated layers are
+    timed once. When ``measure=False`` or running fails (no metadata, unbacked sizes,
+    inputs over ``max_input_bytes``, a device that is not here) the roofline
+    ``flops / peak_flops + bytes / mem_bandwidth`` of ``spec`` is used instead.
+    Not collective: pass the results through ``agree_across_ranks`` before deciding.
+    """
+    if _is_zero_cost(node):
+        return 0.0
+    try:
+        args, kwargs = _node_inputs(node)
+    except _Unmeasurable:
+        return 0.0 if node.meta.get("val") is None else _safe_roofline(node, (), {}, spec)
+    if not measure or not isinstance(node.target, torch._ops.OpOverload):
+        return _safe_roofline(node, args, kwargs, spec)
+    try:
+        key = _cache_key(node.target, args, kwargs)
+    except _Unmeasurable:
+        return _safe_roofline(node, args, kwargs, spec)
+    if cache is not None and key in cache:
+        return cache[key]
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+        # The pass may run while a FakeTensorMode (or proxy mode) is active: step outside
+        # it so the kernel really runs.
+        with _disable_current_modes(), torch.no_grad():
+            budget = [max_input_bytes]
+            real_args, real_kwargs = tree_map(lambda x: _materialize(x, budget),
+                                              (args, kwargs))
+            dev = _first_device(tree_flatten((real_args, real_kwargs))[0])
+            seconds = _run_and_time(node.target, real_args, real_kwargs, repeats, dev)
+    except Exception:  # noqa: BLE001 - any failure to run means: estimate instead
+        seconds = _safe_roofline(node, args, kwargs, spec)
+    if cache is not None:
+        cache[key] = seconds
+    return seconds
+
+
+def _safe_roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
+                   spec: ComputeSpec | None) -> float:
+    try:
+        return _roofline(node, args, kwargs, spec)
+    except _Unmeasurable:
+        return 0.0
+
+
+def estimate_graph_compute(gm: torch.fx.GraphModule | torch.fx.Graph, measure: bool = True,
+                           cache: dict | None = None, agree: bool = True,
+                           group: dist.ProcessGroup | None = None,
+                           **kwargs: Any) -> list[float]:
+    """``estimate_node_time`` for every node of the graph, in graph order.
+
+    With ``agree=True`` (the default) and a process group initialized, the list is
+    combined with ``agree_across_ranks`` (MAX), so this is then a collective: call it on
+    every rank with the same graph. ``cache`` is shared by all nodes (a fresh dict when
+    None), so structurally repeated layers are timed once.
+    """
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    cache = {} if cache is None else cache
+    times = [estimate_node_time(n, measure=measure, cache=cache, **kwargs)
+             for n in graph.nodes]
+    if agree and dist.is_available() and dist.is_initialized():
+        times = agree_across_ranks(times, group)
+    return times
+
+
+# --------------------------------------------------------------------------------------
+# Memory model
+# --------------------------------------------------------------------------------------
+
+
+def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [n for n in node.all_input_nodes if "val" in n.meta]
+
+
+def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The input nodes whose memory ``node``'s output shares, or None for fresh memory.
+
+    getitem, waits, views and ops whose schema marks every return as aliasing an input
+    (in-place ``foo_``, ``out=`` variants) produce no new memory; they keep their bases
+    alive instead.
+    """
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        base = node.args[0]
+        return [base] if isinstance(base, torch.fx.Node) else None
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if _op_name(target).endswith("wait_tensor") or getattr(target, "is_view", False) \
+            or _op_name(target) in _METADATA_ONLY:
+        return _tensor_input_nodes(node)[:1] or None
+    schema = target._schema
+    if schema.returns and all(r.alias_info is not None for r in schema.returns):
+        sets = {a for r in schema.returns for a in r.alias_info.before_set}
+        bases = []
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                bases.append(value)
+        return bases or None
+    return None
+
+
+def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
+                         ) -> tuple[int, list[int]]:
+    """``(peak_bytes, live_bytes_per_node)`` from a liveness pass over the graph.
+
+    A node's output (``tensor_bytes``) is live from its definition to its last user,
+    both inclusive, so during a node both its inputs and its output count; placeholders
+    are live throughout. Aliasing outputs (views, getitem, waits, in-place ops) cost
+    nothing and extend their base's lifetime to their own last use instead. The list
+    has one entry per node in graph order; the peak is its maximum.
+    """
+    if isinstance(graph, torch.fx.GraphModule):
+        graph = graph.graph
+    nodes = list(graph.nodes)
+    if not nodes:
+        return 0, []
+    index = {n: i for i, n in enumerate(nodes)}
+    last = len(nodes) - 1
+    # Resolve every alias to the fresh-memory nodes it ultimately points at.
+    roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in nodes:
+        bases = _alias_bases(n)
+        if bases is None:
+            roots[n] = [n]
+        else:
+            roots[n] = list(dict.fromkeys(r for b in bases for r in roots.get(b, [b])))
+    end = {n: index[n] for n in nodes}
+    for n in nodes:
+        for user in n.users:
+            for r in roots[n]:
+                end[r] = max(end[r], index[user])
+    live_delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if roots[n] != [n]:
+            continue  # aliases own no memory
+        size = tensor_bytes(n)
+        if size == 0:
+            continue
+        start, stop = (0, last) if n.op == "placeholder" else (index[n], end[n])
+        live_delta[start] += size
+        live_delta[stop + 1] -= size
+    live, running = [], 0
+    for i in range(len(nodes)):
+        running += live_delta[i]
+        live.append(running)
+    return max(live), live

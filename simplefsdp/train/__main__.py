@@ -1,0 +1,39 @@
+"""``python -m simplefsdp.train --config configs/debug.toml [--section.key value ...]``
+
+One process (no torchrun):   python -m simplefsdp.train --config configs/debug.toml
+One node, N processes:       torchrun --standalone --nproc_per_node=N \\
+                                 -m simplefsdp.train --config configs/debug.toml
+Resume: set ``--checkpoint.enable true``; a run continues from the newest complete
+checkpoint in ``checkpoint.folder`` if there is one (see ``checkpoint.py``).
+
+Multi-node (NCCL), e.g. 2 nodes x 8 GPUs, the same command on every node:
+
+    torchrun --nnodes=2 --nproc_per_node=8 \\
+        --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE_IP:29500 --rdzv_id=$JOB_ID \\
+        -m simplefsdp.train --config configs/llama3_70b.toml --job.device cuda
+
+  --rdzv_endpoint   host:port of one node that every node can reach (the c10d store)
+  --rdzv_id         any string shared by the nodes of one job (e.g. the scheduler's job id)
+  --nnodes=MIN:MAX  elastic range; add --max_restarts=K to restart failed workers
+  (or the static form: --nnodes=2 --node_rank=R --master_addr=HEAD --master_port=29500)
+
+Useful environment for NCCL: NCCL_SOCKET_IFNAME=<iface> (e.g. eth0 / ib0) when the
+default interface is wrong, NCCL_IB_HCA / NCCL_IB_DISABLE=1 for InfiniBand selection,
+NCCL_DEBUG=INFO to see the chosen transports, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (the
+default) so a hung collective aborts after the process-group timeout
+(SIMPLEFSDP_PG_TIMEOUT_S, default 600 s) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .config import ConfigError
+from .trainer import main
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)

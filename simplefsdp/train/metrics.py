@@ -1,0 +1,204 @@
+"""Training metrics: loss, throughput, MFU, memory; CSV, TensorBoard, plots, progress bar.
+
+Only rank 0 writes anything; every rank can call the methods (the others do nothing).
+
+* tokens/s is global: tokens of all data-parallel ranks in a step / step time.
+* MFU = ``flops_per_token * tokens/s / (peak FLOP/s per device * world size)``. The peak
+  comes from a table for known GPUs (bf16 dense) and, on CPU, from a timed float32
+  matmul measured once per process: a practical ceiling, not a datasheet number.
+* Memory: ``torch.cuda.max_memory_allocated`` on GPU (``max_mem_gib``); on CPU the
+  process's peak resident set size from ``getrusage`` (``max_rss_gib``), which also
+  counts the Python interpreter and libraries.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# bf16 dense tensor-core peaks (FLOP/s), matched by substring of the device name.
+GPU_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is lower (756e12), matched first below
+    "A100": 312e12,
+}
+_H100_PCIE = 756e12
+
+
+def gpu_peak_flops(name: str) -> float | None:
+    """Peak bf16 dense FLOP/s of a GPU from its name, or None if not in the table."""
+    if "H100" in name and "PCIe" in name:
+        return _H100_PCIE
+    for key, peak in GPU_PEAK_FLOPS.items():
+        if key in name:
+            return peak
+    return None
+
+
+@functools.cache
+def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a float32 ``n x n`` matmul on this process's threads (best of
+    ``repeats``), measured once per process."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_flops(name)
+        if peak is not None:
+            return peak, f"{name} bf16 dense (table)"
+        return 312e12, f"{name} not in table, assuming A100 bf16 (312 TFLOP/s)"
+    return measured_cpu_peak_flops(), "measured fp32 matmul on this process's CPU threads"
+
+
+def peak_memory(device: torch.device) -> tuple[str, float]:
+    """(column name, peak memory in GiB)."""
+    if device.type == "cuda":
+        return "max_mem_gib", torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    if sys.platform == "darwin":  # bytes on macOS
+        kib /= 1024
+    return "max_rss_gib", kib / 2**20
+
+
+class MetricsLogger:
+    """Collects per-step losses and timings; every ``log_every`` steps reports a row."""
+
+    COLUMNS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "mfu_pct", "step_time_s")
+
+    def __init__(self, output_dir: str | Path, *, rank: int, world: int, device: torch.device,
+                 flops_per_token: float, tokens_per_step: int, total_steps: int,
+                 start_step: int = 0, tensorboard: bool = False, progress: bool = True):
+        self.out = Path(output_dir)
+        self.rank, self.world, self.device = rank, world, device
+        self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
+        self.active = rank == 0
+        self.mem_column = "max_rss_gib" if device.type != "cuda" else "max_mem_gib"
+        self.peak, self.peak_source = peak_flops(device) if self.active else (0.0, "")
+        self.rows: list[dict[str, float]] = []
+        self.csv_path = self.out / "metrics.csv"
+        self._tb = None
+        self._bar = None
+        if not self.active:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._prepare_csv(start_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out / "tensorboard"))
+            except ImportError:
+                print("metrics.tensorboard = true but tensorboard is not installed; skipping",
+                      file=sys.stderr)
+        if progress:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total_steps, initial=start_step, desc="train",
+                                 dynamic_ncols=True, mininterval=1.0)
+            except ImportError:
+                self._bar = None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (*self.COLUMNS, self.mem_column)
+
+    def _prepare_csv(self, start_step: int) -> None:
+        """Start a new CSV, or (resuming) keep the rows up to ``start_step``: rows after
+        it came from a run that stopped before its next checkpoint."""
+        kept: list[dict[str, str]] = []
+        if start_step > 0 and self.csv_path.exists():
+            with open(self.csv_path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
+        with open(self.csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+        self.rows = [{k: float(v) for k, v in r.items() if v != ""} for r in kept]
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, window_steps: int,
+            window_time_s: float) -> dict[str, float] | None:
+        """Report step ``step`` (1-based); ``window_*``: steps and seconds since the last
+        report, for throughput."""
+        if not self.active:
+            return None
+        tokens_per_s = self.tokens_per_step * window_steps / max(window_time_s, 1e-9)
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world)
+        _, mem = peak_memory(self.device)
+        row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "tokens_per_s": tokens_per_s, "mfu_pct": 100 * mfu,
+               "step_time_s": window_time_s / max(window_steps, 1), self.mem_column: mem}
+        self.rows.append(row)
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}",
+                                  mfu=f"{100 * mfu:.2f}%", refresh=False)
+        return row
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close(self) -> None:
+        """Close the bar and writers and draw ``loss.png`` and ``memory.png``."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self.plot()
+
+    def plot(self) -> list[Path]:
+        if not self.rows:
+            return []
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.rows]
+        written = []
+        for key, name, ylabel in (
+                ("loss", "loss.png", "training loss (nats/token)"),
+                (self.mem_column, "memory.png",
+                 "peak GPU memory allocated (GiB)" if self.mem_column == "max_mem_gib"
+                 else "peak process RSS (GiB, CPU)")):
+            values = [r.get(key, float("nan")) for r in self.rows]
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.plot(steps, values, marker="o", markersize=3)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(self.out / name, dpi=100)
+            plt.close(fig)
+            written.append(self.out / name)
+        return written
+
+    def summary(self) -> dict[str, Any]:
+        return {"peak_flops": self.peak, "peak_source": self.peak_source,
+                "rows": list(self.rows)}

@@ -1,0 +1,375 @@
+"""The training loop: process group, mesh, model, parallelisms, optimizer, loss, logging.
+
+Entry points: ``python -m simplefsdp.train --config configs/debug.toml [--section.key v]``
+(see ``__main__.py``), or ``main(argv)`` / ``train(cfg)`` from Python; both return a
+``TrainResult``. If a process group already exists (tests) it is used and left alone.
+
+The loss is normalized by the number of valid target tokens of the *global* step:
+every data-parallel rank and every gradient-accumulation microstep contributes
+``sum(token losses) / global_tokens``, and ``data_parallel(reduce_op="sum")`` adds up the
+gradients. The result is the mean over all tokens of the step, whatever the split
+across ranks, microsteps or pipeline microbatches.
+
+Initialization does not depend on the parallel layout: on CPU every rank initializes
+the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
+initialized as DTensors, whose random ops use offsets into one stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import simplefsdp
+
+from ..models.llama import Transformer, flops_per_token, num_params
+from .checkpoint import CheckpointManager, TrainerState, export_safetensors
+from .config import ConfigError, JobConfig, config_help, parse_args
+from .data import TextDataset, build_tokenizer
+from .metrics import MetricsLogger
+from .parallelize import parallelize
+from .pipeline import build_schedule, split_stage
+
+IGNORE_INDEX = -100
+PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
+
+
+@dataclass
+class TrainResult:
+    """What a run did; ``losses[i]`` is the global loss of step ``start_step + i + 1``."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    start_step: int = 0
+    steps: int = 0
+    wall_time_s: float = 0.0
+    num_params: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    output_dir: str = ""
+
+
+# ---------------------------------------------------------------------------------------
+# Process group.
+# ---------------------------------------------------------------------------------------
+def init_distributed(device_type: str) -> bool:
+    """Initialize the default process group from torchrun's environment, or a world of
+    one without it. Returns True if this call created it (and so should destroy it)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("job.device = 'cuda' but CUDA is not available; use "
+                              "--job.device cpu")
+        torch.cuda.set_device(local_rank)
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python -m simplefsdp.train`: a world of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# Model.
+# ---------------------------------------------------------------------------------------
+def _strip_wrappers(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+@torch.no_grad()
+def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
+    """Overwrite every (sharded) parameter with its piece of a full model initialized
+    from the seed on this rank: the same weights for every parallel layout."""
+    torch.manual_seed(cfg.training.seed)
+    with torch.device("meta"):
+        reference = Transformer(cfg.model.model_args())
+    reference.to_empty(device="cpu")
+    reference.init_weights()
+    full = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        source = full[_strip_wrappers(name)]
+        if isinstance(param, DTensor):
+            piece = distribute_tensor(source, param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(piece)
+        else:
+            param.copy_(source)
+
+
+def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(module to call, the underlying Transformer/stage): built on meta, split for PP,
+    parallelized, then materialized on ``device`` and initialized."""
+    args = cfg.model.model_args()
+    with torch.device("meta"):
+        model = Transformer(args)
+    split_stage(model, cfg.parallel.pp, mesh["pp"].get_local_rank())
+    runnable = parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    with simplefsdp.disable_active_parametrization():
+        with warnings.catch_warnings():  # CPU DTensor random ops; overwritten just below
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            torch.manual_seed(cfg.training.seed)
+            model.init_weights()  # also recomputes the non-persistent RoPE buffer
+        if device.type == "cpu":
+            _copy_full_init(model, cfg)
+    return runnable, model
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer, schedule, clipping.
+# ---------------------------------------------------------------------------------------
+def lr_lambda(step: int, warmup: int, total: int, decay: str = "cosine",
+              min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine (or linear) decay
+    to ``min_ratio`` at ``total``."""
+    import math
+
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def build_optimizer(model: nn.Module, cfg: JobConfig):
+    import functools
+
+    t = cfg.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    # foreach kernels need every DTensor of one call on one mesh; with TP the params
+    # live on two meshes (DP-only and DP x TP), so fall back to the per-tensor loop.
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=t.weight_decay, foreach=len(meshes) <= 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lr_lambda, warmup=t.warmup_steps, total=t.steps))
+    return optimizer, scheduler
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
+
+    DTensor gradients on different meshes (TP and non-TP parameters) are normed per
+    mesh and made full (a sum over shards, none over replicas); pipeline stages hold
+    different parameters, so their squared norms are summed over ``pp_group``.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(scale.to(local.dtype))
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# The loop.
+# ---------------------------------------------------------------------------------------
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the next-token cross-entropies, in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+class _Coords:
+    """This rank's place in the ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
+
+    def __init__(self, mesh):
+        self.pp, self.tp = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
+        self.pp_size = mesh["pp"].size()
+        rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+        self.dp = rep.get_local_rank() * shard.size() + shard.get_local_rank()
+        self.dp_size = rep.size() * shard.size()
+        self.first, self.last = self.pp == 0, self.pp == self.pp_size - 1
+
+
+def _device(cfg: JobConfig) -> torch.device:
+    if cfg.job.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def train(cfg: JobConfig) -> TrainResult:
+    """Run the job described by ``cfg``."""
+    owns_group = init_distributed(cfg.job.device)
+    try:
+        return _train(cfg)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: JobConfig) -> TrainResult:
+    started = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(cfg)
+    p = cfg.parallel.resolve(world)
+    cfg.parallel = p
+    t = cfg.training
+    mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, dp_replicate=p.dp_replicate, tp=p.tp,
+                                pp=p.pp, device_type=device.type)
+    at = _Coords(mesh)
+    torch.manual_seed(t.seed)
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    args = cfg.model.model_args()
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"the {cfg.data.tokenizer!r} tokenizer has {tokenizer.vocab_size} "
+                          f"tokens but model.vocab_size = {args.vocab_size}")
+    dataset = TextDataset(cfg.data.dataset, tokenizer)
+    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
+                            dp_world=at.dp_size, seed=t.seed)
+
+    runnable, model = build_model(cfg, mesh, device)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer, scheduler = build_optimizer(model, cfg)
+    state = TrainerState(scheduler, loader)
+
+    ckpt = None
+    start_step = 0
+    if cfg.checkpoint.enable:
+        ckpt = CheckpointManager(cfg.checkpoint.folder, model, optimizer, state,
+                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest)
+        start_step = ckpt.resume()  # newest complete checkpoint, if there is one
+
+    step_loss = torch.zeros((), device=device)  # this rank's share of the step's loss
+    schedule = None
+    if p.pp > 1:
+        def pp_loss(logits, targets):  # sum over microbatches: scale_grads=False
+            return token_loss_sum(logits, targets) / pp_loss.global_tokens
+        pp_loss.global_tokens = torch.ones((), device=device)
+        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches, pp_loss)
+
+    tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
+    n_params = _count_params(model, mesh, at)
+    metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
+                            flops_per_token=flops_per_token(args, t.seq_len),
+                            tokens_per_step=tokens_per_step, total_steps=t.steps,
+                            start_step=start_step, tensorboard=cfg.metrics.tensorboard)
+    if rank == 0:
+        print(f"[simplefsdp] {n_params / 1e6:.2f}M params, world {world}: pp={p.pp} "
+              f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} "
+              f"({p.dp_mode}), ac={cfg.activation_checkpoint.mode}, "
+              f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
+              f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
+              f"({metrics.peak_source})", flush=True)
+
+    # Which ranks' numbers are summed into global values: one per data-parallel rank
+    # (TP ranks and PP stages see the same tokens; only the last stage has the loss).
+    counts_tokens = at.first and at.tp == 0
+    counts_loss = at.last and at.tp == 0
+    result = TrainResult(start_step=start_step, steps=t.steps, num_params=n_params,
+                         output_dir=str(cfg.metrics.output_dir))
+    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+    window_start, window_steps = time.perf_counter(), 0
+
+    for step in range(start_step + 1, t.steps + 1):
+        batches = [next(loader) for _ in range(t.grad_accum_steps)]
+        local_tokens = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
+        global_tokens = torch.tensor(float(local_tokens if counts_tokens else 0), device=device)
+        dist.all_reduce(global_tokens)
+        global_tokens.clamp_(min=1)
+        step_loss.zero_()
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(device), targets.to(device)
+            if schedule is None:
+                loss = token_loss_sum(runnable(inputs), targets) / global_tokens
+                loss.backward()
+                step_loss += loss.detach()
+            else:
+                pp_loss.global_tokens = global_tokens
+                losses: list[torch.Tensor] = []
+                schedule.step(*((inputs,) if at.first else ()),
+                              target=targets if at.last else None, losses=losses)
+                for mb_loss in losses:
+                    step_loss += mb_loss.detach()
+        grad_norm = clip_grad_norm_(params, t.max_norm,
+                                    mesh["pp"].get_group() if p.pp > 1 else None)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        contribution = step_loss.clone() if counts_loss else torch.zeros_like(step_loss)
+        pending.append((step, contribution, grad_norm.detach(),
+                        scheduler.get_last_lr()[0]))
+        window_steps += 1
+        metrics.advance()
+
+        is_last = step == t.steps
+        if step % cfg.metrics.log_every == 0 or is_last or (ckpt and ckpt.due(step)):
+            # One all-reduce for every step since the last report.
+            stacked = torch.stack([c for _, c, _, _ in pending])
+            dist.all_reduce(stacked)
+            values = stacked.tolist()
+            result.losses.extend(values)
+            result.grad_norms.extend(float(g) for _, _, g, _ in pending)
+            if step % cfg.metrics.log_every == 0 or is_last:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
+                            pending[-1][3], window_steps, elapsed)
+                window_start, window_steps = time.perf_counter(), 0
+            pending.clear()
+        if ckpt is not None and (ckpt.due(step) or is_last):
+            ckpt.save(step)
+
+    metrics.close()
+    if cfg.checkpoint.export_safetensors:
+        export_safetensors(model, Path(cfg.metrics.output_dir) / "model.safetensors",
+                           mesh["pp"].get_group() if p.pp > 1 else None)
+    result.metrics = metrics.summary()
+    result.wall_time_s = time.perf_counter() - started
+    if rank == 0 and result.losses:
+        rows = result.metrics["rows"]
+        tps = rows[-1]["tokens_per_s"] if rows else float("nan")
+        print(f"[simplefsdp] done: steps {start_step}->{t.steps}, final loss "
+              f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
+              f"{result.wall_time_s:.1f}s", flush=True)
+    return result
+
+
+def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
+    """Parameters of the whole model (summed over pipeline stages)."""
+    n = torch.tensor(float(num_params(model)))
+    if at.pp_size > 1:
+        dist.all_reduce(n, group=mesh["pp"].get_group())
+    return int(n.item())
+
+
+def main(argv: list[str] | None = None) -> TrainResult | None:
+    """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(config_help())
+        return None
+    return train(parse_args(argv))
