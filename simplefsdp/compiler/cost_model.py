@@ -53,6 +53,7 @@ __all__ = [
     "fit_alpha_beta",
     "get_comm_model",
     "measure_collective",
+    "measure_collectives",
     "peak_memory_estimate",
     "tensor_bytes",
 ]
@@ -147,11 +148,12 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
     # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
     "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node"),
-    # Gloo over TCP loopback between CPU processes on one host. Measured with
-    # `calibrate()` on a 2-rank group in a busy 2-core container: alpha 0.5-0.7 ms,
-    # beta 1.2-1.6 ns per full byte (i.e. ~0.35 GB/s "busbw" with the 1/2 ring factor).
-    # Order-of-magnitude only: CPU hosts and their load vary a lot, calibrate instead.
-    "gloo_cpu_loopback": Fabric(500e-6, 0.35e9, "gloo over TCP loopback, CPU processes"),
+    # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
+    # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
+    # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
+    # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
+    # their load vary a lot; calibrate instead.
+    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes"),
 }
 
 
@@ -169,6 +171,13 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         world_size=n,
         source=f"default:{fabric}",
     )
+
+
+def _outside_modes():
+    """Leave any active FakeTensorMode / proxy mode: compiler passes run inside one, and
+    measurements and collectives must touch real tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -232,22 +241,9 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[f
     return max(a, 0.0), max(b, 0.0) / scale
 
 
-def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None,
-                       device: torch.device | str | None = None,
-                       dtype: torch.dtype = torch.float32, repeats: int = 5,
-                       warmup: int = 2) -> float:
-    """Median seconds, on this rank, of one synchronous collective of ``kind`` over
-    ``nbytes`` bytes (the full, unsharded size for all-gather and reduce-scatter).
-
-    Times the functional collectives (``torch.ops._c10d_functional`` + ``wait_tensor``):
-    that is what DTensor's redistribute runs in eager mode and what the compiled graphs
-    hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
-    Exactly one collective is in flight at a time (several concurrent functional
-    all-gathers crash gloo). Collective: every rank of ``group`` must call it.
-    """
-    kind = _normalize_kind(kind)
-    group = _resolve_group(group)
-    device = _group_device(group, device)
+def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device,
+                   dtype: torch.dtype) -> Callable[[], None]:
+    """A closure that runs one synchronous functional collective (op + ``wait_tensor``)."""
     ws = dist.get_world_size(group)
     name = group.group_name
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -255,35 +251,73 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None =
     c10d = torch.ops._c10d_functional
     if kind == "all_gather":
         x = torch.ones(numel // ws, dtype=dtype, device=device)
-        op = lambda: c10d.all_gather_into_tensor(x, ws, name)
-    elif kind == "reduce_scatter":
-        x = torch.ones(numel, dtype=dtype, device=device)
-        op = lambda: c10d.reduce_scatter_tensor(x, "sum", ws, name)
-    elif kind == "all_reduce":
-        x = torch.ones(numel, dtype=dtype, device=device)
-        op = lambda: c10d.all_reduce(x, "sum", name)
-    else:
-        raise ValueError(kind)
+        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, name))
+    x = torch.ones(numel, dtype=dtype, device=device)
+    if kind == "reduce_scatter":
+        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", ws, name))
+    return lambda: c10d.wait_tensor(c10d.all_reduce(x, "sum", name))
 
-    def once() -> None:
-        c10d.wait_tensor(op())
 
+def measure_collectives(cases: Sequence[tuple[str, int]],
+                        group: dist.ProcessGroup | None = None,
+                        device: torch.device | str | None = None,
+                        dtype: torch.dtype = torch.float32, repeats: int = 5,
+                        warmup: int = 2) -> list[float]:
+    """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
+    case; ``nbytes`` is the full, unsharded size for all-gather and reduce-scatter.
+
+    Times the functional collectives (``torch.ops._c10d_functional`` + ``wait_tensor``):
+    that is what DTensor's redistribute runs in eager mode and what the compiled graphs
+    hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
+    Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
+    gloo all-gather of ``simplefsdp.compiler.gloo_collectives`` once installed).
+    Exactly one collective is in flight at a time (several concurrent functional
+    all-gathers crash gloo). The cases are interleaved round-robin, ``warmup`` rounds
+    then ``repeats`` timed rounds, so a burst of load from elsewhere on the host spreads
+    over all cases instead of skewing one. Collective: every rank must pass the same cases.
+    """
+    group = _resolve_group(group)
+    dev = _group_device(group, device)
+    with _outside_modes():
+        fns = [_collective_fn(_normalize_kind(k), int(n), group, dev, dtype) for k, n in cases]
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(max(repeats, 1)):
+            for fn, times in zip(fns, samples, strict=True):
+                times.append(_time_callable(fn, 1, 0, dev))
+    return [statistics.median(t) for t in samples]
+
+
+def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None,
+                       device: torch.device | str | None = None,
+                       dtype: torch.dtype = torch.float32, repeats: int = 5,
+                       warmup: int = 2) -> float:
+    """``measure_collectives`` for a single ``(kind, nbytes)``."""
+    return measure_collectives([(kind, nbytes)], group, device, dtype, repeats, warmup)[0]
+
+
+def _time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
+                   device: torch.device | None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs; CUDA events
+    (with a synchronize around each run) on a CUDA device, ``perf_counter`` otherwise."""
     for _ in range(warmup):
-        once()
+        fn()
     times = []
-    cuda = device.type == "cuda"
-    for _ in range(repeats):
+    cuda = device is not None and device.type == "cuda"
+    for _ in range(max(repeats, 1)):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
-            once()
+            fn()
             end.record()
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
-            once()
+            fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -299,10 +333,11 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     """Time each collective kind on ``group`` and fit ``alpha + beta * bytes`` per kind.
 
     Collective: every rank of ``group`` must call it. Each rank takes the median of
-    ``repeats`` timings per (kind, size) after ``warmup`` runs; the per-rank medians are
-    combined with an all-reduce MAX (a collective finishes when its slowest rank does)
-    and then fitted, so every rank returns bit-identical figures. Kinds not in ``kinds``
-    keep the fabric defaults.
+    ``repeats`` timings per (kind, size) after ``warmup`` rounds (``measure_collectives``,
+    sizes interleaved); the per-rank medians are combined with an all-reduce MAX (a
+    collective finishes when its slowest rank does) and only then fitted, in pure Python,
+    so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
+    defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA.
     """
     group = _resolve_group(group)
     dev = _group_device(group, device)
@@ -311,12 +346,10 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
         sizes = DEFAULT_CUDA_SIZES if dev.type == "cuda" else DEFAULT_CPU_SIZES
     sizes = [int(s) for s in sizes]
     kinds = [_normalize_kind(k) for k in kinds]
-    measured = []
-    for kind in kinds:
-        for nbytes in sizes:
-            dist.barrier(group)
-            measured.append(measure_collective(kind, nbytes, group, dev, dtype,
-                                               repeats, warmup))
+    with _outside_modes():
+        dist.barrier(group)
+    measured = measure_collectives([(k, n) for k in kinds for n in sizes], group, dev, dtype,
+                                   repeats, warmup)
     agreed = agree_across_ranks(measured, group, op="max")
     fitted = dict(dataclasses.asdict(default_comm_model(ws, _pick_fabric(ws, dev))))
     for i, kind in enumerate(kinds):
@@ -392,7 +425,8 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
 
 def _broadcast_from_group_rank0(obj: Any, group: dist.ProcessGroup) -> Any:
     holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    with _outside_modes():
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0]
 
 
@@ -444,6 +478,11 @@ def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None 
     group = _resolve_group(group)
     if dist.get_world_size(group) == 1:
         return values
+    with _outside_modes():
+        return _agree(values, group, op)
+
+
+def _agree(values: list[float], group: dist.ProcessGroup, op: str) -> list[float]:
     dev = _group_device(group, None)
     n = torch.tensor([len(values), -len(values)], dtype=torch.int64, device=dev)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
@@ -532,7 +571,7 @@ def _is_zero_cost(node: torch.fx.Node) -> bool:
         # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
         return target is operator.getitem or getattr(target, "__module__", "") in (
             "_operator", "operator", "builtins", "math")
-    if target.namespace in _COMM_NAMESPACES:
+    if _op_name(target).split("::", 1)[0] in _COMM_NAMESPACES:
         return True
     return bool(getattr(target, "is_view", False)) or _op_name(target) in _METADATA_ONLY
 
@@ -555,7 +594,8 @@ def _hint(x: Any) -> int:
                 return int(fn(x))
             except Exception:  # noqa: BLE001 - try the next spelling
                 continue
-        hint = getattr(x.node, "hint", None) or getattr(x.node, "_hint", None)
+        hint = getattr(x.node, "hint", None)
+        hint = getattr(x.node, "_hint", None) if hint is None else hint
         if hint is not None:
             return int(hint)
         raise _Unmeasurable(f"no hint for symbolic size {x}")
@@ -649,32 +689,14 @@ def _materialize(x: Any, budget: list[int]) -> Any:
     return x
 
 
-def _run_and_time(target: Callable, args: tuple, kwargs: dict, repeats: int,
-                  device: torch.device | None) -> float:
-    cuda = device is not None and device.type == "cuda"
-    target(*args, **kwargs)  # warm-up: lazy init, allocator, oneDNN primitive caches
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            target(*args, **kwargs)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            target(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _first_device(leaves: Iterable[Any]) -> torch.device | None:
+    """The device of the first tensor among ``leaves``, else the first ``torch.device``
+    (factory ops such as ``aten.empty`` only name theirs in a kwarg)."""
+    leaves = list(leaves)
     for x in leaves:
         if isinstance(x, torch.Tensor):
             return x.device
-    return None
+    return next((x for x in leaves if isinstance(x, torch.device)), None)
 
 
 def _roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
@@ -729,15 +751,16 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
     if cache is not None and key in cache:
         return cache[key]
     try:
-        from torch.utils._python_dispatch import _disable_current_modes
-        # The pass may run while a FakeTensorMode (or proxy mode) is active: step outside
-        # it so the kernel really runs.
-        with _disable_current_modes(), torch.no_grad():
+        with _outside_modes(), torch.no_grad():
             budget = [max_input_bytes]
             real_args, real_kwargs = tree_map(lambda x: _materialize(x, budget),
                                               (args, kwargs))
-            dev = _first_device(tree_flatten((real_args, real_kwargs))[0])
-            seconds = _run_and_time(node.target, real_args, real_kwargs, repeats, dev)
+            dev = (_first_device(tree_flatten((real_args, real_kwargs))[0])
+                   or _first_device(tree_flatten(node.meta.get("val"))[0]))
+            target = node.target
+            # one warm-up run: lazy init, allocator, oneDNN primitive caches
+            seconds = _time_callable(lambda: target(*real_args, **real_kwargs), repeats, 1,
+                                     dev)
     except Exception:  # noqa: BLE001 - any failure to run means: estimate instead
         seconds = _safe_roofline(node, args, kwargs, spec)
     if cache is not None:
