@@ -21,6 +21,7 @@ import datetime
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,27 +166,32 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
 
-    DTensor gradients on different meshes (TP and non-TP parameters) are normed per
-    mesh and made full (a sum over shards, none over replicas); pipeline stages hold
-    different parameters, so their squared norms are summed over ``pp_group``.
+    Squared norms of the local pieces are summed over the mesh dims a gradient is
+    sharded on (not over replicas: those hold the same values), one all-reduce per
+    (mesh, placements) group and dim; this also covers TP and non-TP parameters that
+    live on different meshes. Pipeline stages hold different parameters, so their
+    squared norms are summed over ``pp_group``.
     """
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = total_sq + norm.float() ** 2
+    for key, local in groups.items():
+        sq = torch.nn.utils.get_total_norm(local, 2.0).float() ** 2
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate() and mesh.size(dim) > 1:
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq += sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
+    for local in (x for group in groups.values() for x in group):
         local.mul_(scale.to(local.dtype))
     return total
 
@@ -217,17 +223,21 @@ def _device(cfg: JobConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def train(cfg: JobConfig) -> TrainResult:
-    """Run the job described by ``cfg``."""
+BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def train(cfg: JobConfig, batch_transform: BatchTransform | None = None) -> TrainResult:
+    """Run the job described by ``cfg``. ``batch_transform(inputs, targets)`` may rewrite
+    each microbatch, e.g. set targets to ``IGNORE_INDEX`` to leave tokens out."""
     owns_group = init_distributed(cfg.job.device)
     try:
-        return _train(cfg)
+        return _train(cfg, batch_transform)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig) -> TrainResult:
+def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResult:
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
@@ -293,6 +303,8 @@ def _train(cfg: JobConfig) -> TrainResult:
 
     for step in range(start_step + 1, t.steps + 1):
         batches = [next(loader) for _ in range(t.grad_accum_steps)]
+        if batch_transform is not None:
+            batches = [batch_transform(inputs, targets) for inputs, targets in batches]
         local_tokens = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
         global_tokens = torch.tensor(float(local_tokens if counts_tokens else 0), device=device)
         dist.all_reduce(global_tokens)
@@ -364,7 +376,8 @@ def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
     return int(n.item())
 
 
-def main(argv: list[str] | None = None) -> TrainResult | None:
+def main(argv: list[str] | None = None,
+         batch_transform: BatchTransform | None = None) -> TrainResult | None:
     """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``."""
     import sys
 
@@ -372,4 +385,4 @@ def main(argv: list[str] | None = None) -> TrainResult | None:
     if "-h" in argv or "--help" in argv:
         print(config_help())
         return None
-    return train(parse_args(argv))
+    return train(parse_args(argv), batch_transform)
