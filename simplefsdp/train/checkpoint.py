@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 import simplefsdp
 from simplefsdp.state_dict import ModelAndOptimizer, is_complete
@@ -140,6 +141,9 @@ def export_safetensors(model: nn.Module, path: str | Path,
                        pp_group: dist.ProcessGroup | None = None) -> Path | None:
     """Global rank 0 writes the consolidated model (a collective: every rank calls it).
 
+    A tied weight (``output.weight`` is ``tok_embeddings.weight``) is written once; the
+    file's metadata records ``tied:output.weight = tok_embeddings.weight``.
+
     With pipeline stages (``pp_group`` of more than one rank) each stage's leading rank
     consolidates its stage and sends it to rank 0, which merges the stages' keys.
     """
@@ -150,19 +154,29 @@ def export_safetensors(model: nn.Module, path: str | Path,
     if pp == 1:
         full = simplefsdp.full_state_dict(model)
     else:
-        full = simplefsdp.full_state_dict(model, rank0_only=False)
+        # full_state_dict(rank0_only=False) still returns {} off rank 0 (DCP's CPU
+        # offload gathers to rank 0 only), so each stage gathers its DTensors itself.
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for k, v in model.state_dict().items()}
         # The ranks that share global rank 0's data/tensor-parallel coordinates form
         # its PP group: exactly one rank per stage.
-        leader = dist.get_global_rank(pp_group, 0)
-        in_group = dist.get_process_group_ranks(pp_group)
-        if 0 in in_group:
-            stages: list[Any] = [None] * pp if rank == leader else None
-            dist.gather_object(full, stages, dst=leader, group=pp_group)
+        if 0 in dist.get_process_group_ranks(pp_group):
+            stages: list[Any] | None = [None] * pp if rank == 0 else None
+            dist.gather_object(full, stages, dst=0, group=pp_group)
             if rank == 0:
                 full = {k: v for stage in stages for k, v in stage.items()}
     if rank != 0:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    tensors, tied, seen = {}, {}, {}
+    for key, value in full.items():  # a tied weight is stored once, its alias noted
+        ptr = value.untyped_storage().data_ptr()
+        if ptr in seen and full[seen[ptr]].shape == value.shape:
+            tied[key] = seen[ptr]
+            continue
+        seen[ptr] = key
+        tensors[key] = value.contiguous()
+    metadata = {"format": "pt", **{f"tied:{k}": v for k, v in tied.items()}}
+    save_file(tensors, str(path), metadata=metadata)
     return path

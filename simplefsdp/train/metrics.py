@@ -183,7 +183,7 @@ class MetricsLogger:
         steps = [r["step"] for r in self.rows]
         written = []
         for key, name, ylabel in (
-                ("loss", "loss.png", "training loss (nats/token)"),
+                ("loss", "loss.png", "training loss, mean over the logging window"),
                 (self.mem_column, "memory.png",
                  "peak GPU memory allocated (GiB)" if self.mem_column == "max_mem_gib"
                  else "peak process RSS (GiB, CPU)")):
