@@ -1,6 +1,7 @@
 """Training checkpoints: save, find the newest complete one, resume, export.
 
-A checkpoint is ``<folder>/step-<N>`` (``N`` = completed steps), written with
+A checkpoint is ``<folder>/step-<N>`` (``N`` = completed steps; ``folder`` is resolved
+by :func:`checkpoint_dir`, under the output directory), written with
 ``simplefsdp.save_checkpoint``, which writes ``step-<N>.tmp`` and renames it only once
 every rank has finished: a crash mid-save leaves a ``.tmp`` folder that is never
 mistaken for a checkpoint, and the previous one stays the newest complete.
@@ -11,6 +12,10 @@ It holds everything a resumed run needs to continue bit for bit:
 * ``trainer``: step, LR scheduler, data loader position (the same on every rank);
 * ``rng/rank<r>``: each rank's torch CPU (and CUDA) generator state. Keys are per rank,
   because DCP would otherwise keep one copy of a value that is the same key everywhere.
+
+Resuming: with ``checkpoint.enable = true`` a run starts from the newest complete
+checkpoint in its folder when there is one (as torchtitan does); to start afresh, point
+``checkpoint.folder`` (or ``metrics.output_dir``) somewhere new.
 """
 
 from __future__ import annotations
@@ -63,6 +68,16 @@ class RNGState(Stateful):
         torch.set_rng_state(state["cpu"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def checkpoint_dir(folder: str | Path, output_dir: str | Path) -> Path:
+    """Where checkpoints go: an absolute ``folder`` as is; a relative one under
+    ``output_dir``, unless it already starts with it (the default ``outputs/checkpoints``
+    with ``output_dir = "outputs"`` stays ``outputs/checkpoints``)."""
+    folder, output_dir = Path(folder), Path(output_dir)
+    if folder.is_absolute() or folder.parts[:len(output_dir.parts)] == output_dir.parts:
+        return folder
+    return output_dir / folder
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:

@@ -2,6 +2,8 @@
 
 Only rank 0 writes anything; every rank can call the methods (the others do nothing).
 
+* A row every ``metrics.log_every`` steps: ``loss`` is the mean of the global per-step
+  losses since the previous row, ``grad_norm`` and ``lr`` those of the row's step.
 * tokens/s is global: tokens of all data-parallel ranks in a step / step time.
 * MFU = ``flops_per_token * tokens/s / (peak FLOP/s per device * world size)``. The peak
   comes from a table for known GPUs (bf16 dense) and, on CPU, from a timed float32

@@ -10,6 +10,9 @@ every data-parallel rank and every gradient-accumulation microstep contributes
 gradients. The result is the mean over all tokens of the step, whatever the split
 across ranks, microsteps or pipeline microbatches.
 
+Known limit: eager TP needs ``activation_checkpoint.mode`` selective or full for now
+(``parallelize.py`` explains and checks it).
+
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
 initialized as DTensors, whose random ops use offsets into one stream.
@@ -17,6 +20,7 @@ initialized as DTensors, whose random ops use offsets into one stream.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -35,7 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 
 from ..models.llama import Transformer, flops_per_token, num_params
-from .checkpoint import CheckpointManager, TrainerState, export_safetensors
+from .checkpoint import CheckpointManager, TrainerState, checkpoint_dir, export_safetensors
 from .config import ConfigError, JobConfig, config_help, parse_args
 from .data import TextDataset, build_tokenizer
 from .metrics import MetricsLogger
@@ -242,7 +246,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResul
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
     p = cfg.parallel.resolve(world)
-    cfg.parallel = p
+    cfg = dataclasses.replace(cfg, parallel=p)  # dp_shard filled in; the caller's untouched
     t = cfg.training
     mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, dp_replicate=p.dp_replicate, tp=p.tp,
                                 pp=p.pp, device_type=device.type)
@@ -266,7 +270,8 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResul
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
-        ckpt = CheckpointManager(cfg.checkpoint.folder, model, optimizer, state,
+        folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+        ckpt = CheckpointManager(folder, model, optimizer, state,
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest)
         start_step = ckpt.resume()  # newest complete checkpoint, if there is one
 
