@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # storage pointer of a live gathered copy -> (sharded parameter, re-gather function)
 _gathered: dict[int, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
@@ -51,6 +52,8 @@ def note_gathered(full: torch.Tensor, sharded: torch.Tensor,
 
 
 def _pack(t: torch.Tensor):
+    if isinstance(t, DTensor):  # tensor-parallel activations: their locals are checked
+        return t
     if t.layout != torch.strided or t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
         return t
     hit = _gathered.get(t.untyped_storage().data_ptr())
