@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
@@ -80,18 +79,33 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / _COMPLETE_MARK).is_file()
 
 
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")  # compile, checkpointing
+
+
+@torch.no_grad()
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """Gather every parameter and buffer to full CPU tensors (a collective on all ranks).
 
-    With ``rank0_only`` the other ranks get an empty dict, which is what an export needs.
+    With ``rank0_only`` the other ranks get an empty dict (what an export needs);
+    otherwise every rank gets the whole dict. Tensors are gathered one at a time and
+    copied to the CPU at once, so a device never holds more than one full tensor. A
+    parameter with two names (tied weights) is gathered once and both names share the
+    copy; that is decided from the module structure, so every rank runs the same
+    collectives. Keys are the model's own names (compile/checkpoint wrappers removed).
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    full = get_model_state_dict(model, options=options)
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in full.items()}
-    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
-        return {}
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    gathered: dict[int, torch.Tensor | None] = {}  # id(parameter or buffer) -> full copy
+    full: dict[str, torch.Tensor] = {}
+    # keep_vars: the parameters themselves, so a tied weight is one object under two names.
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in gathered:
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            # A copy: with one rank the full tensor can be the parameter's own storage.
+            gathered[id(value)] = whole.detach().to("cpu", copy=True) if keep else None
+        if keep:
+            for prefix in _WRAPPER_PREFIXES:
+                key = key.replace(prefix, "")
+            full[key] = gathered[id(value)]
     return full
 
 

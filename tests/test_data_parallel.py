@@ -212,6 +212,30 @@ def test_meta_init_and_dcp_round_trip(tmp_path):
     run_ranks(_meta_init_and_checkpoint, 2, str(tmp_path))
 
 
+def _full_state_dict_on_every_rank(rank: int, world: int) -> None:
+    model = sf.data_parallel(_reference(), sf.make_mesh(dp_shard=world))
+    train(model, 2, rank, world)  # values that differ from the init, on uneven shards
+    expected = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                for k, v in model.state_dict().items()}
+    everywhere = sf.full_state_dict(model, rank0_only=False)
+    assert everywhere.keys() == _reference().state_dict().keys()
+    for key, value in everywhere.items():
+        assert type(value) is torch.Tensor and value.device.type == "cpu", key
+        assert torch.equal(value, expected[key]), key
+    # The tied weight is gathered once and shared by its two names.
+    assert everywhere["output.weight"] is everywhere["tok_embeddings.weight"]
+    # A copy: writing to it leaves the model alone.
+    everywhere["layers.0.up.weight"].zero_()
+    assert model.layers[0].up.weight.full_tensor().abs().sum() > 0
+    only_rank0 = sf.full_state_dict(model)
+    assert (only_rank0.keys() == everywhere.keys()) if rank == 0 else only_rank0 == {}
+    dist.barrier()
+
+
+def test_full_state_dict_on_every_rank():
+    run_ranks(_full_state_dict_on_every_rank, 2)
+
+
 def _bad_inputs(rank: int, world: int) -> None:
     mesh = sf.make_mesh(dp_shard=world)
 
