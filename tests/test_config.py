@@ -76,6 +76,11 @@ def test_cli_overrides_file(tmp_path: Path):
     (["--data.dataset", "/no/such/file.txt"], "data.dataset"),
     (["--training.steps"], "training.steps"),
     (["steps", "3"], "steps"),
+    (["--checkpoint.resume", "true"], "checkpoint.enable"),
+    (["--parallel.tp", "3"], "parallel.tp = 3 does not divide model.n_heads"),
+    (["--parallel.tp", "4"], "parallel.tp = 4 does not divide model.n_kv_heads"),
+    (["--parallel.pp", "8"], "model.n_layers = 4"),
+    (["--parallel.pp", "2", "--model.tie_embeddings", "true"], "model.tie_embeddings"),
 ])
 def test_bad_cli_input_names_the_key(overrides: list[str], named: str):
     with pytest.raises(ConfigError) as info:
@@ -122,3 +127,16 @@ def test_world_size_product():
                               "--parallel.dp_replicate", "4"]).parallel.resolve(4).dp_degree == 4
     with pytest.raises(ConfigError, match="hybrid_shard"):
         load_config(None, ["--parallel.dp_replicate", "2"])
+
+
+def test_resume_flag_is_shorthand():
+    assert parse_args([]).checkpoint.resume is False
+    cfg = parse_args(["--checkpoint.enable", "true", "--resume", "--training.steps", "5"])
+    assert cfg.checkpoint.resume is True and cfg.training.steps == 5
+    assert cfg == parse_args(["--checkpoint.enable", "true", "--checkpoint.resume", "true",
+                              "--training.steps", "5"])
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "nope.toml")])

@@ -6,7 +6,8 @@ metrics and plots, and every other run is compared with its per-step losses.
 Tolerances:
 * resume (from a copied or a surviving checkpoint): the same ops on the same values
   in the same order, so the losses must be *identical* (``==``).
-* TP=2 x DP=2 and PP=2 x DP=2 at 4 ranks vs FSDP at 2 ranks, same global batch: the
+* TP=2 x DP=2 and PP=2 x DP=2 at 4 ranks, and TP=2 alone at 2 ranks (eager, no
+  activation checkpointing), vs FSDP at 2 ranks, same global batch: the
   math is the same but float32 sums are split differently (row-wise TP partial sums,
   per-microbatch gradients under PP), so we allow 1e-5 relative on the loss over
   8 steps: float32 rounding is ~1e-7 per op and 8 AdamW steps at this size stay far
@@ -62,10 +63,12 @@ def _rel_diff(a: list[float], b: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, dict]:
-    """2 ranks, FSDP, 8 steps, a checkpoint every 4 steps (all kept), export at the end."""
+    """2 ranks, FSDP, 8 steps, a checkpoint every 4 steps (all kept), export at the end,
+    TensorBoard on."""
     out = tmp_path_factory.mktemp("reference")
     argv = _argv(out, "--checkpoint.enable", "true", "--checkpoint.every", "4",
-                 "--checkpoint.keep_latest", "0", "--checkpoint.export_safetensors", "true")
+                 "--checkpoint.keep_latest", "0", "--checkpoint.export_safetensors", "true",
+                 "--metrics.tensorboard", "true")
     return out, run_ranks(_run, 2, argv)[0]
 
 
@@ -80,6 +83,8 @@ def test_end_to_end_loss_falls_and_writes_metrics(reference):
     assert all(float(r["tokens_per_s"]) > 0 and float(r["max_rss_gib"]) > 0 for r in rows)
     assert 0 < float(rows[-1]["mfu_pct"]) < 100
     assert (out / "loss.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0, events
     assert [s for s, _ in list_checkpoints(out / "ckpt")] == [4, 8]
     from safetensors.torch import load_file
 
@@ -93,12 +98,33 @@ def test_resume_reproduces_losses_exactly(reference, tmp_path):
     # A run that stopped after step 4: its folder holds the step-4 checkpoint only.
     shutil.copytree(out / "ckpt" / "step-4", tmp_path / "ckpt" / "step-4")
     resumed = run_ranks(_run, 2, _argv(tmp_path, "--checkpoint.enable", "true",
-                                       "--checkpoint.every", "4"))[0]
+                                       "--checkpoint.every", "4", "--resume"))[0]
     assert resumed["start_step"] == 4
     assert resumed["losses"] == ref["losses"][4:]
     assert resumed["grad_norms"] == ref["grad_norms"][4:]
     with open(tmp_path / "metrics.csv") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [6, 8]
+
+
+def _config_error(rank: int, world: int, argv: list[str]) -> str:
+    from simplefsdp.train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        main(argv)
+    return str(info.value)
+
+
+def test_existing_checkpoints_without_resume_fail_early(reference):
+    """A second run into a folder with complete checkpoints, without --resume, must
+    neither mix into nor overwrite the first: every rank stops before building anything
+    (metrics.csv and checkpoints untouched) with a message that names both ways out."""
+    out, _ = reference
+    before = {p: p.stat().st_mtime_ns for p in [out / "metrics.csv", *out.glob("ckpt/*/*")]}
+    errors = run_ranks(_config_error, 2, _argv(out, "--checkpoint.enable", "true"))
+    assert errors[0] == errors[1]
+    assert "step-8" in errors[0] and "--resume" in errors[0], errors[0]
+    assert "--checkpoint.folder" in errors[0], errors[0]
+    assert {p: p.stat().st_mtime_ns for p in before} == before
 
 
 def _crash_in_save(rank: int, world: int, argv: list[str]) -> str | None:
@@ -121,8 +147,9 @@ def _crash_in_save(rank: int, world: int, argv: list[str]) -> str | None:
 
 def test_crash_during_save_keeps_previous_checkpoint(reference, tmp_path):
     _, ref = reference
+    # --resume on an empty folder starts from step 0 (with a note).
     argv = _argv(tmp_path, "--checkpoint.enable", "true", "--checkpoint.every", "2",
-                 "--checkpoint.keep_latest", "2")
+                 "--checkpoint.keep_latest", "2", "--resume")
     errors = run_ranks(_crash_in_save, 2, argv)
     assert all(e is not None and "disk full" in e for e in errors), errors
     ckpt = tmp_path / "ckpt"
@@ -140,8 +167,7 @@ def test_crash_during_save_keeps_previous_checkpoint(reference, tmp_path):
 def test_tp_and_pp_match_fsdp(reference, tmp_path, layout):
     out, ref = reference
     extra = {
-        # Eager TP needs activation checkpointing for now (see
-        # test_eager_tp_without_checkpointing below); the layouts cover both AC modes.
+        # The layouts cover both AC modes; test_eager_tp_without_checkpointing, none.
         "tp": ["--parallel.tp", "2", "--activation_checkpoint.mode", "full"],
         "pp": ["--parallel.pp", "2", "--parallel.pp_microbatches", "2",
                "--activation_checkpoint.mode", "selective"],
@@ -161,32 +187,17 @@ def test_tp_and_pp_match_fsdp(reference, tmp_path, layout):
         torch.testing.assert_close(mine[key], value, rtol=0, atol=1e-4, msg=key)
 
 
-def _eager_tp(rank: int, world: int, argv: list[str]) -> tuple[bool, str]:
-    import simplefsdp
-    from simplefsdp.train.config import ConfigError
-    from simplefsdp.train.parallelize import _eager_reshard_handles_dtensors
-
-    supported = _eager_reshard_handles_dtensors(simplefsdp.make_mesh(dp_shard=1, tp=2)["tp"])
-    try:
-        main(argv)
-    except ConfigError as e:
-        return supported, str(e)
-    return supported, "trained"
-
-
-def test_eager_tp_without_checkpointing(tmp_path):
-    """Today simplefsdp.eager_reshard's saved-tensor hook fails on the DTensors that TP
-    layers save (RuntimeError: "Attempted to access the data pointer on an invalid
-    python storage"), so the trainer refuses eager TP without activation checkpointing,
-    with a message that says what to do. Once the hook skips DTensors, the trainer's
-    probe lets the run through and this test checks that it trains."""
-    results = run_ranks(_eager_tp, 2, _argv(tmp_path, "--parallel.tp", "2",
-                                            "--training.steps", "2"))
-    for supported, outcome in results:
-        if supported:
-            assert outcome == "trained", outcome
-        else:
-            assert "activation_checkpoint.mode = 'selective' or 'full'" in outcome, outcome
+def test_eager_tp_without_checkpointing(reference, tmp_path):
+    """TP=2 on 2 ranks (one DP rank with the whole global batch of 8 sequences), eager,
+    no activation checkpointing: autograd saves the TP layers' DTensors through
+    eager_reshard's saved-tensor hook. It must train like the FSDP reference."""
+    _, ref = reference
+    got = run_ranks(_run, 2, _argv(tmp_path, "--parallel.tp", "2",
+                                   "--activation_checkpoint.mode", "none", batch_size=8))[0]
+    diff = _rel_diff(got["losses"], ref["losses"])
+    print(f"eager TP, no AC: max relative loss diff vs FSDP over {STEPS} steps: {diff:.2e}")
+    assert diff <= 1e-5
+    assert _rel_diff(got["grad_norms"], ref["grad_norms"]) <= 1e-4
 
 
 def test_token_normalized_loss_matches_single_process(tmp_path):

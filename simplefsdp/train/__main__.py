@@ -3,8 +3,9 @@
 One process (no torchrun):   python -m simplefsdp.train --config configs/debug.toml
 One node, N processes:       torchrun --standalone --nproc_per_node=N \\
                                  -m simplefsdp.train --config configs/debug.toml
-Resume: set ``--checkpoint.enable true``; a run continues from the newest complete
-checkpoint in ``checkpoint.folder`` if there is one (see ``checkpoint.py``).
+Checkpoints: ``--checkpoint.enable true``; add ``--resume`` to continue from the newest
+complete checkpoint in ``checkpoint.folder`` (without it, a folder that already holds
+one is refused; see ``checkpoint.py``).
 
 Multi-node (NCCL), e.g. 2 nodes x 8 GPUs, the same command on every node:
 

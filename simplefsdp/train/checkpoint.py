@@ -13,9 +13,11 @@ It holds everything a resumed run needs to continue bit for bit:
 * ``rng/rank<r>``: each rank's torch CPU (and CUDA) generator state. Keys are per rank,
   because DCP would otherwise keep one copy of a value that is the same key everywhere.
 
-Resuming: with ``checkpoint.enable = true`` a run starts from the newest complete
-checkpoint in its folder when there is one (as torchtitan does); to start afresh, point
-``checkpoint.folder`` (or ``metrics.output_dir``) somewhere new.
+Resuming is explicit (:func:`resume_point`): with ``checkpoint.resume = true``
+(``--resume``) a run continues from the newest complete checkpoint in its folder, or
+starts from step 0 with a note if there is none. Without it, a folder that already
+holds a complete checkpoint is refused at start-up, before anything is built, so two
+runs are never mixed in one folder and no checkpoint is overwritten by accident.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 import simplefsdp
 from simplefsdp.state_dict import ModelAndOptimizer, is_complete
+
+from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -98,6 +101,30 @@ def latest_checkpoint(folder: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def resume_point(folder: str | Path, resume: bool) -> Path | None:
+    """The checkpoint to start from: the newest complete one in ``folder`` if ``resume``,
+    else None. A collective: rank 0 looks and broadcasts its choice, so every rank
+    decides alike (and raises alike) even if a checkpoint completes while they look.
+
+    Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off.
+    """
+    found = latest_checkpoint(folder)
+    choice = [str(found[1]) if found else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        if resume and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"[simplefsdp] --resume: no complete checkpoint in {folder}; starting "
+                  f"from step 0", flush=True)
+        return None
+    if not resume:
+        raise ConfigError(
+            f"{folder} already holds a complete checkpoint ({Path(choice[0]).name}) from an "
+            f"earlier run; pass --resume (checkpoint.resume = true) to continue from it, "
+            f"or choose another --checkpoint.folder (or --metrics.output_dir) to start afresh")
+    return Path(choice[0])
+
+
 class CheckpointManager:
     """Saves every ``every`` steps, keeps the newest ``keep_latest``, resumes."""
 
@@ -132,19 +159,10 @@ class CheckpointManager:
         for _, path in list_checkpoints(self.folder)[:-self.keep_latest]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def resume(self) -> int:
-        """Load the newest complete checkpoint, if any; returns its step (0 if none).
-
-        Every rank must see the same folder; rank 0's choice is broadcast so that a
-        checkpoint completing while ranks look cannot split them.
-        """
-        found = latest_checkpoint(self.folder)
-        choice = [str(found[1]) if found else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return 0
-        path = Path(choice[0])
+    def load(self, path: str | Path) -> int:
+        """Load the checkpoint at ``path`` (from :func:`resume_point`, the same on every
+        rank) into the model, optimizer, trainer state and RNG; returns its step."""
+        path = Path(path)
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         # RNG states are per rank: load ours if this checkpoint has it (same world size).
         with_rng = any(k.startswith(f"rng/rank{self.rank}.") for k in keys)
@@ -169,10 +187,8 @@ def export_safetensors(model: nn.Module, path: str | Path,
     if pp == 1:
         full = simplefsdp.full_state_dict(model)
     else:
-        # full_state_dict(rank0_only=False) still returns {} off rank 0 (DCP's CPU
-        # offload gathers to rank 0 only), so each stage gathers its DTensors itself.
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                for k, v in model.state_dict().items()}
+        # Every rank of a stage gathers the stage; rank 0's pipeline peers send theirs.
+        full = simplefsdp.full_state_dict(model, rank0_only=False)
         # The ranks that share global rank 0's data/tensor-parallel coordinates form
         # its PP group: exactly one rank per stage.
         if 0 in dist.get_process_group_ranks(pp_group):

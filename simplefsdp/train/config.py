@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from ..models.llama import LLAMA3_PRESETS, ModelArgs
+from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 
 DType = Literal["float32", "bfloat16"]
 
@@ -154,6 +154,9 @@ class CheckpointConfig:
     folder: str = "outputs/checkpoints"
     keep_latest: int = 2  # 0 keeps them all
     export_safetensors: bool = False  # also write a full-model .safetensors at the end
+    # Continue from the newest complete checkpoint in ``folder`` (``--resume``). Off, a
+    # folder that already holds complete checkpoints is an error, not silently reused.
+    resume: bool = False
 
 
 @dataclass
@@ -209,12 +212,33 @@ class JobConfig:
         _require(self.checkpoint.every >= 1, "checkpoint.every", self.checkpoint.every, ">= 1")
         _require(self.checkpoint.keep_latest >= 0, "checkpoint.keep_latest",
                  self.checkpoint.keep_latest, ">= 0 (0 keeps all)")
+        if self.checkpoint.resume and not self.checkpoint.enable:
+            raise ConfigError("checkpoint.resume = true (--resume) needs checkpoint.enable = "
+                              "true: pass --checkpoint.enable true as well")
+        _check_shapes(args, p)
         limit = self.compile.memory_limit_gb
         _require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         dataset = self.data.dataset
         if dataset != "shakespeare" and not Path(dataset).is_file():
             raise ConfigError(f"data.dataset = {dataset!r} is neither 'shakespeare' nor an "
                               f"existing text file")
+
+
+def _check_shapes(args: ModelArgs, p: ParallelConfig) -> None:
+    """The model's shapes must split over ``tp`` and ``pp``: checked here, before any
+    process group exists, so every rank fails at once with the same message."""
+    for what, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
+                        ("the FFN hidden size", ffn_hidden_dim(args))):
+        if value % p.tp:
+            raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {value}")
+    if p.pp > 1:
+        if args.n_layers < p.pp:
+            raise ConfigError(f"parallel.pp = {p.pp} stages need at least {p.pp} layers, the "
+                              f"model has model.n_layers = {args.n_layers}")
+        if args.tie_embeddings:
+            raise ConfigError("model.tie_embeddings = true cannot be split into pipeline "
+                              "stages (parallel.pp > 1): the embedding and the output live "
+                              "on different ranks")
 
 
 def _require(ok: bool, key: str, value: object, rule: str) -> None:
@@ -347,6 +371,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated."""
     cfg = JobConfig()
     if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"--config {path}: no such file (the presets are in configs/, "
+                              f"e.g. configs/debug.toml)")
         with open(path, "rb") as f:
             try:
                 data = tomllib.load(f)
@@ -359,8 +386,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def parse_args(argv: list[str]) -> JobConfig:
-    """Command line -> config: ``[--config FILE] [--section.key value ...]``."""
-    argv, path = list(argv), None
+    """Command line -> config: ``[--config FILE] [--resume] [--section.key value ...]``.
+
+    ``--resume`` is short for ``--checkpoint.resume true``.
+    """
+    argv = ["--checkpoint.resume=true" if arg == "--resume" else arg for arg in argv]
+    path = None
     for i, arg in enumerate(argv):
         if arg == "--config":
             if i + 1 >= len(argv):
@@ -377,7 +408,8 @@ def parse_args(argv: list[str]) -> JobConfig:
 
 def config_help() -> str:
     """Every key with its type and default, for ``--help``."""
-    lines = ["usage: [--config FILE.toml] [--section.key value ...]", ""]
+    lines = ["usage: [--config FILE.toml] [--resume] [--section.key value ...]",
+             "  --resume is short for --checkpoint.resume true", ""]
     for section in fields(JobConfig):
         obj = getattr(JobConfig(), section.name)
         lines.append(f"[{section.name}]")

@@ -136,36 +136,10 @@ def apply_compile(model: nn.Module, cfg: JobConfig) -> nn.Module:
     return torch.compile(model, fullgraph=True, backend=backend)
 
 
-def _eager_reshard_handles_dtensors(tp_mesh: DeviceMesh) -> bool:
-    """Whether eager data_parallel's saved-tensor hook accepts a DTensor (autograd saves
-    the TP layers' DTensor inputs/weights). Probed, so the check lifts itself once
-    ``simplefsdp.eager_reshard`` skips tensor subclasses."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    from simplefsdp import eager_reshard
-
-    pack = getattr(eager_reshard, "_pack", None)
-    if pack is None:
-        return True
-    probe = DTensor.from_local(torch.zeros(1), tp_mesh, (Replicate(),), run_check=False)
-    try:
-        pack(probe)
-    except RuntimeError:
-        return False
-    return True
-
-
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     """TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on)."""
     if cfg.parallel.tp > 1:
-        if (cfg.activation_checkpoint.mode == "none" and not cfg.compile.enable
-                and not _eager_reshard_handles_dtensors(mesh["tp"])):
-            # Inside a checkpointed block autograd saves nothing through that hook.
-            raise ConfigError(
-                "parallel.tp > 1 in eager mode needs activation_checkpoint.mode = "
-                "'selective' or 'full' for now: simplefsdp.eager_reshard's saved-tensor "
-                "hook cannot handle the DTensors that TP layers save")
         apply_tp(model, mesh["tp"])
     apply_ac(model, cfg.activation_checkpoint.mode)
     model = apply_dp(model, mesh, cfg)

@@ -10,9 +10,6 @@ every data-parallel rank and every gradient-accumulation microstep contributes
 gradients. The result is the mean over all tokens of the step, whatever the split
 across ranks, microsteps or pipeline microbatches.
 
-Known limit: eager TP needs ``activation_checkpoint.mode`` selective or full for now
-(``parallelize.py`` explains and checks it).
-
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
 initialized as DTensors, whose random ops use offsets into one stream.
@@ -39,7 +36,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 
 from ..models.llama import Transformer, flops_per_token, num_params
-from .checkpoint import CheckpointManager, TrainerState, checkpoint_dir, export_safetensors
+from .checkpoint import (
+    CheckpointManager,
+    TrainerState,
+    checkpoint_dir,
+    export_safetensors,
+    resume_point,
+)
 from .config import ConfigError, JobConfig, config_help, parse_args
 from .data import TextDataset, build_tokenizer
 from .metrics import MetricsLogger
@@ -252,6 +255,10 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResul
                                 pp=p.pp, device_type=device.type)
     at = _Coords(mesh)
     torch.manual_seed(t.seed)
+    ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+    resume_from = None
+    if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
+        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
 
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     args = cfg.model.model_args()
@@ -270,10 +277,13 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResul
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
-        folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
-        ckpt = CheckpointManager(folder, model, optimizer, state,
+        ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest)
-        start_step = ckpt.resume()  # newest complete checkpoint, if there is one
+        if resume_from is not None:
+            start_step = ckpt.load(resume_from)
+            if rank == 0:
+                print(f"[simplefsdp] resumed from {resume_from} (step {start_step})",
+                      flush=True)
 
     step_loss = torch.zeros((), device=device)  # this rank's share of the step's loss
     schedule = None
