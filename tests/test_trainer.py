@@ -209,3 +209,27 @@ def test_token_normalized_loss_matches_single_process(tmp_path):
     diff = _rel_diff(split["losses"], single["losses"])
     print(f"world 2 x accum 2 vs world 1: max relative loss diff {diff:.2e}")
     assert diff <= 1e-6
+
+
+class _FoldedBytes:
+    """A user tokenizer: bytes folded onto 64 ids (what the trainer's hook accepts)."""
+
+    vocab_size = 64
+
+    def encode(self, text: str) -> list[int]:
+        return [b % 64 for b in text.encode("utf-8")]
+
+
+def _custom_tokenizer(rank: int, world: int, argv: list[str]) -> tuple[list[float], str]:
+    from simplefsdp.train.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:  # the byte tokenizer does not fit 64 ids
+        main(argv)
+    return main(argv, tokenizer=_FoldedBytes()).losses, str(info.value)
+
+
+def test_user_tokenizer_hook(tmp_path):
+    losses, refused = run_ranks(_custom_tokenizer, 1, _argv(tmp_path, "--model.vocab_size",
+                                                            "64"))[0]
+    assert "256 tokens but model.vocab_size = 64" in refused, refused
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.3, losses

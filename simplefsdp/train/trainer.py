@@ -44,7 +44,7 @@ from .checkpoint import (
     resume_point,
 )
 from .config import ConfigError, JobConfig, config_help, parse_args
-from .data import TextDataset, build_tokenizer
+from .data import TextDataset, Tokenizer, build_tokenizer
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
@@ -233,18 +233,22 @@ def _device(cfg: JobConfig) -> torch.device:
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def train(cfg: JobConfig, batch_transform: BatchTransform | None = None) -> TrainResult:
+def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
+          tokenizer: Tokenizer | None = None) -> TrainResult:
     """Run the job described by ``cfg``. ``batch_transform(inputs, targets)`` may rewrite
-    each microbatch, e.g. set targets to ``IGNORE_INDEX`` to leave tokens out."""
+    each microbatch, e.g. set targets to ``IGNORE_INDEX`` to leave tokens out.
+    ``tokenizer`` (any object with ``vocab_size`` and ``encode(text)``) replaces the one
+    ``data.tokenizer`` names; its ``vocab_size`` must fit ``model.vocab_size``."""
     owns_group = init_distributed(cfg.job.device)
     try:
-        return _train(cfg, batch_transform)
+        return _train(cfg, batch_transform, tokenizer)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResult:
+def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
+           tokenizer: Tokenizer | None) -> TrainResult:
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
@@ -260,11 +264,17 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None) -> TrainResul
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
 
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    elif not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
+                        f"simplefsdp.train.data.Tokenizer protocol), got "
+                        f"{type(tokenizer).__name__}")
     args = cfg.model.model_args()
     if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"the {cfg.data.tokenizer!r} tokenizer has {tokenizer.vocab_size} "
-                          f"tokens but model.vocab_size = {args.vocab_size}")
+        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
+                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
+                          f"{args.vocab_size}; raise model.vocab_size")
     dataset = TextDataset(cfg.data.dataset, tokenizer)
     loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
                             dp_world=at.dp_size, seed=t.seed)
@@ -392,7 +402,8 @@ def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
 
 
 def main(argv: list[str] | None = None,
-         batch_transform: BatchTransform | None = None) -> TrainResult | None:
+         batch_transform: BatchTransform | None = None,
+         tokenizer: Tokenizer | None = None) -> TrainResult | None:
     """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``."""
     import sys
 
@@ -400,4 +411,4 @@ def main(argv: list[str] | None = None,
     if "-h" in argv or "--help" in argv:
         print(config_help())
         return None
-    return train(parse_args(argv), batch_transform)
+    return train(parse_args(argv), batch_transform, tokenizer)
