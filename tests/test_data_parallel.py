@@ -2,10 +2,13 @@
 
 Tolerances. Against the single-process reference the sharded run computes each rank's
 gradient on its half of the batch and sums the halves in a collective, so float32
-rounding differs from one big matmul: we allow 1e-6 absolute (measured: ~1e-7 after
-5 AdamW steps). Against FSDP2 at world size 2 (untied weights) the math is the same operation for
-operation (two-term sums commute exactly, averaging by 2 is exact), so we ask for
-bitwise equality.
+rounding differs from one big matmul: we allow 1e-6 absolute on the parameters
+(measured: ~3e-8 after 5 AdamW steps) and 1e-6 *relative* on the losses: the toy's
+losses are 6-9, where a float32 ulp is ~5e-7, and the global loss is a mean of the
+ranks' means, rounded differently from one mean (measured: up to 2.4e-7 relative,
+1.4e-6 absolute, on this CPU). Against FSDP2 at world size 2 (untied weights) the math
+is the same operation for operation (two-term sums commute exactly, averaging by 2 is
+exact), so we ask for bitwise equality.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from toy import Toy, global_batch, loss_fn, train
 import simplefsdp as sf
 
 STEPS = 5
-REFERENCE_ATOL = 1e-6
+REFERENCE_ATOL = 1e-6  # parameters
+REFERENCE_LOSS_RTOL = 1e-6
 
 
 def _reference(seed: int = 0, tie: bool = True) -> nn.Module:
@@ -56,9 +60,9 @@ def _parity_vs_reference(rank: int, world: int) -> dict[str, tuple[float, float]
     for mode in ("fully_shard", "replicate", "hybrid_shard"):
         model = sf.data_parallel(_reference(), sf.make_mesh(**MESHES[mode, world]), mode=mode)
         losses = train(model, STEPS, rank, world)
-        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
         figures[mode] = (loss_diff, _max_param_diff(model, ref))
-        assert figures[mode][0] <= REFERENCE_ATOL and figures[mode][1] <= REFERENCE_ATOL, \
+        assert figures[mode][0] <= REFERENCE_LOSS_RTOL and figures[mode][1] <= REFERENCE_ATOL, \
             (mode, figures[mode])
     return figures
 
@@ -66,7 +70,7 @@ def _parity_vs_reference(rank: int, world: int) -> dict[str, tuple[float, float]
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_single_process_reference(world):
     figures = run_ranks(_parity_vs_reference, world)[0]
-    print(f"world {world}: (max loss diff, max param diff) per mode: {figures}")
+    print(f"world {world}: (max relative loss diff, max param diff) per mode: {figures}")
 
 
 def _parity_vs_fsdp2(rank: int, world: int, mixed: bool) -> tuple[list[float], float]:
