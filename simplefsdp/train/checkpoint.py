@@ -75,8 +75,9 @@ class RNGState(Stateful):
 
 def checkpoint_dir(folder: str | Path, output_dir: str | Path) -> Path:
     """Where checkpoints go: an absolute ``folder`` as is; a relative one under
-    ``output_dir``, unless it already starts with it (the default ``outputs/checkpoints``
-    with ``output_dir = "outputs"`` stays ``outputs/checkpoints``)."""
+    ``output_dir`` (the default ``checkpoints`` is ``outputs/checkpoints``), unless it
+    already starts with it (``outputs/x/checkpoints`` with ``output_dir = "outputs/x"``
+    stays as it is)."""
     folder, output_dir = Path(folder), Path(output_dir)
     if folder.is_absolute() or folder.parts[:len(output_dir.parts)] == output_dir.parts:
         return folder

@@ -151,7 +151,7 @@ class MetricsConfig:
 class CheckpointConfig:
     enable: bool = False
     every: int = 100  # steps between checkpoints
-    folder: str = "outputs/checkpoints"
+    folder: str = "checkpoints"  # a relative path lies under metrics.output_dir
     keep_latest: int = 2  # 0 keeps them all
     export_safetensors: bool = False  # also write a full-model .safetensors at the end
     # Continue from the newest complete checkpoint in ``folder`` (``--resume``). Off, a
