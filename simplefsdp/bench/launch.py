@@ -1,0 +1,141 @@
+"""Starting the ranks: under torchrun, as spawned local processes, or one fake process.
+
+* ``torchrun ... -m simplefsdp.bench``: the environment names rank and world size; the
+  configured world size must match it.
+* ``python -m simplefsdp.bench``: spawns ``world_size`` local processes itself (gloo on
+  CPU, NCCL on CUDA with one GPU per rank) and waits for them; if one dies, the others
+  are stopped and the command fails.
+* ``--fake-pg``: one process joins a fake process group of ``world_size`` ranks (for a
+  single GPU): collectives return immediately, so only compile time, memory and
+  collective counts are meaningful.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import BenchConfig, BenchConfigError
+
+
+def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
+                  backend: str) -> Path | None:
+    """Run the benchmark on this rank; rank 0 prints the table and writes the outputs."""
+    from .report import format_table, header_lines, legend, summarize, write_outputs
+    from .runner import run_benchmark
+
+    raw = run_benchmark(cfg, rank, world, fake=backend == "fake", local_world=local_world)
+    if raw is None:
+        return None
+    results = summarize(cfg, raw, backend)
+    out = write_outputs(results, cfg.output_dir)
+    print("\n".join(["", *header_lines(results), "", format_table(results), "",
+                     *legend(results), "", f"results: {out}"]), flush=True)
+    return out
+
+
+def _init(cfg: BenchConfig, rank: int, world: int, local_rank: int) -> str:
+    backend = "gloo"
+    if cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    return backend
+
+
+def run_torchrun(cfg: BenchConfig) -> Path | None:
+    """This process is one rank that torchrun started."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world != cfg.world_size:
+        raise BenchConfigError(f"world size {cfg.world_size} configured but torchrun started "
+                               f"{world} processes; make them equal (or leave --world-size out "
+                               f"of the command and the config)")
+    backend = _init(cfg, rank, world, local_rank)
+    try:
+        return main_for_rank(cfg, rank, world, local_world, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fake(cfg: BenchConfig) -> Path | None:
+    """One process in a fake process group of ``cfg.world_size`` ranks."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise BenchConfigError(f"--fake-pg is unavailable on this torch: {e}") from e
+    if cfg.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
+    try:
+        return main_for_rank(cfg, 0, cfg.world_size, 1, "fake")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(cfg.world_size))
+    backend = _init(cfg, rank, cfg.world_size, rank)
+    try:
+        main_for_rank(cfg, rank, cfg.world_size, cfg.world_size, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
+    """Start ``world_size`` local ranks and wait; returns the exit status (0: all ok)."""
+    if cfg.device == "cuda" and torch.cuda.device_count() < cfg.world_size:
+        raise BenchConfigError(
+            f"world size {cfg.world_size} needs {cfg.world_size} GPUs, found "
+            f"{torch.cuda.device_count()}: run --world-size {max(torch.cuda.device_count(), 1)} "
+            f"for real timings, or --fake-pg for compile/memory figures at world size "
+            f"{cfg.world_size}")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(cfg, r, port), name=f"bench-rank{r}")
+             for r in range(cfg.world_size)]
+    for p in procs:
+        p.start()
+    status = 0
+    try:
+        while any(p.is_alive() for p in procs):
+            bad = [p for p in procs if p.exitcode not in (None, 0)]
+            if bad:
+                print(f"[bench] {bad[0].name} exited with code {bad[0].exitcode}; stopping "
+                      f"the other ranks", file=sys.stderr)
+                status = 1
+                break
+            time.sleep(poll_s)
+    finally:
+        for p in procs:
+            if p.is_alive() and status:
+                p.terminate()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if any(p.exitcode != 0 for p in procs):
+        status = 1
+    return status
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ

@@ -1,0 +1,117 @@
+"""Per-step measurements: collectives from the profiler, memory held and transient.
+
+Memory of one variant = bytes it *holds* between steps on this rank (local parameter
+shards, buffers, optimizer state; computed from the tensors, so it shows what sharding
+saves) + the *transient* peak during one step above what was allocated when it began:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
+  ``memory_allocated`` at the start of the step (allocator stats; exact).
+* CPU: the running sum of the profiler's CPU allocation events (``profile_memory``) over
+  the step, its maximum. It counts tensors torch's allocator hands out during the step
+  and excludes torch's fixed baseline (interpreter, libraries, other variants' state);
+  allocations that bypass torch's allocator (gloo's internal buffers) are not seen, so
+  it is an approximation.
+
+Process RSS is not used: variants run interleaved in one process, so freed pages of one
+variant are reused by the next and RSS high-water marks cannot be attributed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "
+                      "CPU allocations during one profiled step (profiler memory events); "
+                      "excludes the process baseline; approximate")
+CUDA_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + CUDA allocator "
+                       "peak above the step's starting allocation (max_memory_allocated)")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, buffers, gradients and optimizer state (each
+    storage once)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        t = _local(t)
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            return
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return total
+
+
+def _collective_kind(name: str) -> str | None:
+    """``c10d::_allgather_base_`` -> ``all_gather``; None for non-collectives."""
+    if not name.startswith("c10d::"):
+        return None
+    op = name[len("c10d::"):].lower().replace("_", "")
+    if "barrier" in op or "wait" in op or "monitored" in op:
+        return None
+    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
+                      ("allreduce", "all_reduce"), ("broadcast", "broadcast"),
+                      ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv")):
+        if key in op:
+            return kind
+    return op
+
+
+def profiled_step(step: Callable[[], float], device: torch.device
+                  ) -> tuple[float, dict[str, int], int]:
+    """Run ``step`` under the profiler: (its loss, collectives by kind, transient bytes).
+
+    Collectives are the ``c10d::`` dispatcher ops (one per collective the process group
+    runs, eager or compiled, FSDP2 included); waits and barriers are not counted.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_alloc = torch.cuda.memory_allocated(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda) as prof:
+        loss = step()
+    counts: Counter[str] = Counter()
+    memory: list[tuple[int, int]] = []
+    for event in prof.profiler.kineto_results.events():
+        name = event.name()
+        if name == "[memory]":
+            if event.device_type() == torch.autograd.DeviceType.CPU:
+                memory.append((event.start_ns(), event.nbytes()))
+            continue
+        kind = _collective_kind(name)
+        if kind is not None:
+            counts[kind] += 1
+    if cuda:
+        transient = torch.cuda.max_memory_allocated(device) - start_alloc
+    else:
+        running = transient = 0
+        for _, nbytes in sorted(memory):
+            running += nbytes
+            transient = max(transient, running)
+    return loss, dict(sorted(counts.items())), max(0, transient)

@@ -1,0 +1,259 @@
+"""Turn raw measurements into the results: derived columns, table, JSON, report.md, PNG.
+
+Derived columns (per variant):
+
+* ``tokens_per_s``: global tokens per step (world x batch x seq) / median step time. For
+  the compute-only reference the same global count over its one-rank step time: the
+  throughput ``world`` ranks would reach without any communication.
+* ``ratio_vs_fsdp2``: tokens/s over FSDP2-eager's.
+* ``exposed_comm_s``: median step time minus the compute-only median: the time the
+  step spends beyond its computation (exposed communication plus framework overhead).
+* ``compile_s``: first step time minus the median step time (compiled variants).
+* ``max_loss_diff``: largest |loss - reference loss| over every step; ``loss_match``
+  compares it with the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from .config import BenchConfig
+from .measure import CPU_MEMORY_MEASURE, CUDA_MEMORY_MEASURE
+from .variants import BASELINE, LOSS_REFERENCE, VARIANTS
+
+MIB = 2**20
+
+
+def machine_info(cfg: BenchConfig, backend: str) -> dict:
+    """Machine, software and run settings, for the report header."""
+    info = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": cfg.device,
+        "process_group": backend,
+    }
+    if cfg.device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+    return info
+
+
+def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
+    """The full results document (what ``results.json`` holds)."""
+    args = cfg.model_args()
+    tokens = cfg.world_size * cfg.batch_size * cfg.seq_len
+    measured = raw["variants"]
+    compute = measured.get("compute-only")
+    baseline = measured.get(BASELINE)
+    reference_name = LOSS_REFERENCE if LOSS_REFERENCE in measured else next(
+        (n for n in measured if VARIANTS[n].communicates), None)
+    reference = measured.get(reference_name) if reference_name else None
+    rows = []
+    for name in cfg.selected_variants():
+        spec = VARIANTS[name]
+        row: dict = {"name": name, "description": spec.description}
+        if name in raw["failed"]:
+            row.update(status="failed", error=raw["failed"][name])
+            rows.append(row)
+            continue
+        m = measured[name]
+        median = m["median_step_s"]
+        tps = tokens / median
+        row.update(status="ok", error=None, median_step_s=median, tokens_per_s=tps,
+                   step_times_s=m["step_times_s"], first_step_s=m["first_step_s"])
+        row["ratio_vs_fsdp2"] = tps / (tokens / baseline["median_step_s"]) if baseline else None
+        row["exposed_comm_s"] = (median - compute["median_step_s"]
+                                 if compute and spec.communicates else None)
+        row["compile_s"] = max(m["first_step_s"] - median, 0.0) if spec.compiled else None
+        row.update(peak_mem_mib=m["peak_bytes"] / MIB, held_mib=m["held_bytes"] / MIB,
+                   transient_mib=m["transient_bytes"] / MIB,
+                   collectives_per_step=m["collectives_per_step"],
+                   collectives_total=sum(m["collectives_per_step"].values()),
+                   losses=m["losses"], final_loss=m["losses"][-1])
+        if m.get("passes") is not None:
+            row["passes"] = m["passes"]
+        if spec.communicates and reference is not None:
+            diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
+            row.update(max_loss_diff=diff, loss_match=diff <= cfg.loss_tolerance)
+        else:  # compute-only trains on one rank's data: a different run by design
+            row.update(max_loss_diff=None, loss_match=None)
+        rows.append(row)
+    real_timing = not cfg.fake_pg
+    return {
+        "meta": {
+            "timestamp": datetime.now().isoformat(timespec="seconds"),
+            **machine_info(cfg, backend),
+            "world_size": cfg.world_size, "fake_pg": cfg.fake_pg,
+            "real_figures": ("all" if real_timing else
+                             "compile time, memory and collective counts only: timings, "
+                             "tokens/s, ratios and losses come from a fake process group"),
+            "model": cfg.model, "model_args": vars(args), "n_params": raw["n_params"],
+            "batch_size_per_rank": cfg.batch_size, "seq_len": cfg.seq_len,
+            "tokens_per_step": tokens, "warmup": cfg.warmup, "steps": cfg.steps,
+            "compile_backend": cfg.compile_backend, "lr": cfg.lr, "seed": cfg.seed,
+            "threads_per_rank": torch.get_num_threads(),
+            "memory_measure": CUDA_MEMORY_MEASURE if cfg.device == "cuda"
+            else CPU_MEMORY_MEASURE,
+            "loss_reference": reference_name, "loss_tolerance": cfg.loss_tolerance,
+            "baseline": BASELINE,
+        },
+        "variants": rows,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering.
+# ---------------------------------------------------------------------------------------
+COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "colls/step",
+           "exposed ms", "compile s", "final loss", "loss ok")
+
+
+def _fmt(value, spec: str, empty: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return empty
+    return format(value, spec)
+
+
+def _collectives(c: dict[str, int]) -> str:
+    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    return " ".join(f"{short.get(k, k)}{n}" for k, n in c.items()) or "0"
+
+
+def table_rows(results: dict) -> list[list[str]]:
+    rows = []
+    for r in results["variants"]:
+        if r["status"] != "ok":
+            rows.append([r["name"], f"FAILED: {r['error']}"])
+            continue
+        ok = {True: "yes", False: "NO", None: "n/a"}[r["loss_match"]]
+        if r["max_loss_diff"] is not None:
+            ok += f" ({r['max_loss_diff']:.1e})"
+        rows.append([r["name"], _fmt(r["median_step_s"] * 1e3, ".1f"),
+                     _fmt(r["tokens_per_s"], ".0f"), _fmt(r["ratio_vs_fsdp2"], ".2f"),
+                     _fmt(r["peak_mem_mib"], ".1f"), _collectives(r["collectives_per_step"]),
+                     _fmt(None if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
+                          ".1f"),
+                     _fmt(r["compile_s"], ".1f"), _fmt(r["final_loss"], ".5f"), ok])
+    return rows
+
+
+def header_lines(results: dict) -> list[str]:
+    m = results["meta"]
+    a = m["model_args"]
+    lines = [
+        f"machine: {m['host']} ({m['platform']}, {m['cpu_count']} CPUs"
+        + (f", {m['gpu_count']}x {m['gpu']}" if "gpu" in m else "") + ")",
+        f"torch {m['torch']}, python {m['python']}, device {m['device']}, process group "
+        f"{m['process_group']}, world size {m['world_size']}, {m['threads_per_rank']} "
+        f"thread(s)/rank",
+        f"model: {m['model']} (dim {a['dim']}, {a['n_layers']} layers, {a['n_heads']} heads, "
+        f"vocab {a['vocab_size']}, {m['n_params'] / 1e6:.2f}M params), batch "
+        f"{m['batch_size_per_rank']}/rank x seq {m['seq_len']} = {m['tokens_per_step']} "
+        f"tokens/step, {m['warmup']} warm-up + {m['steps']} measured steps, compile "
+        f"backend {m['compile_backend']}",
+        f"real figures: {m['real_figures']}",
+    ]
+    return lines
+
+
+def format_table(results: dict, markdown: bool = False) -> str:
+    rows = table_rows(results)
+    if markdown:
+        out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        for r in rows:
+            cells = r if len(r) == len(COLUMNS) else [r[0], r[1]] + [""] * (len(COLUMNS) - 2)
+            out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        return "\n".join(out)
+    widths = [max(len(COLUMNS[i]), *(len(r[i]) for r in rows if len(r) == len(COLUMNS)))
+              for i in range(len(COLUMNS))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False))
+    out = [line(COLUMNS), line(["-" * w for w in widths])]
+    for r in rows:
+        out.append(line(r) if len(r) == len(COLUMNS) else f"{r[0].ljust(widths[0])}  {r[1]}")
+    return "\n".join(out)
+
+
+def legend(results: dict) -> list[str]:
+    m = results["meta"]
+    return [
+        "step ms: median of the measured steps (slowest rank per step); tokens/s: global "
+        "tokens per step / median (compute-only: the same global tokens over its one-rank "
+        "step, i.e. the no-communication limit)",
+        f"vs FSDP2: tokens/s ratio to {m['baseline']}; exposed ms: step minus compute-only "
+        "step (communication not hidden + framework overhead)",
+        f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
+        "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
+        "RS reduce-scatter, AR all-reduce)",
+        "compile s: first step minus median step (compiled variants)",
+        f"loss ok: max |loss - {m['loss_reference']} loss| over all steps <= "
+        f"{m['loss_tolerance']:g} (float32; reduction order and compiler fusions differ); "
+        "compute-only trains on one rank's data, so n/a",
+    ]
+
+
+def write_outputs(results: dict, out_root: str | Path) -> Path:
+    """``<out_root>/<timestamp>/`` with results.json, report.md and results.png."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(out_root) / stamp
+    suffix = 1
+    while out.exists():
+        out = Path(out_root) / f"{stamp}-{suffix}"
+        suffix += 1
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    failed = [r for r in results["variants"] if r["status"] != "ok"]
+    md = ["# simplefsdp benchmark", "", *[f"- {line}" for line in header_lines(results)], "",
+          format_table(results, markdown=True), "", "## Columns", "",
+          *[f"- {line}" for line in legend(results)], ""]
+    if failed:
+        md += ["## Failed variants", "", *[f"- **{r['name']}**: {r['error']}" for r in failed],
+               ""]
+    md += ["## Variants", "", *[f"- `{r['name']}`: {r['description']}"
+                                for r in results["variants"]], "",
+           "![tokens/s and memory](results.png)", ""]
+    (out / "report.md").write_text("\n".join(md))
+    plot(results, out / "results.png")
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    """Two bar charts side by side: tokens/s and peak memory per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results["variants"] if r["status"] == "ok"]
+    names = [r["name"] for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * max(len(names), 3) + 1.6))
+    for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (global)"),
+                           (axes[1], "peak_mem_mib", "peak memory per rank (MiB)")):
+        values = [r[key] for r in ok]
+        colors = ["tab:gray" if r["name"] == "compute-only" else
+                  "tab:orange" if r["name"].startswith(("fsdp2", "ddp")) else "tab:blue"
+                  for r in ok]
+        ax.barh(names, values, color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[1].set_yticklabels([])
+    m = results["meta"]
+    title = (f"{m['model']} model, world size {m['world_size']}, {m['device']} "
+             f"({m['process_group']}), torch {m['torch']}")
+    if m["fake_pg"]:
+        title += " - FAKE process group: tokens/s not real"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

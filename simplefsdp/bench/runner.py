@@ -1,0 +1,242 @@
+"""The measurement loop, run on every rank of an initialized process group.
+
+1. Every variant is built once from the same initial weights (see ``variants.py``).
+2. Steps run interleaved: step ``i`` of every variant, then step ``i + 1``, with the
+   variant order rotated each step, so machine-load drift hits all variants alike.
+   Each variant gets the same per-rank batches in the same order.
+3. The first step of each variant compiles (its time minus the median is the compile
+   time); the last warm-up step runs under the profiler (collectives, memory); the
+   ``steps`` after it are timed (``perf_counter`` between a barrier and the loss's
+   ``.item()``; the slowest rank's time counts).
+
+A variant that raises (while building or in any step) is dropped on *all* ranks: after
+each build and each step the ranks agree, over a separate gloo group, whether any of
+them failed. A rank that fails before a collective its peers are inside leaves them
+waiting until the process group's timeout, which then fails them too: slow, never hung.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import simplefsdp as sf
+
+from ..models.llama import Transformer, num_params
+from ..train.data import TextDataset
+from . import measure
+from .config import BenchConfig
+from .variants import VARIANTS, BuildContext, Built, VariantSpec, VariantUnavailable
+
+
+class Control:
+    """Barriers and agreement between ranks, on their own gloo group (so they never
+    interleave with the model's collectives); trivial for a single (fake) process."""
+
+    def __init__(self, fake: bool, timeout_s: float):
+        import datetime
+
+        self.fake = fake
+        self.group = None if fake else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def barrier(self) -> None:
+        if not self.fake:
+            dist.barrier(group=self.group)
+
+    def any(self, flag: bool) -> bool:
+        if self.fake:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def gather(self, obj: object) -> list:
+        if self.fake:
+            return [obj]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+@dataclass
+class _Live:
+    """One variant while it runs on this rank."""
+
+    spec: VariantSpec
+    built: Built
+    optimizer: torch.optim.Optimizer
+    times: list[float] = field(default_factory=list)  # every step, warm-up included
+    losses: list[float] = field(default_factory=list)
+    collectives: dict[str, int] = field(default_factory=dict)
+    held: int = 0
+    transient: int = 0
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    first = text[0] if text else type(e).__name__
+    return first[:400]
+
+
+def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
+    import os
+
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    torch.set_num_threads(threads)
+    dynamo = torch._dynamo.config
+    # One compiled code object (Transformer.forward, TransformerBlock.forward) per variant
+    # and block: stay far from the recompile limit.
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), 256))
+
+
+def _batches(cfg: BenchConfig, rank: int, world: int, device: torch.device):
+    total = cfg.warmup + cfg.steps
+    loader = TextDataset().loader("train", cfg.batch_size, cfg.seq_len, dp_rank=rank,
+                                  dp_world=world, seed=cfg.seed)
+    return [tuple(t.to(device) for t in next(loader)) for _ in range(total)]
+
+
+def _train_step(live: _Live, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    logits = live.built.model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    live.optimizer.step()
+    live.optimizer.zero_grad(set_to_none=True)
+    return loss.item()  # synchronizes (CUDA) and ends the timed region
+
+
+def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
+                  local_world: int = 1) -> dict | None:
+    """Build, run and measure every selected variant; rank 0 returns the raw results
+    (see ``report.summarize``), the other ranks None."""
+    _setup_torch(cfg, local_world)
+    device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" \
+        else torch.device("cpu")
+    control = Control(fake, cfg.timeout_s)
+    args = cfg.model_args()
+    fsdp_mesh = sf.make_mesh(dp_shard=world, device_type=cfg.device)["dp_shard"]
+    replicate_mesh = sf.make_mesh(dp_replicate=world, dp_shard=1, device_type=cfg.device)
+    torch.manual_seed(cfg.seed)
+    reference = Transformer(args)
+    reference.init_weights()
+    ctx = BuildContext(args, {k: v.detach().clone() for k, v in reference.state_dict().items()},
+                       fsdp_mesh, replicate_mesh, device, cfg.compile_backend)
+    n_params = num_params(reference)
+    del reference
+    batches = _batches(cfg, rank, world, device)
+
+    failed: dict[str, str] = {}
+    live: list[_Live] = []
+    for name in cfg.selected_variants():
+        spec = VARIANTS[name]
+        error = None
+        try:
+            built = spec.build(ctx)
+            optimizer = torch.optim.AdamW(built.model.parameters(), lr=cfg.lr)
+        except Exception as e:  # noqa: BLE001 - recorded, the others go on
+            error = _error_text(e)
+            expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting
+            detail = error if expected else traceback.format_exc()
+            print(f"[bench rank {rank}] building {name} failed: {detail}", file=sys.stderr)
+        if _agree_failed(control, name, error, failed):
+            continue
+        live.append(_Live(spec, built, optimizer))
+
+    profile_step = cfg.warmup - 1
+    for i in range(cfg.warmup + cfg.steps):
+        shift = i % max(len(live), 1)
+        for v in live[shift:] + live[:shift]:
+            error = None
+            control.barrier()
+            try:
+                if not v.spec.rank0_only or rank == 0:
+                    _one_step(v, batches[i], i == profile_step, device)
+            except Exception as e:  # noqa: BLE001
+                error = _error_text(e)
+                print(f"[bench rank {rank}] {v.spec.name} step {i} failed:\n"
+                      f"{traceback.format_exc()}", file=sys.stderr)
+            _agree_failed(control, v.spec.name, error, failed)
+        if any(v.spec.name in failed for v in live):
+            live = [v for v in live if v.spec.name not in failed]
+            gc.collect()
+    control.barrier()
+    mine = {v.spec.name: _record(v) for v in live}
+    everyone = control.gather(mine)
+    if rank != 0:
+        return None
+    return {"n_params": n_params, "failed": failed,
+            "variants": _merge(cfg, [v.spec.name for v in live], everyone)}
+
+
+def _agree_failed(control: Control, name: str, error: str | None,
+                  failed: dict[str, str]) -> bool:
+    """Whether any rank failed ``name``; records the first rank's message."""
+    if not control.any(error is not None):
+        return False
+    messages = control.gather(error)
+    failed[name] = next((f"rank {r}: {m}" for r, m in enumerate(messages) if m),
+                        "failed on another rank")
+    return True
+
+
+def _one_step(v: _Live, batch, profiled: bool, device: torch.device) -> None:
+    inputs, targets = batch
+    if profiled:
+        v.held = measure.held_bytes(v.built.model, v.optimizer)
+        loss, v.collectives, v.transient = measure.profiled_step(
+            lambda: _train_step(v, inputs, targets), device)
+        v.times.append(float("nan"))
+    else:
+        start = time.perf_counter()
+        loss = _train_step(v, inputs, targets)
+        v.times.append(time.perf_counter() - start)
+    v.losses.append(loss)
+
+
+def _record(v: _Live) -> dict:
+    rec = {"times": v.times, "losses": v.losses, "collectives": v.collectives,
+           "held": v.held, "transient": v.transient}
+    backend = v.built.backend
+    if backend is not None and getattr(backend, "reports", None) is not None:
+        rec["passes"] = [{"graph": r.graph, "collectives_before": r.collectives_before,
+                          "collectives_after": r.collectives_after,
+                          "buckets": len(r.buckets), "moves": len(r.moves),
+                          "pass_s": r.pass_seconds} for r in backend.reports]
+    return rec
+
+
+def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str, dict]:
+    """Combine the ranks' records: slowest rank per step, mean loss, largest memory."""
+    out = {}
+    for name in names:
+        spec = VARIANTS[name]
+        recs = [r[name] for r in everyone]
+        if spec.rank0_only:
+            recs = recs[:1]
+        times = [max(ts) for ts in zip(*(r["times"] for r in recs), strict=True)]
+        losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in recs), strict=True)]
+        measured = times[cfg.warmup:]
+        out[name] = {
+            "first_step_s": times[0],
+            "step_times_s": measured,
+            "median_step_s": statistics.median(measured),
+            "losses": losses,
+            "collectives_per_step": recs[0]["collectives"],
+            "held_bytes": max(r["held"] for r in recs),
+            "transient_bytes": max(r["transient"] for r in recs),
+            "peak_bytes": max(r["held"] + r["transient"] for r in recs),
+            "passes": recs[0].get("passes"),
+        }
+    return out

@@ -1,0 +1,181 @@
+"""The benchmark's variants: how each one turns the same initial weights into a model.
+
+Every variant starts from one state dict (same seed on every rank, so the same values
+everywhere) and gets its own AdamW optimizer. ``build`` raises
+:class:`VariantUnavailable` when this torch lacks what the variant needs; the runner
+then records the variant as failed instead of stopping. Each builder creates its
+compile backend *before* the first collective (``data_parallel`` broadcasts rank 0's
+weights), so a backend that refuses its settings fails on every rank before any rank
+enters a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import simplefsdp as sf
+
+from ..models.llama import ModelArgs, Transformer
+
+
+class VariantUnavailable(RuntimeError):
+    """The variant cannot run on this torch or with these settings."""
+
+
+@dataclass
+class BuildContext:
+    """What every builder may use; identical on every rank."""
+
+    args: ModelArgs
+    init_state: dict[str, torch.Tensor]
+    fsdp_mesh: DeviceMesh  # 1-D, all ranks: fully_shard
+    replicate_mesh: DeviceMesh  # the (pp, dp_replicate, dp_shard, tp) mesh for replicate
+    device: torch.device
+    compile_backend: str  # "inductor" or "aot_eager", for our compiled variants and FSDP2
+
+
+@dataclass
+class Built:
+    """A built variant: call ``model`` on tokens; ``backend`` is ours when compiled with it."""
+
+    model: nn.Module
+    backend: object | None = None
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str
+    description: str
+    build: Callable[[BuildContext], Built]
+    compiled: bool = False
+    communicates: bool = True  # False: the compute-only reference
+    rank0_only: bool = False  # True: only rank 0 trains (the others wait)
+
+
+def plain_model(ctx: BuildContext) -> Transformer:
+    """A fresh, unsharded model holding the shared initial weights."""
+    model = Transformer(ctx.args)
+    model.load_state_dict(ctx.init_state)
+    return model.to(ctx.device)
+
+
+# ---------------------------------------------------------------------------------------
+# simplefsdp variants.
+# ---------------------------------------------------------------------------------------
+def _simplefsdp(bucketing: str | None, reordering: bool = False) -> Callable[[BuildContext], Built]:
+    """Eager (``bucketing=None``) or compiled with our backend and these passes."""
+
+    def build(ctx: BuildContext) -> Built:
+        backend = None
+        if bucketing is not None:  # may raise (e.g. "auto" not available yet): no collective yet
+            backend = sf.compile_backend(backend=ctx.compile_backend, bucketing=bucketing,
+                                         reordering=reordering)
+        model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)
+        if backend is not None:
+            model = torch.compile(model, fullgraph=True, backend=backend)
+        return Built(model, backend)
+
+    return build
+
+
+def _replicate(ctx: BuildContext) -> Built:
+    model = sf.data_parallel(plain_model(ctx), ctx.replicate_mesh, mode="replicate")
+    return Built(model)
+
+
+# ---------------------------------------------------------------------------------------
+# Torch's own FSDP passes, on our frontend (plain Inductor with upstream options).
+# ---------------------------------------------------------------------------------------
+UPSTREAM_FX_BUCKETING = {
+    "bucket_all_gathers_fx": "only_fsdp",
+    "bucket_reduce_scatters_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+}
+UPSTREAM_OVERLAP_SCHEDULER = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": True,
+    "aten_distributed_optimizations.collective_bucketing": True,
+}
+
+
+def _check_inductor_options(patches: dict) -> None:
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    missing = [k for k in patches if k not in known]
+    if missing:
+        raise VariantUnavailable(f"unavailable on this torch ({torch.__version__}): Inductor "
+                                 f"has no config {missing}")
+
+
+def _upstream(patches: dict) -> Callable[[BuildContext], Built]:
+    def build(ctx: BuildContext) -> Built:
+        _check_inductor_options(patches)
+
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=dict(patches))
+
+        model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)
+        return Built(torch.compile(model, fullgraph=True, backend=backend))
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2 and the compute-only reference.
+# ---------------------------------------------------------------------------------------
+def _fsdp2(compile_blocks: bool) -> Callable[[BuildContext], Built]:
+    def build(ctx: BuildContext) -> Built:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError as e:
+            raise VariantUnavailable(f"unavailable on this torch: {e}") from e
+        model = plain_model(ctx)
+        for block in model.layers.values():
+            if compile_blocks:  # in place, so names and hooks stay on the block itself
+                block.compile(backend=ctx.compile_backend, fullgraph=True)
+            fully_shard(block, mesh=ctx.fsdp_mesh)
+        fully_shard(model, mesh=ctx.fsdp_mesh)
+        return Built(model)
+
+    return build
+
+
+def _compute_only(ctx: BuildContext) -> Built:
+    return Built(plain_model(ctx))
+
+
+_SPECS = [
+    VariantSpec("simplefsdp-eager", "simplefsdp fully_shard, eager", _simplefsdp(None)),
+    VariantSpec("simplefsdp-compiled", "simplefsdp + torch.compile, no passes",
+                _simplefsdp("none"), compiled=True),
+    VariantSpec("simplefsdp-bucketing", "+ manual bucketing (one bucket per block)",
+                _simplefsdp("manual"), compiled=True),
+    VariantSpec("simplefsdp-reordering", "+ manual bucketing + reordering",
+                _simplefsdp("manual", True), compiled=True),
+    VariantSpec("simplefsdp-auto", "+ auto wrapping + reordering",
+                _simplefsdp("auto", True), compiled=True),
+    VariantSpec("upstream-fx-bucketing",
+                "our frontend, plain Inductor + bucket_*_fx + reorder_for_compute_comm_overlap",
+                _upstream(UPSTREAM_FX_BUCKETING), compiled=True),
+    VariantSpec("upstream-overlap-scheduler",
+                "our frontend, plain Inductor + aten_distributed_optimizations overlap "
+                "scheduling + collective bucketing",
+                _upstream(UPSTREAM_OVERLAP_SCHEDULER), compiled=True),
+    VariantSpec("fsdp2-eager", "torch FSDP2 fully_shard per block + root, eager",
+                _fsdp2(False)),
+    VariantSpec("fsdp2-compiled-blocks", "FSDP2, each block torch.compile'd before fully_shard",
+                _fsdp2(True), compiled=True),
+    VariantSpec("ddp-replicate", "simplefsdp mode='replicate' (DDP), eager", _replicate),
+    VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
+                _compute_only, communicates=False, rank0_only=True),
+]
+VARIANTS: dict[str, VariantSpec] = {s.name: s for s in _SPECS}
+BASELINE = "fsdp2-eager"  # the ratio column divides by this one
+LOSS_REFERENCE = "simplefsdp-eager"  # losses are compared against this one
