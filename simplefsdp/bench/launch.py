@@ -125,8 +125,8 @@ def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
                 break
             time.sleep(poll_s)
     finally:
-        for p in procs:
-            if p.is_alive() and status:
+        for p in procs:  # alive here only after a failure or an interrupt
+            if p.is_alive():
                 p.terminate()
             p.join(timeout=30)
             if p.is_alive():

@@ -71,6 +71,7 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
         median = m["median_step_s"]
         tps = tokens / median
         row.update(status="ok", error=None, median_step_s=median, tokens_per_s=tps,
+                   min_step_s=min(m["step_times_s"]), max_step_s=max(m["step_times_s"]),
                    step_times_s=m["step_times_s"], first_step_s=m["first_step_s"])
         row["ratio_vs_fsdp2"] = tps / (tokens / baseline["median_step_s"]) if baseline else None
         row["exposed_comm_s"] = (median - compute["median_step_s"]
@@ -219,6 +220,16 @@ def write_outputs(results: dict, out_root: str | Path) -> Path:
     if failed:
         md += ["## Failed variants", "", *[f"- **{r['name']}**: {r['error']}" for r in failed],
                ""]
+    ok = [r for r in results["variants"] if r["status"] == "ok"]
+    md += ["## Step time spread (measured steps, ms)", "",
+           *[f"- {r['name']}: min {r['min_step_s'] * 1e3:.1f}, median "
+             f"{r['median_step_s'] * 1e3:.1f}, max {r['max_step_s'] * 1e3:.1f}" for r in ok], ""]
+    passes = [(r["name"], p) for r in ok for p in r.get("passes") or []]
+    if passes:
+        md += ["## What our passes did (rank 0, per compiled graph)", "",
+               *[f"- {name} {p['graph']}: collectives {p['collectives_before']} -> "
+                 f"{p['collectives_after']}, {p['buckets']} buckets, {p['moves']} moves, "
+                 f"{p['pass_s'] * 1e3:.0f} ms" for name, p in passes], ""]
     md += ["## Variants", "", *[f"- `{r['name']}`: {r['description']}"
                                 for r in results["variants"]], "",
            "![tokens/s and memory](results.png)", ""]
@@ -234,16 +245,13 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in results["variants"] if r["status"] == "ok"]
-    names = [r["name"] for r in ok]
+    rows = results["variants"]
+    names = [r["name"] if r["status"] == "ok" else f"{r['name']} (failed)" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * max(len(names), 3) + 1.6))
     for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s (global)"),
                            (axes[1], "peak_mem_mib", "peak memory per rank (MiB)")):
-        values = [r[key] for r in ok]
-        colors = ["tab:gray" if r["name"] == "compute-only" else
-                  "tab:orange" if r["name"].startswith(("fsdp2", "ddp")) else "tab:blue"
-                  for r in ok]
-        ax.barh(names, values, color=colors)
+        values = [r[key] if r["status"] == "ok" else 0.0 for r in rows]
+        ax.barh(names, values, color=[_color(r["name"]) for r in rows])
         ax.invert_yaxis()
         ax.set_xlabel(label)
         ax.grid(axis="x", alpha=0.3)
@@ -257,3 +265,14 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _color(name: str) -> str:
+    """Ours blue, torch's upstream passes green, FSDP2 orange, compute-only gray."""
+    if name == "compute-only":
+        return "tab:gray"
+    if name.startswith("fsdp2"):
+        return "tab:orange"
+    if name.startswith("upstream"):
+        return "tab:green"
+    return "tab:blue"
