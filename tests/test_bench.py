@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from simplefsdp.bench.__main__ import build_config, parse_args
 from simplefsdp.bench.config import BenchConfig, BenchConfigError, load_config
@@ -109,3 +110,42 @@ def test_world_size_mismatch_under_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(BenchConfigError, match="torchrun started 4"):
         run_torchrun(BenchConfig(world_size=2))
+
+
+class _FailsOnRank1(nn.Module):
+    """A model whose forward raises on rank 1 from its second step on."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, tokens):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls >= 2:
+            raise RuntimeError("boom on rank 1")
+        return self.inner(tokens)
+
+
+def _run_with_broken_variant(rank, world):
+    from simplefsdp.bench import runner, variants
+
+    spec = variants.VariantSpec(
+        "broken", "fails on one rank mid-run",
+        lambda ctx: variants.Built(_FailsOnRank1(variants.plain_model(ctx))))
+    variants.VARIANTS["broken"] = spec
+    cfg = BenchConfig(model_overrides={"n_layers": 1, "dim": 32}, seq_len=16, batch_size=2,
+                      warmup=2, steps=2, world_size=world,
+                      variants=["simplefsdp-eager", "broken", "fsdp2-eager"])
+    return runner.run_benchmark(cfg, rank, world, fake=False, local_world=world)
+
+
+def test_a_variant_failing_on_one_rank_is_dropped_on_all():
+    from multiprocess import run_ranks
+
+    raw, other = run_ranks(_run_with_broken_variant, 2)
+    assert other is None
+    assert raw["failed"] == {"broken": "rank 1: RuntimeError: boom on rank 1"}
+    assert set(raw["variants"]) == {"simplefsdp-eager", "fsdp2-eager"}
+    assert len(raw["variants"]["fsdp2-eager"]["losses"]) == 4
