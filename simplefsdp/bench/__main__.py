@@ -4,7 +4,8 @@
     python -m simplefsdp.bench --config configs/bench_debug.toml --variants \\
         simplefsdp-eager,simplefsdp-reordering,fsdp2-eager,compute-only
     torchrun --standalone --nproc_per_node=2 -m simplefsdp.bench
-    python -m simplefsdp.bench --device cuda --world-size 8 --fake-pg  # one GPU
+    python -m simplefsdp.bench --device cuda --world-size 8   # 1 GPU: real world 1 + fake 8
+    python -m simplefsdp.bench --device cuda --world-size 8 --fake-pg  # the fake run only
     python -m simplefsdp.bench --list
 
 Flags override the config file; the config file overrides the defaults.
@@ -13,6 +14,7 @@ Flags override the config file; the config file overrides the defaults.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tomllib
 
@@ -89,6 +91,24 @@ def build_config(ns: argparse.Namespace) -> tuple[BenchConfig, bool]:
     return cfg, explicit_world
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _real_then_fake(cfg: BenchConfig) -> int:
+    """Fewer GPUs than ranks: a real run on the GPUs there are, then a fake-process-group
+    run at the requested world size (compile time, memory, collective counts only)."""
+    real = dataclasses.replace(cfg, world_size=_gpus())
+    print(f"[bench] {cfg.world_size} ranks requested, {real.world_size} GPU(s) found: real "
+          f"run at world size {real.world_size}, then a fake-process-group run at world size "
+          f"{cfg.world_size} (its timings are not real)", flush=True)
+    status = run_spawned(real)
+    run_fake(dataclasses.replace(cfg, fake_pg=True))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.list:
@@ -110,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         if under_torchrun():
             run_torchrun(cfg)
             return 0
+        if cfg.device == "cuda" and 0 < _gpus() < cfg.world_size:
+            return _real_then_fake(cfg)
         return run_spawned(cfg)
     except BenchConfigError as e:
         print(f"error: {e}", file=sys.stderr)

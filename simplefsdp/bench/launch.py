@@ -7,7 +7,9 @@
   are stopped and the command fails.
 * ``--fake-pg``: one process joins a fake process group of ``world_size`` ranks (for a
   single GPU): collectives return immediately, so only compile time, memory and
-  collective counts are meaningful.
+  collective counts are meaningful. ``--device cuda`` with fewer GPUs than
+  ``world_size`` (and no ``--fake-pg``) runs both: a real run on the GPUs there are,
+  then the fake run (see ``__main__``).
 """
 
 from __future__ import annotations

@@ -84,10 +84,11 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                    losses=m["losses"], final_loss=m["losses"][-1])
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
-        if spec.communicates and reference is not None and not cfg.fake_pg:
+        same_data = spec.communicates or cfg.world_size == 1
+        if same_data and reference is not None and not cfg.fake_pg:
             diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
             row.update(max_loss_diff=diff, loss_match=diff <= cfg.loss_tolerance)
-        else:  # compute-only trains on one rank's data; a fake group returns garbage
+        else:  # compute-only trains on rank 0's data alone; a fake group returns garbage
             row.update(max_loss_diff=None, loss_match=None)
         rows.append(row)
     real_timing = not cfg.fake_pg
@@ -199,7 +200,8 @@ def legend(results: dict) -> list[str]:
         "compile s: first step minus median step (compiled variants)",
         f"loss ok: max |loss - {m['loss_reference']} loss| over all steps <= "
         f"{m['loss_tolerance']:g} (float32; reduction order and compiler fusions differ); "
-        "compute-only trains on one rank's data, so n/a",
+        "compute-only trains on rank 0's data alone (n/a unless world size 1); fake process "
+        "group: n/a",
     ]
 
 
