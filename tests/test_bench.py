@@ -21,9 +21,9 @@ from simplefsdp.bench.config import BenchConfig, BenchConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_VARIANTS = ["simplefsdp-eager", "simplefsdp-reordering", "simplefsdp-auto",
-                  "fsdp2-eager", "ddp-replicate", "compute-only"]
+                  "fsdp2-eager", "ddp-replicate", "torch-ddp", "compute-only"]
 MUST_RUN = {"simplefsdp-eager", "simplefsdp-reordering", "fsdp2-eager", "ddp-replicate",
-            "compute-only"}  # simplefsdp-auto may still be unavailable: ok or failed
+            "torch-ddp", "compute-only"}  # simplefsdp-auto may still be unavailable: ok or failed
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -69,6 +69,7 @@ def test_smoke_two_ranks(tmp_path):
     assert rows["fsdp2-eager"]["collectives_per_step"].get("all_gather", 0) > 0
     assert rows["simplefsdp-eager"]["collectives_per_step"].get("reduce_scatter", 0) > 0
     assert rows["ddp-replicate"]["collectives_per_step"].get("all_reduce", 0) > 0
+    assert rows["torch-ddp"]["collectives_per_step"].get("all_reduce", 0) > 0
     assert rows["simplefsdp-reordering"]["compile_s"] is not None
     # Same weights, same data: every data-parallel variant trains the same model.
     for name, row in rows.items():

@@ -270,10 +270,11 @@ def plot(results: dict, path: Path) -> None:
 
 
 def _color(name: str) -> str:
-    """Ours blue, torch's upstream passes green, FSDP2 orange, compute-only gray."""
+    """Ours blue, torch's upstream passes green, FSDP2 / torch DDP orange, compute-only
+    gray."""
     if name == "compute-only":
         return "tab:gray"
-    if name.startswith("fsdp2"):
+    if name.startswith(("fsdp2", "torch-")):
         return "tab:orange"
     if name.startswith("upstream"):
         return "tab:green"

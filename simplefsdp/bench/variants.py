@@ -147,6 +147,15 @@ def _fsdp2(compile_blocks: bool) -> Callable[[BuildContext], Built]:
     return build
 
 
+def _torch_ddp(ctx: BuildContext) -> Built:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = plain_model(ctx)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # The only buffer (the RoPE table) is derived from the config: nothing to broadcast.
+    return Built(DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False))
+
+
 def _compute_only(ctx: BuildContext) -> Built:
     return Built(plain_model(ctx))
 
@@ -173,6 +182,7 @@ _SPECS = [
     VariantSpec("fsdp2-compiled-blocks", "FSDP2, each block torch.compile'd before fully_shard",
                 _fsdp2(True), compiled=True),
     VariantSpec("ddp-replicate", "simplefsdp mode='replicate' (DDP), eager", _replicate),
+    VariantSpec("torch-ddp", "torch DistributedDataParallel, eager", _torch_ddp),
     VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
                 _compute_only, communicates=False, rank0_only=True),
 ]
