@@ -38,7 +38,7 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
 def test_smoke_two_ranks(tmp_path):
     proc = _bench(tmp_path, "--world-size", "2", "--model-arg", "n_layers=1",
                   "--model-arg", "dim=32", "--seq-len", "16", "--batch-size", "2",
-                  "--warmup", "2", "--steps", "2", "--compile-backend", "aot_eager",
+                  "--warmup", "3", "--steps", "2", "--compile-backend", "aot_eager",
                   "--variants", ",".join(SMOKE_VARIANTS))
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = list(tmp_path.iterdir())
@@ -62,7 +62,7 @@ def test_smoke_two_ranks(tmp_path):
         for key in ("median_step_s", "tokens_per_s", "ratio_vs_fsdp2", "peak_mem_mib",
                     "collectives_per_step", "final_loss", "losses", "step_times_s"):
             assert key in row, (name, key)
-        assert len(row["step_times_s"]) == 2 and len(row["losses"]) == 4
+        assert len(row["step_times_s"]) == 2 and len(row["losses"]) == 5
         assert row["peak_mem_mib"] > 0
     # Communication shows up where it should, and nowhere else.
     assert rows["compute-only"]["collectives_per_step"] == {}
@@ -70,6 +70,7 @@ def test_smoke_two_ranks(tmp_path):
     assert rows["simplefsdp-eager"]["collectives_per_step"].get("reduce_scatter", 0) > 0
     assert rows["ddp-replicate"]["collectives_per_step"].get("all_reduce", 0) > 0
     assert rows["torch-ddp"]["collectives_per_step"].get("all_reduce", 0) > 0
+    assert "broadcast" not in rows["torch-ddp"]["collectives_per_step"]  # steady state
     assert rows["simplefsdp-reordering"]["compile_s"] is not None
     # Same weights, same data: every data-parallel variant trains the same model.
     for name, row in rows.items():
@@ -87,7 +88,7 @@ def test_unknown_variant_is_a_clear_error(tmp_path):
 
 def test_config_validation(tmp_path):
     with pytest.raises(BenchConfigError, match="warmup"):
-        BenchConfig(warmup=1).validate()
+        BenchConfig(warmup=2).validate()
     with pytest.raises(BenchConfigError, match="max_seq_len"):
         BenchConfig(seq_len=10_000).validate()
     with pytest.raises(BenchConfigError, match="unknown \\[model\\] keys"):
@@ -137,7 +138,7 @@ def _run_with_broken_variant(rank, world):
         lambda ctx: variants.Built(_FailsOnRank1(variants.plain_model(ctx))))
     variants.VARIANTS["broken"] = spec
     cfg = BenchConfig(model_overrides={"n_layers": 1, "dim": 32}, seq_len=16, batch_size=2,
-                      warmup=2, steps=2, world_size=world,
+                      warmup=3, steps=2, world_size=world,
                       variants=["simplefsdp-eager", "broken", "fsdp2-eager"])
     return runner.run_benchmark(cfg, rank, world, fake=False, local_world=world)
 
@@ -149,4 +150,4 @@ def test_a_variant_failing_on_one_rank_is_dropped_on_all():
     assert other is None
     assert raw["failed"] == {"broken": "rank 1: RuntimeError: boom on rank 1"}
     assert set(raw["variants"]) == {"simplefsdp-eager", "fsdp2-eager"}
-    assert len(raw["variants"]["fsdp2-eager"]["losses"]) == 4
+    assert len(raw["variants"]["fsdp2-eager"]["losses"]) == 5

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help="sequences per rank and step (default 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 128)")
     p.add_argument("--steps", type=int, help="measured steps per variant (default 10)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per variant, >= 2 (default 2)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per variant, >= 3 (default 3)")
     p.add_argument("--variants", help="comma-separated subset (see --list; default all)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--fake-pg", action="store_true", default=None,

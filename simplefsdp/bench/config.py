@@ -35,7 +35,9 @@ class BenchConfig:
     world_size: int = 2
     batch_size: int = 4  # sequences per rank and step
     seq_len: int = 128
-    warmup: int = 2  # unmeasured steps per variant: the first compiles, the last is profiled
+    # Unmeasured steps per variant: the first compiles (FSDP2 and DDP initialize lazily),
+    # the second settles (DDP rebuilds its buckets), the last one runs under the profiler.
+    warmup: int = 3
     steps: int = 10  # measured steps per variant
     variants: list[str] = field(default_factory=list)  # empty: all of them
     device: str = "cpu"  # cpu (gloo) or cuda (nccl)
@@ -70,9 +72,9 @@ class BenchConfig:
         for name in ("world_size", "batch_size", "seq_len", "steps"):
             if getattr(self, name) < 1:
                 raise BenchConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 2:
-            raise BenchConfigError(f"warmup must be >= 2 (the first step compiles, the last "
-                                   f"warm-up step is profiled), got {self.warmup}")
+        if self.warmup < 3:
+            raise BenchConfigError(f"warmup must be >= 3 (step 1 compiles, step 2 settles, "
+                                   f"the last warm-up step is profiled), got {self.warmup}")
         if self.device not in ("cpu", "cuda"):
             raise BenchConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.compile_backend not in ("inductor", "aot_eager"):

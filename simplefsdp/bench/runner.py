@@ -5,7 +5,8 @@
    variant order rotated each step, so machine-load drift hits all variants alike.
    Each variant gets the same per-rank batches in the same order.
 3. The first step of each variant compiles (its time minus the median is the compile
-   time); the last warm-up step runs under the profiler (collectives, memory); the
+   time); the second lets lazy set-up settle (DDP rebuilds its buckets then); the last
+   warm-up step runs under the profiler (collectives, memory); the
    ``steps`` after it are timed (``perf_counter`` between a barrier and the loss's
    ``.item()``; the slowest rank's time counts).
 

@@ -11,6 +11,7 @@ enters a collective.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,8 +153,12 @@ def _torch_ddp(ctx: BuildContext) -> Built:
 
     model = plain_model(ctx)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # The only buffer (the RoPE table) is derived from the config: nothing to broadcast.
-    return Built(DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False))
+    # The only buffer (the RoPE table) is derived from the config: nothing to sync per
+    # forward. torch 2.13 renamed the option (the old name warns); 2.11 has only the old.
+    params = inspect.signature(DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params \
+        else {"broadcast_buffers": False}
+    return Built(DistributedDataParallel(model, device_ids=device_ids, **no_sync))
 
 
 def _compute_only(ctx: BuildContext) -> Built:
