@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "time, memory and collective counts only")
     p.add_argument("--compile-backend", choices=("inductor", "aot_eager"),
                    help="backend for our compiled variants and FSDP2 per-block compile")
+    p.add_argument("--compile-cache", action="store_true", default=None,
+                   help="keep Inductor's caches on (faster reruns; compile s then is warm)")
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--threads", type=int, help="torch threads per rank (0: cores / ranks)")
@@ -81,6 +83,8 @@ def build_config(ns: argparse.Namespace) -> tuple[BenchConfig, bool]:
             setattr(cfg, name, value)
     if ns.fake_pg:
         cfg.fake_pg = True
+    if ns.compile_cache:
+        cfg.compile_cache = True
     if ns.variants:
         cfg.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
     for item in ns.model_arg:

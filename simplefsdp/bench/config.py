@@ -43,6 +43,7 @@ class BenchConfig:
     device: str = "cpu"  # cpu (gloo) or cuda (nccl)
     fake_pg: bool = False  # one process pretends to be world_size ranks (compile/memory only)
     compile_backend: str = "inductor"  # for our compiled variants and FSDP2 per-block
+    compile_cache: bool = False  # False: Inductor/AOT caches off, so compile time is cold
     lr: float = 1e-3
     seed: int = 0
     threads: int = 0  # torch threads per rank; 0: CPU cores / local ranks

@@ -103,7 +103,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
             "model": cfg.model, "model_args": vars(args), "n_params": raw["n_params"],
             "batch_size_per_rank": cfg.batch_size, "seq_len": cfg.seq_len,
             "tokens_per_step": tokens, "warmup": cfg.warmup, "steps": cfg.steps,
-            "compile_backend": cfg.compile_backend, "lr": cfg.lr, "seed": cfg.seed,
+            "compile_backend": cfg.compile_backend, "compile_cache": cfg.compile_cache,
+            "lr": cfg.lr, "seed": cfg.seed,
             "threads_per_rank": torch.get_num_threads(),
             "memory_measure": CUDA_MEMORY_MEASURE if cfg.device == "cuda"
             else CPU_MEMORY_MEASURE,
@@ -197,7 +198,8 @@ def legend(results: dict) -> list[str]:
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
         "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
         "RS reduce-scatter, AR all-reduce)",
-        "compile s: first step minus median step (compiled variants)",
+        "compile s: first step minus median step (compiled variants); Inductor caches "
+        + ("on: may be a warm compile" if m.get("compile_cache") else "off: a cold compile"),
         f"loss ok: max |loss - {m['loss_reference']} loss| over all steps <= "
         f"{m['loss_tolerance']:g} (float32; reduction order and compiler fusions differ); "
         "compute-only trains on rank 0's data alone (n/a unless world size 1); fake process "

@@ -93,6 +93,15 @@ def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
 
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     torch.set_num_threads(threads)
+    if not cfg.compile_cache:  # a cold compile every run: comparable compile times
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+
+        for module, name in ((inductor_config, "fx_graph_cache"),
+                             (inductor_config, "fx_graph_remote_cache"),
+                             (functorch_config, "enable_autograd_cache")):
+            if hasattr(module, name):
+                setattr(module, name, False)
     dynamo = torch._dynamo.config
     # One compiled code object (Transformer.forward, TransformerBlock.forward) per variant
     # and block: stay far from the recompile limit.
