@@ -64,6 +64,7 @@ def test_smoke_two_ranks(tmp_path):
             assert key in row, (name, key)
         assert len(row["step_times_s"]) == 2 and len(row["losses"]) == 5
         assert row["peak_mem_mib"] > 0
+        assert row["compiles_in_measured_steps"] == 0, name
     # Communication shows up where it should, and nowhere else.
     assert rows["compute-only"]["collectives_per_step"] == {}
     assert rows["fsdp2-eager"]["collectives_per_step"].get("all_gather", 0) > 0

@@ -39,8 +39,10 @@ def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
         return None
     results = summarize(cfg, raw, backend)
     out = write_outputs(results, cfg.output_dir)
+    late = [r["name"] for r in results["variants"] if r.get("compiles_in_measured_steps")]
+    warning = [f"WARNING: compiled during measured steps: {', '.join(late)}"] if late else []
     print("\n".join(["", *header_lines(results), "", format_table(results), "",
-                     *legend(results), "", f"results: {out}"]), flush=True)
+                     *legend(results), *warning, "", f"results: {out}"]), flush=True)
     return out
 
 

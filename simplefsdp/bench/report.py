@@ -82,6 +82,7 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                    collectives_per_step=m["collectives_per_step"],
                    collectives_total=sum(m["collectives_per_step"].values()),
                    losses=m["losses"], final_loss=m["losses"][-1])
+        row["compiles_in_measured_steps"] = m["compiles_in_measured_steps"]
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
         same_data = spec.communicates or cfg.world_size == 1
@@ -225,6 +226,11 @@ def write_outputs(results: dict, out_root: str | Path) -> Path:
         md += ["## Failed variants", "", *[f"- **{r['name']}**: {r['error']}" for r in failed],
                ""]
     ok = [r for r in results["variants"] if r["status"] == "ok"]
+    late = [r for r in ok if r.get("compiles_in_measured_steps")]
+    if late:
+        md += ["## Warning: compiled during measured steps", "",
+               *[f"- {r['name']}: {r['compiles_in_measured_steps']} graph(s); its step times "
+                 f"include compilation (raise --warmup)" for r in late], ""]
     md += ["## Step time spread (measured steps, ms)", "",
            *[f"- {r['name']}: min {r['min_step_s'] * 1e3:.1f}, median "
              f"{r['median_step_s'] * 1e3:.1f}, max {r['max_step_s'] * 1e3:.1f}" for r in ok], ""]

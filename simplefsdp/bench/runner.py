@@ -80,6 +80,7 @@ class _Live:
     collectives: dict[str, int] = field(default_factory=dict)
     held: int = 0
     transient: int = 0
+    late_compiles: int = 0  # graphs Dynamo compiled during measured steps (should be 0)
 
 
 def _error_text(e: BaseException) -> str:
@@ -172,11 +173,15 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
             control.barrier()
             try:
                 if not v.spec.rank0_only or rank == 0:
+                    graphs = _graphs_compiled()
                     _one_step(v, batches[i], i == profile_step, device)
+                    if i >= cfg.warmup:
+                        v.late_compiles += _graphs_compiled() - graphs
             except Exception as e:  # noqa: BLE001
                 error = _error_text(e)
                 print(f"[bench rank {rank}] {v.spec.name} step {i} failed:\n"
                       f"{traceback.format_exc()}", file=sys.stderr)
+                _leave_forward_state()
             _agree_failed(control, v.spec.name, error, failed)
         if any(v.spec.name in failed for v in live):
             live = [v for v in live if v.spec.name not in failed]
@@ -188,6 +193,33 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
         return None
     return {"n_params": n_params, "failed": failed,
             "variants": _merge(cfg, [v.spec.name for v in live], everyone)}
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def _leave_forward_state() -> None:
+    """Undo what a forward that raised left behind in simplefsdp's module state.
+
+    An exception while ``torch.compile`` compiles a ``data_parallel`` model's forward
+    skips the root's exit hook, so the eager forward-depth counter stays above zero:
+    every later compiled variant then fails a guard and recompiles, and eager variants
+    gather parameters outside forward. Reset it so one failed variant cannot change the
+    ones measured after it.
+    """
+    import importlib
+
+    try:
+        data_parallel = importlib.import_module("simplefsdp.data_parallel")
+        if getattr(data_parallel, "_forward_depth", 0):
+            data_parallel._forward_depth = 0
+            importlib.import_module("simplefsdp.eager_reshard").end_forward()
+    except Exception as e:  # noqa: BLE001 - best effort; never turn one failure into two
+        print(f"[bench] could not reset simplefsdp forward state: {e}", file=sys.stderr)
 
 
 def _agree_failed(control: Control, name: str, error: str | None,
@@ -217,7 +249,7 @@ def _one_step(v: _Live, batch, profiled: bool, device: torch.device) -> None:
 
 def _record(v: _Live) -> dict:
     rec = {"times": v.times, "losses": v.losses, "collectives": v.collectives,
-           "held": v.held, "transient": v.transient}
+           "held": v.held, "transient": v.transient, "late_compiles": v.late_compiles}
     backend = v.built.backend
     if backend is not None and getattr(backend, "reports", None) is not None:
         rec["passes"] = [{"graph": r.graph, "collectives_before": r.collectives_before,
@@ -248,5 +280,6 @@ def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str
             "transient_bytes": max(r["transient"] for r in recs),
             "peak_bytes": max(r["held"] + r["transient"] for r in recs),
             "passes": recs[0].get("passes"),
+            "compiles_in_measured_steps": max(r["late_compiles"] for r in recs),
         }
     return out
