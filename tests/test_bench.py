@@ -152,3 +152,21 @@ def test_a_variant_failing_on_one_rank_is_dropped_on_all():
     assert raw["failed"] == {"broken": "rank 1: RuntimeError: boom on rank 1"}
     assert set(raw["variants"]) == {"simplefsdp-eager", "fsdp2-eager"}
     assert len(raw["variants"]["fsdp2-eager"]["losses"]) == 5
+
+
+def test_fake_process_group_mode(tmp_path):
+    """One process as 4 ranks (the single-GPU mode, here on CPU): sharding shows in the
+    held memory; timings are flagged as not real and losses are not compared."""
+    proc = _bench(tmp_path, "--fake-pg", "--world-size", "4", "--model-arg", "n_layers=1",
+                  "--model-arg", "dim=32", "--seq-len", "16", "--batch-size", "2",
+                  "--steps", "2", "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(next(tmp_path.glob("*/results.json")).read_text())
+    meta = results["meta"]
+    assert meta["fake_pg"] and meta["process_group"] == "fake" and meta["world_size"] == 4
+    assert meta["real_figures"] != "all"
+    rows = {r["name"]: r for r in results["variants"]}
+    assert all(r["status"] == "ok" and r["loss_match"] is None for r in rows.values())
+    full = rows["compute-only"]["held_mib"]
+    for name in ("simplefsdp-eager", "fsdp2-eager"):  # a quarter of the state, plus buffers
+        assert rows[name]["held_mib"] < 0.4 * full, (name, rows[name]["held_mib"], full)
