@@ -7,6 +7,9 @@ backward), which the default partitioner would drop.
 
 Every pass decision depends only on the sequence of collectives and module names, which
 is the same on every rank, so every rank issues the same collectives in the same order.
+``bucketing="auto"`` also reads measured numbers (communication model, compute times),
+agreed across ranks before use; its pass runs collectives, so Inductor's graph caches
+are bypassed for it (a rank that hit the cache would skip them and hang the others).
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from pathlib import Path
 
 from torch import fx
 
-from . import manual_wrap
+from . import auto_wrap, cost_model, manual_wrap
 from .bucketing import bucket_collectives, single
 from .collectives import find_collectives, is_backward, stable_topological_sort
 from .reordering import reorder
 
 log = logging.getLogger("simplefsdp.compiler")
 BACKENDS = ("inductor", "aot_eager")
-BUCKETING = ("none", "manual")
+BUCKETING = ("none", "manual", "auto")
 
 
 @dataclass
@@ -45,6 +48,12 @@ class GraphReport:
     schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
     overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
     pass_seconds: float = 0.0
+    # bucketing="auto" only: one decision per candidate collective after the first (its
+    # inputs: estimated comm, compute window, memory, and the outcome), the comm model
+    # used, and the estimated exposed communication of the chosen buckets.
+    decisions: list[auto_wrap.Decision] = field(default_factory=list)
+    comm_model: dict | None = None
+    estimated_exposed_s: float | None = None
 
     def __str__(self) -> str:
         lines = [f"[simplefsdp] {self.graph}: collectives {self.collectives_before} -> "
@@ -53,6 +62,10 @@ class GraphReport:
         lines += [f"  bucket {b['kind']} {b['name']}: {b['count']} tensors, {b['bytes']} B"
                   for b in self.buckets if b["count"] > 1]
         lines += [f"  {m}" for m in self.moves] + [f"  note: {n}" for n in self.notes]
+        if self.comm_model is not None:
+            lines.append(f"  auto: comm model {self.comm_model}, estimated exposed "
+                         f"communication {self.estimated_exposed_s * 1e3:.3f} ms")
+        lines += [f"  decision: {d}" for d in self.decisions]
         return "\n".join(lines)
 
 
@@ -61,15 +74,16 @@ class SimpleFSDPBackend:
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
-                 memory_limit_gb: float | None = None):
+                 memory_limit_gb: float | None = None,
+                 comm_model: cost_model.CommModel | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if bucketing == "auto":
-            raise ValueError("bucketing='auto' is not available yet; use 'manual' "
-                             "(default per-block plan) or 'none'")
         if bucketing not in BUCKETING:
-            raise ValueError(f"bucketing must be one of {BUCKETING + ('auto',)}, "
-                             f"got {bucketing!r}")
+            raise ValueError(f"bucketing must be one of {BUCKETING}, got {bucketing!r}")
+        self.memory_limit_bytes = auto_wrap.check_memory_limit(memory_limit_gb)
+        if comm_model is not None and not isinstance(comm_model, cost_model.CommModel):
+            raise ValueError(f"comm_model must be a cost_model.CommModel (or None to "
+                             f"calibrate on the process group), got {type(comm_model)}")
         if module_plan is not None and bucketing != "manual":
             raise ValueError("module_plan is used only with bucketing='manual'")
         if module_plan is not None:
@@ -78,6 +92,11 @@ class SimpleFSDPBackend:
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
         self.reports: list[GraphReport] = []
+        # bucketing="auto": comm model per process group (given, or calibrated once per
+        # backend instance through cost_model's disk cache) and measured op times.
+        self._given_comm_model = comm_model
+        self._comm_models: dict[str, cost_model.CommModel] = {}
+        self._compute_cache: dict = {}
 
     # -- torch.compile entry point ------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -96,8 +115,10 @@ class SimpleFSDPBackend:
                 gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs,
-                          config_patches={"post_grad_custom_post_pass": _InductorPass(self)})
+        patches = {"post_grad_custom_post_pass": _InductorPass(self)}
+        if self.bucketing == "auto":  # the pass is collective: every rank must run it
+            patches["fx_graph_cache"] = False
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     # -- the passes ---------------------------------------------------------------------
     def run_passes(self, graph: fx.Graph) -> GraphReport:
@@ -115,6 +136,15 @@ class SimpleFSDPBackend:
                 report.notes.append(f"plan entries matching no collective: {unused}")
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
+        elif self.bucketing == "auto":
+            comm = self.comm_model_for(collectives)
+            plan = auto_wrap.plan(graph, collectives, backward, comm, self.memory_limit_bytes,
+                                  compute_cache=self._compute_cache)
+            report.decisions = plan.decisions
+            report.comm_model = comm.to_dict()
+            report.estimated_exposed_s = plan.estimated_exposed_s
+            buckets = bucket_collectives(graph, collectives, plan.assignment)
+            stable_topological_sort(graph)
         else:
             buckets = [single(c, i) for i, c in enumerate(collectives)]
         if self.reordering:
@@ -129,6 +159,18 @@ class SimpleFSDPBackend:
         log.info("%s", report)
         return report
 
+    def comm_model_for(self, collectives) -> cost_model.CommModel:
+        """The communication model for the collectives' process group: the one given, or
+        ``cost_model.get_comm_model`` (disk cache, else calibrated; collective), once per
+        group for this backend."""
+        if self._given_comm_model is not None:
+            return self._given_comm_model
+        group = auto_wrap.group_of(collectives)
+        key = group.group_name if group is not None else ""
+        if key not in self._comm_models:
+            self._comm_models[key] = cost_model.get_comm_model(group)
+        return self._comm_models[key]
+
     def buckets_of(self, graph: str) -> list[dict]:
         """Bucket summaries of the latest report for "forward" or "backward"."""
         return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
@@ -136,10 +178,17 @@ class SimpleFSDPBackend:
 
 def compile_backend(backend: str = "inductor", bucketing: str = "none",
                     reordering: bool = True, module_plan: Sequence | None = None,
-                    memory_limit_gb: float | None = None) -> SimpleFSDPBackend:
+                    memory_limit_gb: float | None = None,
+                    comm_model: cost_model.CommModel | None = None) -> SimpleFSDPBackend:
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
-    bucketing and reordering passes on the forward and backward graphs."""
-    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb)
+    bucketing and reordering passes on the forward and backward graphs.
+
+    ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
+    ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
+    ``comm_model`` or, when None, a model calibrated on the process group (cached on
+    disk, see ``cost_model.get_comm_model``)."""
+    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
+                             comm_model)
 
 
 def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
@@ -199,8 +248,10 @@ class _InductorPass(_inductor_pass_base()):
     def __call__(self, graph: fx.Graph) -> None:
         self.owner.run_passes(graph)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:
         o = self.owner
+        if o.bucketing == "auto":
+            return None  # not cacheable: the pass measures and talks to the other ranks
         settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
         return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 

@@ -1,0 +1,331 @@
+"""Auto wrapping: choose the buckets greedily under time and memory constraints
+(SimpleFSDP section 3.3.2, Table 1, Algorithm 1).
+
+The core, :func:`greedy_buckets`, is a pure function over a list of :class:`Step` (one
+per all-gather in issue order: its bytes, the compute that uses its parameters, the
+memory that compute needs, and in backward the bytes of the reduce-scatters of the same
+parameters). It walks the steps and either extends the open bucket with the next step or
+closes it:
+
+* extend when the bucket's communication (plus, in backward, the reduce-scatter of the
+  step before) still fits under the computation it is prefetched behind and the bucket's
+  memory stays under the limit: Algorithm 1 as written;
+* when it no longer fits, extend anyway if that exposes no more communication than
+  issuing the step as its own collective (on a high-latency fabric one more ``alpha``
+  costs more than the extra bytes), as long as the memory still fits.
+
+:func:`plan` turns a graph into steps (compute measured by ``cost_model``, agreed across
+ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
+``bucketing.bucket_collectives``; reduce-scatters follow the bucket of the all-gather of
+the same parameter. Every number a decision reads is agreed across ranks first, so all
+ranks bucket identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+from torch import fx
+
+from . import cost_model
+from .collectives import Collective
+
+GB = 1e9  # memory_limit_gb counts decimal gigabytes
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective of the greedy, in issue order.
+
+    ``nbytes``: full (unsharded) bytes of the collective (T_mi from the comm model).
+    ``compute_s``: computation that uses what it gathered (T_ci); once in a closed bucket
+    it is the window the next bucket's communication hides behind.
+    ``memory_bytes``: memory live while that computation runs (M_ci).
+    ``overlap_bytes``: bytes of the reduce-scatters that mirror this step (backward): they
+    share the following step's window (T_mi^RS).
+    """
+
+    name: str
+    nbytes: int
+    compute_s: float
+    memory_bytes: int
+    overlap_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why step ``index`` did or did not join the open bucket: the numbers Algorithm 1
+    compares (seconds and bytes) and the outcome."""
+
+    index: int
+    name: str
+    merged: bool
+    reason: str
+    comm_s: float  # T_(m+mi): the bucket's communication if the step joined it
+    overlap_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
+    compute_s: float  # T_c: the window the bucket is prefetched behind
+    memory_bytes: int  # M_c + M_ci
+    memory_limit_bytes: float | None
+    exposed_if_merged_s: float
+    exposed_if_split_s: float
+
+    def __str__(self) -> str:
+        limit = "none" if self.memory_limit_bytes is None else f"{self.memory_limit_bytes:.3g}"
+        return (f"{'merge' if self.merged else 'close'} before {self.name}: {self.reason} "
+                f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.overlap_s * 1e3:.3f} ms vs "
+                f"compute {self.compute_s * 1e3:.3f} ms; memory {self.memory_bytes} B, "
+                f"limit {limit}; exposed merged/split {self.exposed_if_merged_s * 1e3:.3f}/"
+                f"{self.exposed_if_split_s * 1e3:.3f} ms)")
+
+
+def check_memory_limit(memory_limit_gb: float | None) -> float | None:
+    """``memory_limit_gb`` in bytes; None means no limit. Raises on a non-positive value."""
+    if memory_limit_gb is None:
+        return None
+    if isinstance(memory_limit_gb, bool) or not isinstance(memory_limit_gb, int | float) \
+            or not memory_limit_gb > 0:
+        raise ValueError(f"memory_limit_gb must be a positive number of GB (1e9 bytes), or "
+                         f"None for no limit; got {memory_limit_gb!r}")
+    return float(memory_limit_gb) * GB
+
+
+def _comm(model: cost_model.CommModel, kind: str, nbytes: int) -> float:
+    """Time of one collective; no bytes means no collective, hence no latency either."""
+    return model.predict(kind, nbytes) if nbytes > 0 else 0.0
+
+
+def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
+                   memory_limit_bytes: float | None = None, kind: str = "all_gather",
+                   overlap_kind: str = "reduce_scatter"
+                   ) -> tuple[list[list[int]], list[Decision]]:
+    """Algorithm 1 over ``steps``: buckets as lists of step indices, and one decision per
+    step after the first.
+
+    The bucket being built is prefetched behind the computation of the previous closed
+    bucket (the window; zero for the first bucket, which nothing precedes) while, in
+    backward, the reduce-scatter of the bucket before that is also in flight. A step joins
+    when the memory fits and merging exposes no more communication than a split would
+    (which includes every case where the merged bucket still fits in its window).
+    Pure and deterministic: same inputs, same buckets.
+    """
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
+    if not steps:
+        return [], []
+    buckets: list[list[int]] = []
+    decisions: list[Decision] = []
+    current = [0]
+    window, rs_window, rs_before = 0.0, 0.0, 0.0  # see the docstring
+
+    def total(idx: list[int], field: str) -> float:
+        return sum(getattr(steps[j], field) for j in idx)
+
+    for i in range(1, len(steps)):
+        step = steps[i]
+        merged_comm = _comm(comm, kind, int(total(current, "nbytes")) + step.nbytes)
+        alone_comm = _comm(comm, kind, int(total(current, "nbytes")))
+        memory = int(total(current, "memory_bytes")) + step.memory_bytes
+        exposed_merged = max(0.0, rs_before + merged_comm - window)
+        # split: the bucket closes as is; the step is prefetched behind its computation
+        # while the reduce-scatter of the window's bucket is in flight.
+        exposed_split = max(0.0, rs_before + alone_comm - window) + max(
+            0.0, rs_window + _comm(comm, kind, step.nbytes) - total(current, "compute_s"))
+        memory_ok = memory_limit_bytes is None or memory <= memory_limit_bytes
+        if not memory_ok:
+            merged, reason = False, "memory over the limit"
+        elif rs_before + merged_comm <= window:
+            merged, reason = True, "fits under compute"
+        elif exposed_merged <= exposed_split:
+            merged, reason = True, "exposed either way; one collective exposes less"
+        else:
+            merged, reason = False, "would expose more communication than a new bucket"
+        decisions.append(Decision(i, step.name, merged, reason, merged_comm, rs_before,
+                                  window, memory, memory_limit_bytes, exposed_merged,
+                                  exposed_split))
+        if merged:
+            current.append(i)
+            continue
+        buckets.append(current)
+        rs_before, rs_window = rs_window, _comm(comm, overlap_kind,
+                                                int(total(current, "overlap_bytes")))
+        window = total(current, "compute_s")
+        current = [i]
+    buckets.append(current)
+    return buckets, decisions
+
+
+def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
+                     comm: cost_model.CommModel, kind: str = "all_gather",
+                     overlap_kind: str = "reduce_scatter") -> float:
+    """Seconds of communication left exposed by ``buckets`` under the greedy's model.
+
+    Bucket k's collective runs behind bucket k-1's computation together with bucket
+    k-2's reduce-scatter; the first bucket's collective is fully exposed, and after the
+    last bucket its reduce-scatter and the one before it only have the last computation
+    (the one before) and nothing (the last) to hide behind.
+    """
+    comp = [sum(steps[j].compute_s for j in b) for b in buckets]
+    main = [_comm(comm, kind, sum(steps[j].nbytes for j in b)) for b in buckets]
+    rs = [_comm(comm, overlap_kind, sum(steps[j].overlap_bytes for j in b)) for b in buckets]
+    exposed = 0.0
+    for k in range(len(buckets)):
+        window = comp[k - 1] if k >= 1 else 0.0
+        before = rs[k - 2] if k >= 2 else 0.0
+        exposed += max(0.0, before + main[k] - window)
+    if len(buckets) >= 2:
+        exposed += max(0.0, rs[-2] - comp[-1])
+    if buckets:
+        exposed += rs[-1]
+    return exposed
+
+
+# ---------------------------------------------------------------------------- FX side
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` decided for one graph."""
+
+    assignment: dict[fx.Node, str]
+    steps: list[Step]
+    buckets: list[list[int]]
+    decisions: list[Decision]
+    estimated_exposed_s: float
+    kind: str
+
+    def decision_dicts(self) -> list[dict]:
+        """The decisions as plain dicts (picklable, comparable across ranks)."""
+        return [asdict(d) for d in self.decisions]
+
+
+def _segments(nodes: list[fx.Node], anchors: list[fx.Node]) -> list[list[int]]:
+    """Node positions from each anchor (exclusive) to the next anchor (inclusive of the
+    nodes before it); the last segment runs to the end of the graph."""
+    index = {n: i for i, n in enumerate(nodes)}
+    marks = [index[a] for a in anchors] + [len(nodes)]
+    return [list(range(marks[k] + 1, marks[k + 1])) for k in range(len(anchors))]
+
+
+def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
+    """Peak growth of live bytes within ``segment`` over the bytes live at ``start``."""
+    if not segment:
+        return 0
+    return max(0, max(live[j] for j in segment) - live[start])
+
+
+def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective],
+                  node_seconds: list[float], reverse: bool = False) -> list[Step]:
+    """Steps for the greedy from a graph's collectives (before any bucketing).
+
+    ``primary``: the collectives that define steps (all-gathers; backward reduce-scatters
+    when there is no re-gather). A step's computation is what runs between its wait and
+    the next step's wait (forward), or between the previous reduce-scatter and its own
+    (``reverse``: reduce-scatters hide behind the computation that follows them, so the
+    greedy walks them backwards). ``overlap``: reduce-scatters mirrored onto the
+    all-gather of the same module (or, failing that, the step whose segment holds them).
+    Memory: the gathered (or reduced) bytes plus the segment's peak growth in live bytes.
+    """
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    _, live = cost_model.peak_memory_estimate(graph)
+    if reverse:
+        anchors = [c.start for c in primary]
+        bounds = [-1] + [index[a] for a in anchors]
+        segments = [list(range(bounds[k] + 1, bounds[k + 1])) for k in range(len(anchors))]
+        starts = [max(b, 0) for b in bounds[:-1]]
+    else:
+        segments = _segments(nodes, [c.wait for c in primary])
+        starts = [index[c.wait] for c in primary]
+    owner = owner_steps(graph, primary, overlap)
+    overlap_bytes = [0] * len(primary)
+    for c in overlap:
+        overlap_bytes[owner[c.start]] += c.nbytes
+    steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
+                  c.nbytes + _segment_memory(live, seg, s), ob)
+             for c, seg, s, ob in zip(primary, segments, starts, overlap_bytes, strict=True)]
+    return steps[::-1] if reverse else steps
+
+
+def owner_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective]
+                ) -> dict[fx.Node, int]:
+    """For each ``overlap`` collective, the index of the ``primary`` step it follows: the
+    first step of the same module, else the last step whose wait precedes it."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    by_module: dict[str, int] = {}
+    for k, c in enumerate(primary):
+        by_module.setdefault(c.module, k)
+    waits = [index[c.wait] for c in primary]
+    owner = {}
+    for c in overlap:
+        if c.module in by_module:
+            owner[c.start] = by_module[c.module]
+        else:
+            before = [k for k, w in enumerate(waits) if w < index[c.start]]
+            owner[c.start] = before[-1] if before else 0
+    return owner
+
+
+def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
+    first, last = steps[members[0]].name, steps[members[-1]].name
+    return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
+
+
+def group_of(collectives: list[Collective]) -> dist.ProcessGroup | None:
+    """The process group of the collectives (they are all FSDP's), or the default one."""
+    if not collectives or not dist.is_initialized():
+        return None
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    name = collectives[0].start.args[-1]
+    return name if isinstance(name, dist.ProcessGroup) else _resolve_process_group(name)
+
+
+def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
+         comm: cost_model.CommModel, memory_limit_bytes: float | None,
+         measure: bool = True, compute_cache: dict | None = None) -> Plan:
+    """Bucket assignment for one graph (before bucketing), by Algorithm 1.
+
+    Collective when a process group exists: every rank measures its nodes' compute time,
+    and the per-step computation and memory are agreed (MAX) across the collectives'
+    group before any decision, so every rank returns the same plan.
+    """
+    gathers = [c for c in collectives if c.kind == "all_gather"]
+    scatters = [c for c in collectives if c.kind == "reduce_scatter"]
+    if gathers:
+        primary, overlap, kind, reverse = gathers, scatters, "all_gather", False
+    else:
+        primary, overlap, kind, reverse = scatters, [], "reduce_scatter", True
+    if not primary:
+        return Plan({}, [], [], [], 0.0, kind)
+    seconds = cost_model.estimate_graph_compute(graph, measure=measure, cache=compute_cache,
+                                                agree=False)
+    steps = profile_steps(graph, primary, overlap, seconds, reverse)
+    steps = _agree_steps(steps, group_of(primary))
+    buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
+    exposed = estimate_exposed(steps, buckets, comm, kind)
+    in_graph_order = primary[::-1] if reverse else primary
+    assignment: dict[fx.Node, str] = {}
+    names = {}
+    for k, members in enumerate(buckets):
+        name = _bucket_name(k, steps, members)
+        for j in members:
+            assignment[in_graph_order[j].start] = name
+            names[j] = name
+    if overlap:
+        owner = owner_steps(graph, primary, overlap)
+        for c in overlap:
+            assignment[c.start] = names[owner[c.start]]
+    return Plan(assignment, steps, buckets, decisions, exposed, kind)
+
+
+def _agree_steps(steps: list[Step], group: dist.ProcessGroup | None) -> list[Step]:
+    """Replace each step's measured computation and memory by the MAX across ranks (also
+    the bytes, which should already match), so every rank decides on the same numbers."""
+    if not dist.is_initialized() or not steps:
+        return steps
+    flat = [v for s in steps for v in (s.compute_s, s.memory_bytes, s.nbytes, s.overlap_bytes)]
+    agreed = cost_model.agree_across_ranks(flat, group)
+    return [Step(s.name, int(agreed[4 * k + 2]), agreed[4 * k], int(agreed[4 * k + 1]),
+                 int(agreed[4 * k + 3])) for k, s in enumerate(steps)]
