@@ -92,10 +92,11 @@ class SimpleFSDPBackend:
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
         self.reports: list[GraphReport] = []
-        # bucketing="auto": comm model per process group (given, or calibrated once per
-        # backend instance through cost_model's disk cache) and measured op times.
-        self._given_comm_model = comm_model
-        self._comm_models: dict[str, cost_model.CommModel] = {}
+        # bucketing="auto": the comm model (given, or calibrated once here, through
+        # cost_model's disk cache) and measured op times, shared by all graphs.
+        self.comm_model = comm_model
+        if bucketing == "auto" and comm_model is None:
+            self.comm_model = _calibrated_comm_model()
         self._compute_cache: dict = {}
 
     # -- torch.compile entry point ------------------------------------------------------
@@ -137,7 +138,7 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
-            comm = self.comm_model_for(collectives)
+            comm = self.comm_model_for()
             plan = auto_wrap.plan(graph, collectives, backward, comm, self.memory_limit_bytes,
                                   compute_cache=self._compute_cache)
             report.decisions = plan.decisions
@@ -159,17 +160,12 @@ class SimpleFSDPBackend:
         log.info("%s", report)
         return report
 
-    def comm_model_for(self, collectives) -> cost_model.CommModel:
-        """The communication model for the collectives' process group: the one given, or
-        ``cost_model.get_comm_model`` (disk cache, else calibrated; collective), once per
-        group for this backend."""
-        if self._given_comm_model is not None:
-            return self._given_comm_model
-        group = auto_wrap.group_of(collectives)
-        key = group.group_name if group is not None else ""
-        if key not in self._comm_models:
-            self._comm_models[key] = cost_model.get_comm_model(group)
-        return self._comm_models[key]
+    def comm_model_for(self) -> cost_model.CommModel:
+        """The comm model of this backend; without a process group at construction, the
+        disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
+        if self.comm_model is None:
+            self.comm_model = cost_model.get_comm_model(calibrate=False)
+        return self.comm_model
 
     def buckets_of(self, graph: str) -> list[dict]:
         """Bucket summaries of the latest report for "forward" or "backward"."""
@@ -185,10 +181,27 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
 
     ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
     ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
-    ``comm_model`` or, when None, a model calibrated on the process group (cached on
-    disk, see ``cost_model.get_comm_model``)."""
+    ``comm_model`` or, when None, a model calibrated on the default process group when
+    the backend is built (cached on disk, see ``cost_model.get_comm_model``; collective:
+    build the backend on every rank)."""
     return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
                              comm_model)
+
+
+def _calibrated_comm_model() -> cost_model.CommModel | None:
+    """``cost_model.get_comm_model()`` on the default group (disk cache, else calibrated
+    and agreed by all ranks), or None without a process group.
+
+    Called when the backend is built, in eager code on every rank: timing functional
+    collectives from inside the compiler (where the passes run) hangs on gloo, while
+    the plain collectives ``agree_across_ranks`` uses work there.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    _install_cpu_collectives()  # time the all-gather kernel the compiled graphs will use
+    return cost_model.get_comm_model()
 
 
 def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:

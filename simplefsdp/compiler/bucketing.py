@@ -11,6 +11,7 @@ shards), so every rank builds the same bucket even when its graph differs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -45,10 +46,12 @@ def single(c: Collective, index: int | None = None) -> Bucket:
     return Bucket(c.kind, name, [c.module], c.nbytes, c.start, c.wait)
 
 
-def merge(graph: fx.Graph, name: str, members: list[Collective]) -> Bucket:
-    """Replace ``members`` (same kind and group) by one bucketed collective."""
+def merge(graph: fx.Graph, name: str | None, members: list[Collective]) -> Bucket:
+    """Replace ``members`` (same kind and group) by one bucketed collective; a bucket of
+    one keeps its collective and takes ``name`` (None: the collective's module)."""
     if len(members) == 1:
-        return single(members[0])
+        return single(members[0]) if name is None else \
+            dataclasses.replace(single(members[0]), name=name)
     nbytes = sum(c.nbytes for c in members)  # before the members' nodes are erased
     if members[0].kind == "all_gather":
         return _merge_all_gathers(graph, name, members, nbytes)
@@ -148,6 +151,7 @@ def bucket_collectives(graph: fx.Graph, collectives: list[Collective],
     for c in collectives:
         key = (assignment.get(c.start, f"#{c.start.name}"),) + c.group
         groups.setdefault(key, []).append(c)
-    buckets = [merge(graph, key[0], members) for key, members in groups.items()]
+    buckets = [merge(graph, key[0] if members[0].start in assignment else None, members)
+               for key, members in groups.items()]
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(buckets, key=lambda b: order[b.start])
