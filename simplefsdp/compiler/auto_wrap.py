@@ -23,6 +23,7 @@ ranks bucket identically.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -194,6 +195,7 @@ class Plan:
     decisions: list[Decision]
     estimated_exposed_s: float
     kind: str
+    profile_s: float = 0.0  # time spent measuring the graph's compute
 
     def decision_dicts(self) -> list[dict]:
         """The decisions as plain dicts (picklable, comparable across ranks)."""
@@ -299,8 +301,10 @@ def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
         primary, overlap, kind, reverse = scatters, [], "reduce_scatter", True
     if not primary:
         return Plan({}, [], [], [], 0.0, kind)
+    started = time.perf_counter()
     seconds = cost_model.estimate_graph_compute(graph, measure=measure, cache=compute_cache,
                                                 agree=False)
+    profile_s = time.perf_counter() - started
     steps = profile_steps(graph, primary, overlap, seconds, reverse)
     steps = _agree_steps(steps, group_of(primary))
     buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
@@ -317,7 +321,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
         owner = owner_steps(graph, primary, overlap)
         for c in overlap:
             assignment[c.start] = names[owner[c.start]]
-    return Plan(assignment, steps, buckets, decisions, exposed, kind)
+    return Plan(assignment, steps, buckets, decisions, exposed, kind, profile_s)
 
 
 def _agree_steps(steps: list[Step], group: dist.ProcessGroup | None) -> list[Step]:
