@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import fx
@@ -196,10 +196,6 @@ class Plan:
     estimated_exposed_s: float
     kind: str
     profile_s: float = 0.0  # time spent measuring the graph's compute
-
-    def decision_dicts(self) -> list[dict]:
-        """The decisions as plain dicts (picklable, comparable across ranks)."""
-        return [asdict(d) for d in self.decisions]
 
 
 def _segments(nodes: list[fx.Node], anchors: list[fx.Node]) -> list[list[int]]:
