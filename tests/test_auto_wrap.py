@@ -154,6 +154,18 @@ def _auto_variants(rank: int, world: int, cache_dir: str) -> dict:
             assert fwd.comm_model["source"] in ("calibrated", "cache")
         out[name] = [(r.graph, r.schedule, [str(d) for d in r.decisions], r.buckets)
                      for r in be.reports]
+    # No re-gather in backward: the reduce-scatters are the steps (walked backwards).
+    torch._dynamo.reset()
+    eager_keep = _step(_fresh(world, reshard_after_forward=False), rank, world)
+    be = sf.compile_backend(backend="aot_eager", bucketing="auto")
+    model = _fresh(world, reshard_after_forward=False)
+    result = _step(torch.compile(model, fullgraph=True, backend=be), rank, world)
+    assert _diff(result, eager_keep) == 0.0
+    bwd = next(r for r in be.reports if r.graph == "backward")
+    assert "all_gather" not in bwd.collectives_before
+    assert len(bwd.decisions) == bwd.collectives_before["reduce_scatter"] - 1
+    _check_schedule(bwd)
+    out["no_regather"] = [(r.graph, r.schedule, r.buckets) for r in be.reports]
     # Inductor: the pass talks to the other rank, so it must run on every compile; a
     # second compile of the same graph must not be served from Inductor's caches.
     for attempt in range(2):
