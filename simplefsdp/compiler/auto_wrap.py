@@ -199,8 +199,8 @@ class Plan:
 
 
 def _segments(nodes: list[fx.Node], anchors: list[fx.Node]) -> list[list[int]]:
-    """Node positions from each anchor (exclusive) to the next anchor (inclusive of the
-    nodes before it); the last segment runs to the end of the graph."""
+    """Per anchor, the positions strictly between it and the next anchor (the last one
+    runs to the end of the graph): the work done after one wait and before the next."""
     index = {n: i for i, n in enumerate(nodes)}
     marks = [index[a] for a in anchors] + [len(nodes)]
     return [list(range(marks[k] + 1, marks[k + 1])) for k in range(len(anchors))]
