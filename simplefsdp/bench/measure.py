@@ -82,12 +82,37 @@ def _collective_kind(name: str) -> str | None:
     return op
 
 
+def _blocks(name: str) -> bool:
+    """Whether the caller is blocked in communication while this op runs: a c10d
+    collective (eager or issued by a functional one) or a functional collective / its
+    ``wait_tensor``."""
+    return name.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")) \
+        or name.endswith("::wait_tensor")
+
+
+def _union_s(spans: list[tuple[int, int]]) -> float:
+    """Seconds covered by the union of ``(start_ns, end_ns)`` spans: nested and
+    overlapping events (a ``c10d::`` op inside its functional collective) count once."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total / 1e9
+
+
 def profiled_step(step: Callable[[], float], device: torch.device
-                  ) -> tuple[float, dict[str, int], int]:
-    """Run ``step`` under the profiler: (its loss, collectives by kind, transient bytes).
+                  ) -> tuple[float, dict[str, int], int, float]:
+    """Run ``step`` under the profiler: (its loss, collectives by kind, transient bytes,
+    seconds blocked in communication).
 
     Collectives are the ``c10d::`` dispatcher ops (one per collective the process group
     runs, eager or compiled, FSDP2 included); waits and barriers are not counted.
+    Blocked time is the union of the spans of every op ``_blocks`` names. An eager
+    ``Work.wait()`` is no profiler event, so for eager c10d collectives (FSDP2, DDP) only
+    the time inside the op counts: a lower bound there; exact for functional
+    collectives (simplefsdp), whose ``wait_tensor`` is an op.
     """
     cuda = device.type == "cuda"
     if cuda:
@@ -98,12 +123,15 @@ def profiled_step(step: Callable[[], float], device: torch.device
         loss = step()
     counts: Counter[str] = Counter()
     memory: list[tuple[int, int]] = []
+    blocked: list[tuple[int, int]] = []
     for event in prof.profiler.kineto_results.events():
         name = event.name()
         if name == "[memory]":
             if event.device_type() == torch.autograd.DeviceType.CPU:
                 memory.append((event.start_ns(), event.nbytes()))
             continue
+        if _blocks(name):
+            blocked.append((event.start_ns(), event.start_ns() + event.duration_ns()))
         kind = _collective_kind(name)
         if kind is not None:
             counts[kind] += 1
@@ -114,4 +142,4 @@ def profiled_step(step: Callable[[], float], device: torch.device
         for _, nbytes in sorted(memory):
             running += nbytes
             transient = max(transient, running)
-    return loss, dict(sorted(counts.items())), max(0, transient)
+    return loss, dict(sorted(counts.items())), max(0, transient), _union_s(blocked)

@@ -8,6 +8,10 @@ Derived columns (per variant):
 * ``ratio_vs_fsdp2``: tokens/s over FSDP2-eager's.
 * ``exposed_comm_s``: median step time minus the compute-only median: the time the
   step spends beyond its computation (exposed communication plus framework overhead).
+* ``comm_blocked_s``: time the profiled step spent blocked in collectives and their
+  waits (max over ranks; see ``measure.profiled_step``).
+* ``estimated_exposed_comm_s``: ``bucketing="auto"`` only: the cost model's exposed
+  communication, summed over the compiled graphs (rank 0).
 * ``compile_s``: first step time minus the median step time (compiled variants).
 * ``max_loss_diff``: largest |loss - reference loss| over every step; ``loss_match``
   compares it with the tolerance.
@@ -83,6 +87,10 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                    collectives_total=sum(m["collectives_per_step"].values()),
                    losses=m["losses"], final_loss=m["losses"][-1])
         row["compiles_in_measured_steps"] = m["compiles_in_measured_steps"]
+        row["comm_blocked_s"] = m["comm_blocked_s"]
+        estimates = [p["estimated_exposed_s"] for p in m.get("passes") or []
+                     if p.get("estimated_exposed_s") is not None]
+        row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
         same_data = spec.communicates or cfg.world_size == 1
@@ -120,7 +128,7 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
 # Rendering.
 # ---------------------------------------------------------------------------------------
 COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "colls/step",
-           "exposed ms", "compile s", "final loss", "loss ok")
+           "exposed ms", "blocked ms", "est. ms", "compile s", "final loss", "loss ok")
 
 
 def _fmt(value, spec: str, empty: str = "-") -> str:
@@ -148,6 +156,9 @@ def table_rows(results: dict) -> list[list[str]]:
                      _fmt(r["peak_mem_mib"], ".1f"), _collectives(r["collectives_per_step"]),
                      _fmt(None if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
                           ".1f"),
+                     _fmt(r["comm_blocked_s"] * 1e3, ".1f"),
+                     _fmt(None if r["estimated_exposed_comm_s"] is None
+                          else r["estimated_exposed_comm_s"] * 1e3, ".1f"),
                      _fmt(r["compile_s"], ".1f"), _fmt(r["final_loss"], ".5f"), ok])
     return rows
 
@@ -196,6 +207,11 @@ def legend(results: dict) -> list[str]:
         "step, i.e. the no-communication limit)",
         f"vs FSDP2: tokens/s ratio to {m['baseline']}; exposed ms: step minus compute-only "
         "step (communication not hidden + framework overhead)",
+        "blocked ms: time the profiled step was blocked inside collectives and their waits "
+        "(c10d / functional collective ops and wait_tensor, union of spans, max over ranks); "
+        "an eager Work.wait() is no profiler event, so for eager c10d variants (FSDP2, DDP) "
+        "it is a lower bound; est. ms: exposed communication estimated by the auto-wrapping "
+        "cost model (sum over graphs; auto only)",
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
         "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
         "RS reduce-scatter, AR all-reduce)",
@@ -239,13 +255,21 @@ def write_outputs(results: dict, out_root: str | Path) -> Path:
         md += ["## What our passes did (rank 0, per compiled graph)", "",
                *[f"- {name} {p['graph']}: collectives {p['collectives_before']} -> "
                  f"{p['collectives_after']}, {p['buckets']} buckets, {p['moves']} moves, "
-                 f"{p['pass_s'] * 1e3:.0f} ms" for name, p in passes], ""]
+                 f"{p['pass_s'] * 1e3:.0f} ms" + _auto_details(p) + "; merged buckets: "
+                 + (", ".join(p["bucket_names"]) or "none") for name, p in passes], ""]
     md += ["## Variants", "", *[f"- `{r['name']}`: {r['description']}"
                                 for r in results["variants"]], "",
            "![tokens/s and memory](results.png)", ""]
     (out / "report.md").write_text("\n".join(md))
     plot(results, out / "results.png")
     return out
+
+
+def _auto_details(p: dict) -> str:
+    if p.get("estimated_exposed_s") is None:
+        return ""
+    return (f", {p['decisions']} decisions, estimated exposed "
+            f"{p['estimated_exposed_s'] * 1e3:.2f} ms")
 
 
 def plot(results: dict, path: Path) -> None:

@@ -80,6 +80,7 @@ class _Live:
     collectives: dict[str, int] = field(default_factory=dict)
     held: int = 0
     transient: int = 0
+    blocked_s: float = 0.0  # profiled step: time blocked in collectives and their waits
     late_compiles: int = 0  # graphs Dynamo compiled during measured steps (should be 0)
 
 
@@ -237,7 +238,7 @@ def _one_step(v: _Live, batch, profiled: bool, device: torch.device) -> None:
     inputs, targets = batch
     if profiled:
         v.held = measure.held_bytes(v.built.model, v.optimizer)
-        loss, v.collectives, v.transient = measure.profiled_step(
+        loss, v.collectives, v.transient, v.blocked_s = measure.profiled_step(
             lambda: _train_step(v, inputs, targets), device)
         v.times.append(float("nan"))
     else:
@@ -249,12 +250,17 @@ def _one_step(v: _Live, batch, profiled: bool, device: torch.device) -> None:
 
 def _record(v: _Live) -> dict:
     rec = {"times": v.times, "losses": v.losses, "collectives": v.collectives,
-           "held": v.held, "transient": v.transient, "late_compiles": v.late_compiles}
+           "held": v.held, "transient": v.transient, "late_compiles": v.late_compiles,
+           "blocked_s": v.blocked_s}
     backend = v.built.backend
     if backend is not None and getattr(backend, "reports", None) is not None:
         rec["passes"] = [{"graph": r.graph, "collectives_before": r.collectives_before,
                           "collectives_after": r.collectives_after,
                           "buckets": len(r.buckets), "moves": len(r.moves),
+                          "bucket_names": [f"{b['kind']} {b['name']} x{b['count']}"
+                                           for b in r.buckets if b["count"] > 1],
+                          "decisions": len(r.decisions),
+                          "estimated_exposed_s": r.estimated_exposed_s,
                           "pass_s": r.pass_seconds} for r in backend.reports]
     return rec
 
@@ -279,6 +285,7 @@ def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str
             "held_bytes": max(r["held"] for r in recs),
             "transient_bytes": max(r["transient"] for r in recs),
             "peak_bytes": max(r["held"] + r["transient"] for r in recs),
+            "comm_blocked_s": max(r["blocked_s"] for r in recs),
             "passes": recs[0].get("passes"),
             "compiles_in_measured_steps": max(r["late_compiles"] for r in recs),
         }
