@@ -178,3 +178,16 @@ def test_fake_process_group_mode(tmp_path):
     full = rows["compute-only"]["held_mib"]
     for name in ("simplefsdp-eager", "fsdp2-eager"):  # a quarter of the state, plus buffers
         assert rows[name]["held_mib"] < 0.4 * full, (name, rows[name]["held_mib"], full)
+
+
+def test_blocked_time_counts_outermost_communication_once():
+    from simplefsdp.bench.measure import _blocks, _union_s
+
+    assert _blocks("c10d::_allgather_base_") and _blocks("_c10d_functional::wait_tensor")
+    assert _blocks("_c10d_functional::all_gather_into_tensor")
+    assert not _blocks("gloo:all_reduce") and not _blocks("aten::mm")
+    # a c10d op nested in its functional collective, an overlapping wait, a disjoint one
+    spans = [(0, 10_000_000), (2_000_000, 3_000_000), (8_000_000, 12_000_000),
+             (20_000_000, 21_000_000)]
+    assert _union_s(spans) == 0.013
+    assert _union_s([]) == 0
