@@ -11,6 +11,8 @@ same figures for every collective kind.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,6 +56,22 @@ def test_fits_under_compute_merges_and_tight_memory_splits():
     assert all(sum(steps[i].memory_bytes for i in b) <= 3e6 for b in tight)
     assert [d.reason for d in tight_decisions].count("memory over the limit") == 2
     assert aw.greedy_buckets(steps, comm) == (buckets, decisions)  # deterministic
+
+
+def test_no_overlap_means_fewest_buckets_under_memory():
+    # The first test's timeline, but compute hides nothing (gloo sharing the cores):
+    # every split adds an exposed alpha, so one bucket; a memory limit still splits it.
+    steps = _steps([10] * 8)
+    comm = dataclasses.replace(_model(1.0, 1.0), overlap=0.0)
+    buckets, decisions = aw.greedy_buckets(steps, comm)
+    assert buckets == [list(range(8))]
+    assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x overlap
+    assert aw.greedy_buckets(steps, comm, memory_limit_bytes=3e6)[0] == \
+        [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # Half overlap: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
+    # (1 + 4 ms fits, 1 + 5 ms exposes 1 ms, more than a new collective would).
+    half = dataclasses.replace(comm, overlap=0.5)
+    assert aw.greedy_buckets(steps, half)[0][:2] == [[0], [1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize(("alpha_ms", "expected"), [

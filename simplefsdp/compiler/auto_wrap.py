@@ -66,7 +66,7 @@ class Decision:
     reason: str
     comm_s: float  # T_(m+mi): the bucket's communication if the step joined it
     overlap_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
-    compute_s: float  # T_c: the window the bucket is prefetched behind
+    compute_s: float  # T_c: the window the bucket is prefetched behind (x comm.overlap)
     memory_bytes: int  # M_c + M_ci
     memory_limit_bytes: float | None
     exposed_if_merged_s: float
@@ -76,7 +76,7 @@ class Decision:
         limit = "none" if self.memory_limit_bytes is None else f"{self.memory_limit_bytes:.3g}"
         return (f"{'merge' if self.merged else 'close'} before {self.name}: {self.reason} "
                 f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.overlap_s * 1e3:.3f} ms vs "
-                f"compute {self.compute_s * 1e3:.3f} ms; memory {self.memory_bytes} B, "
+                f"window {self.compute_s * 1e3:.3f} ms; memory {self.memory_bytes} B, "
                 f"limit {limit}; exposed merged/split {self.exposed_if_merged_s * 1e3:.3f}/"
                 f"{self.exposed_if_split_s * 1e3:.3f} ms)")
 
@@ -108,8 +108,10 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
     bucket (the window; zero for the first bucket, which nothing precedes) while, in
     backward, the reduce-scatter of the bucket before that is also in flight. A step joins
     when the memory fits and merging exposes no more communication than a split would
-    (which includes every case where the merged bucket still fits in its window).
-    Pure and deterministic: same inputs, same buckets.
+    (which includes every case where the merged bucket still fits in its window). A
+    window hides only ``comm.overlap`` of its computation's time: where collectives and
+    compute share cores (gloo on CPU) prefetching hides little, and fewer, larger buckets
+    win. Pure and deterministic: same inputs, same buckets.
     """
     if memory_limit_bytes is not None and memory_limit_bytes <= 0:
         raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
@@ -123,6 +125,9 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
     def total(idx: list[int], field: str) -> float:
         return sum(getattr(steps[j], field) for j in idx)
 
+    def hides(idx: list[int]) -> float:  # what the computation of ``idx`` can hide
+        return comm.overlap * total(idx, "compute_s")
+
     for i in range(1, len(steps)):
         step = steps[i]
         merged_comm = _comm(comm, kind, int(total(current, "nbytes")) + step.nbytes)
@@ -132,7 +137,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
         # split: the bucket closes as is; the step is prefetched behind its computation
         # while the reduce-scatter of the window's bucket is in flight.
         exposed_split = max(0.0, rs_before + alone_comm - window) + max(
-            0.0, rs_window + _comm(comm, kind, step.nbytes) - total(current, "compute_s"))
+            0.0, rs_window + _comm(comm, kind, step.nbytes) - hides(current))
         memory_ok = memory_limit_bytes is None or memory <= memory_limit_bytes
         if not memory_ok:
             merged, reason = False, "memory over the limit"
@@ -151,7 +156,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
         buckets.append(current)
         rs_before, rs_window = rs_window, _comm(comm, overlap_kind,
                                                 int(total(current, "overlap_bytes")))
-        window = total(current, "compute_s")
+        window = hides(current)
         current = [i]
     buckets.append(current)
     return buckets, decisions
@@ -167,7 +172,7 @@ def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
     last bucket its reduce-scatter and the one before it only have the last computation
     (the one before) and nothing (the last) to hide behind.
     """
-    comp = [sum(steps[j].compute_s for j in b) for b in buckets]
+    comp = [comm.overlap * sum(steps[j].compute_s for j in b) for b in buckets]
     main = [_comm(comm, kind, sum(steps[j].nbytes for j in b)) for b in buckets]
     rs = [_comm(comm, overlap_kind, sum(steps[j].overlap_bytes for j in b)) for b in buckets]
     exposed = 0.0

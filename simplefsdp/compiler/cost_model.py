@@ -95,13 +95,17 @@ class CommModel:
 
     For ``all_gather`` and ``reduce_scatter`` ``n`` is the full (unsharded) tensor size in
     bytes, i.e. the all-gather's output or the reduce-scatter's input; for ``all_reduce``
-    it is the size of the reduced tensor. ``source`` and ``world_size`` describe where the
-    figures came from and take no part in equality.
+    it is the size of the reduced tensor. ``overlap`` is the fraction of concurrent
+    computation that actually hides a collective: ~1 where communication has its own
+    engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
+    a small CPU host); ``calibrate`` measures it. ``source`` and ``world_size`` describe
+    where the figures came from and take no part in equality.
     """
 
     all_gather: tuple[float, float]
     reduce_scatter: tuple[float, float]
     all_reduce: tuple[float, float]
+    overlap: float = 1.0
     world_size: int = dataclasses.field(default=1, compare=False)
     source: str = dataclasses.field(default="unknown", compare=False)
 
@@ -117,22 +121,24 @@ class CommModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
-            "world_size": self.world_size, "source": self.source}
+            "overlap": self.overlap, "world_size": self.world_size, "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
         pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
-        return cls(**pairs, world_size=int(d.get("world_size", 1)),
-                   source=str(d.get("source", "unknown")))
+        return cls(**pairs, overlap=float(d.get("overlap", 1.0)),
+                   world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
 
 
 @dataclass(frozen=True)
 class Fabric:
-    """A link type: per-collective start-up latency and achievable ring bus bandwidth."""
+    """A link type: per-collective start-up latency, achievable ring bus bandwidth, and
+    the fraction of concurrent compute that hides communication (``CommModel.overlap``)."""
 
     alpha_s: float
     bus_bandwidth_Bps: float
     note: str
+    overlap: float = 1.0
 
 
 # Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
@@ -153,7 +159,10 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
     # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
     # their load vary a lot; calibrate instead.
-    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes"),
+    # Overlap: gloo's threads compete with the compute for the same cores; on 2 ranks
+    # sharing 2 cores `measure_overlap` found 0.0-0.33 (64 KiB-4 MiB all-gathers).
+    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
+                                overlap=0.0),
 }
 
 
@@ -168,6 +177,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         all_gather=(spec.alpha_s, ring / bw),
         reduce_scatter=(spec.alpha_s, ring / bw),
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
+        overlap=spec.overlap,
         world_size=n,
         source=f"default:{fabric}",
     )
@@ -298,6 +308,51 @@ def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None =
     return measure_collectives([(kind, nbytes)], group, device, dtype, repeats, warmup)[0]
 
 
+def measure_overlap(group: dist.ProcessGroup | None = None,
+                    device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
+                    repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """The fraction of an all-gather's time that computation running meanwhile hides, on
+    this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1].
+
+    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: matmuls sized to
+    take about as long; ``t_both``: the all-gather started, the matmuls run, then its wait.
+    Prefetching (our reordering) only pays off as far as this fraction allows, so the
+    auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
+    """
+    group = _resolve_group(group)
+    dev = _group_device(group, device)
+    ws = dist.get_world_size(group)
+    c10d = torch.ops._c10d_functional
+    with _outside_modes():
+        shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
+                           dtype=dtype, device=dev)
+        a = torch.randn(256, 256, dtype=dtype, device=dev)
+
+        def comm() -> None:
+            c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
+
+        t_comm = _time_callable(comm, repeats, 2, dev)
+        t_matmul = _time_callable(lambda: a @ a, repeats, 2, dev)
+        # every rank must run the same number of matmuls: agree on it
+        count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
+                                       group)[0])
+
+        def compute() -> None:
+            for _ in range(count):
+                a @ a
+
+        def both() -> None:
+            work = c10d.all_gather_into_tensor(shard, ws, group.group_name)
+            compute()
+            c10d.wait_tensor(work)
+
+        t_compute = _time_callable(compute, repeats, 1, dev)
+        dist.barrier(group)
+        t_both = _time_callable(both, repeats, 1, dev)
+    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
+    return min(max(hidden, 0.0), 1.0)
+
+
 def _time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
                    device: torch.device | None) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs; CUDA events
@@ -337,7 +392,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     sizes interleaved); the per-rank medians are combined with an all-reduce MAX (a
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
     so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
-    defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA.
+    defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA. The
+    overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks.
     """
     group = _resolve_group(group)
     dev = _group_device(group, device)
@@ -355,6 +411,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     for i, kind in enumerate(kinds):
         times = agreed[i * len(sizes):(i + 1) * len(sizes)]
         fitted[kind] = fit_alpha_beta(sizes, times)
+    fitted["overlap"] = agree_across_ranks(
+        [measure_overlap(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
     return CommModel(**fitted)
@@ -371,7 +429,8 @@ def cache_dir() -> Path:
 
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
-    """What a calibration depends on: world and node size, backend, device, torch version."""
+    """What a calibration depends on: world and node size, backend, device, torch version
+    (and the format: a cache written before ``overlap`` existed is not reused)."""
     group = _resolve_group(group)
     dev = _group_device(group, device)
     ws = dist.get_world_size(group)
@@ -386,6 +445,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
+        "format": 2,
     }
 
 
