@@ -87,8 +87,9 @@ def disable_active_parametrization() -> Iterator[None]:
 
 
 def _gather_on_read() -> bool:
-    # Compiled code is only ever the model's forward, so it always gathers.
-    return _parametrization_enabled and (_forward_depth > 0 or torch.compiler.is_compiling())
+    # Compiled code is only ever the model's forward, so it always gathers; testing that
+    # first also keeps the eager counter out of the compiled graph's guards.
+    return _parametrization_enabled and (torch.compiler.is_compiling() or _forward_depth > 0)
 
 
 def _enter_forward(module: nn.Module, args: object) -> None:
@@ -101,7 +102,9 @@ def _enter_forward(module: nn.Module, args: object) -> None:
 
 def _exit_forward(module: nn.Module, args: object, output: object) -> None:
     global _forward_depth
-    if not torch.compiler.is_compiling():
+    # An exit with no eager enter happens when compiling a forward fails: its pre-hook was
+    # traced (no count), then the always_call post-hook runs eagerly on the error path.
+    if not torch.compiler.is_compiling() and _forward_depth > 0:
         _forward_depth -= 1
         if _forward_depth == 0:
             eager_reshard.end_forward()

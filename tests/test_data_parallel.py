@@ -13,6 +13,8 @@ exact), so we ask for bitwise equality.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,6 +154,17 @@ def _cases(rank: int, world: int) -> dict[str, object]:
         if p.grad is not None:
             assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
     assert model.norm.bias.grad is None  # frozen
+
+    # A forward whose compilation fails traces the root's pre-hook (no eager count) and
+    # then runs its always_call post-hook eagerly on the error path; the eager state must
+    # stay balanced: forward still gathers, nothing gathers outside it.
+    for hook in model._forward_hooks.values():
+        hook(model, (tokens,), None)
+    # (a negative count made compiled graphs, which guarded on it, recompile)
+    assert importlib.import_module("simplefsdp.data_parallel")._forward_depth == 0
+    assert _gathers(lambda: loss_fn(model, tokens)) == fwd
+    if rank == 0:
+        assert _gathers(lambda: repr(model)) == 0
 
     # Summed instead of averaged gradients.
     summed = sf.data_parallel(_reference(), mesh, reduce_op="sum")

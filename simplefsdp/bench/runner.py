@@ -182,7 +182,6 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
                 error = _error_text(e)
                 print(f"[bench rank {rank}] {v.spec.name} step {i} failed:\n"
                       f"{traceback.format_exc()}", file=sys.stderr)
-                _leave_forward_state()
             _agree_failed(control, v.spec.name, error, failed)
         if any(v.spec.name in failed for v in live):
             live = [v for v in live if v.spec.name not in failed]
@@ -201,26 +200,6 @@ def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
-
-
-def _leave_forward_state() -> None:
-    """Undo what a forward that raised left behind in simplefsdp's module state.
-
-    An exception while ``torch.compile`` compiles a ``data_parallel`` model's forward
-    skips the root's exit hook, so the eager forward-depth counter stays above zero:
-    every later compiled variant then fails a guard and recompiles, and eager variants
-    gather parameters outside forward. Reset it so one failed variant cannot change the
-    ones measured after it.
-    """
-    import importlib
-
-    try:
-        data_parallel = importlib.import_module("simplefsdp.data_parallel")
-        if getattr(data_parallel, "_forward_depth", 0):
-            data_parallel._forward_depth = 0
-            importlib.import_module("simplefsdp.eager_reshard").end_forward()
-    except Exception as e:  # noqa: BLE001 - best effort; never turn one failure into two
-        print(f"[bench] could not reset simplefsdp forward state: {e}", file=sys.stderr)
 
 
 def _agree_failed(control: Control, name: str, error: str | None,
