@@ -112,7 +112,8 @@ def profiled_step(step: Callable[[], float], device: torch.device
     Blocked time is the union of the spans of every op ``_blocks`` names. An eager
     ``Work.wait()`` is no profiler event, so for eager c10d collectives (FSDP2, DDP) only
     the time inside the op counts: a lower bound there; exact for functional
-    collectives (simplefsdp), whose ``wait_tensor`` is an op.
+    collectives (simplefsdp) on CPU, whose ``wait_tensor`` is an op. Host time only: on
+    CUDA the ops return once queued, so there it is launch overhead, not GPU waiting.
     """
     cuda = device.type == "cuda"
     if cuda:

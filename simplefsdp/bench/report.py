@@ -190,7 +190,7 @@ def format_table(results: dict, markdown: bool = False) -> str:
             cells = r if len(r) == len(COLUMNS) else [r[0], r[1]] + [""] * (len(COLUMNS) - 2)
             out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
         return "\n".join(out)
-    widths = [max(len(COLUMNS[i]), *(len(r[i]) for r in rows if len(r) == len(COLUMNS)))
+    widths = [max([len(COLUMNS[i]), *(len(r[i]) for r in rows if len(r) == len(COLUMNS))])
               for i in range(len(COLUMNS))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False))
     out = [line(COLUMNS), line(["-" * w for w in widths])]
@@ -210,7 +210,8 @@ def legend(results: dict) -> list[str]:
         "blocked ms: time the profiled step was blocked inside collectives and their waits "
         "(c10d / functional collective ops and wait_tensor, union of spans, max over ranks); "
         "an eager Work.wait() is no profiler event, so for eager c10d variants (FSDP2, DDP) "
-        "it is a lower bound; est. ms: exposed communication estimated by the auto-wrapping "
+        "it is a lower bound; host time only: on CUDA it is launch overhead, not GPU waiting; "
+        "est. ms: exposed communication estimated by the auto-wrapping "
         "cost model (sum over graphs; auto only)",
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
         "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
@@ -258,10 +259,10 @@ def write_outputs(results: dict, out_root: str | Path) -> Path:
                  f"{p['pass_s'] * 1e3:.0f} ms" + _auto_details(p) + "; merged buckets: "
                  + (", ".join(p["bucket_names"]) or "none") for name, p in passes], ""]
     md += ["## Variants", "", *[f"- `{r['name']}`: {r['description']}"
-                                for r in results["variants"]], "",
-           "![tokens/s and memory](results.png)", ""]
+                                for r in results["variants"]], ""]
+    if plot(results, out / "results.png"):
+        md += ["![tokens/s and memory](results.png)", ""]
     (out / "report.md").write_text("\n".join(md))
-    plot(results, out / "results.png")
     return out
 
 
@@ -272,9 +273,14 @@ def _auto_details(p: dict) -> str:
             f"{p['estimated_exposed_s'] * 1e3:.2f} ms")
 
 
-def plot(results: dict, path: Path) -> None:
-    """Two bar charts side by side: tokens/s and peak memory per variant."""
-    import matplotlib
+def plot(results: dict, path: Path) -> bool:
+    """Two bar charts side by side: tokens/s and peak memory per variant. Returns False
+    (and says so) when matplotlib is missing: the table and JSON matter more."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("[bench] matplotlib is not installed: no results.png (pip install matplotlib)")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -299,6 +305,7 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def _color(name: str) -> str:

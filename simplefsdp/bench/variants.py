@@ -4,9 +4,8 @@ Every variant starts from one state dict (same seed on every rank, so the same v
 everywhere) and gets its own AdamW optimizer. ``build`` raises
 :class:`VariantUnavailable` when this torch lacks what the variant needs; the runner
 then records the variant as failed instead of stopping. Each builder creates its
-compile backend *before* the first collective (``data_parallel`` broadcasts rank 0's
-weights), so a backend that refuses its settings fails on every rank before any rank
-enters a collective.
+compile backend before building the model, so a backend that refuses its settings fails
+on every rank alike (``bucketing="auto"`` calibrates there: a collective every rank runs).
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def _simplefsdp(bucketing: str | None, reordering: bool = False) -> Callable[[Bu
 
     def build(ctx: BuildContext) -> Built:
         backend = None
-        if bucketing is not None:  # may raise (e.g. "auto" not available yet): no collective yet
+        if bucketing is not None:  # a refused setting raises on every rank alike
             backend = sf.compile_backend(backend=ctx.compile_backend, bucketing=bucketing,
                                          reordering=reordering)
         model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)
