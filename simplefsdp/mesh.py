@@ -7,6 +7,8 @@ data-parallel dims it needs from it.
 
 from __future__ import annotations
 
+import datetime
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -41,6 +43,23 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
                          f"make the product equal the number of processes")
     return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)
+
+
+def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
+                ) -> dist.ProcessGroup | None:
+    """This rank's pipeline stage (the ranks sharing its ``pp`` coordinate) as a process
+    group, or None without pipeline parallelism (all ranks are then one stage).
+    Collective: every rank creates every stage's group, in the same order."""
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names or mesh["pp"].size() == 1:
+        return None
+    stages = mesh.mesh.movedim(names.index("pp"), 0).flatten(1).tolist()
+    mine = None
+    for ranks in stages:
+        group = dist.new_group(ranks, timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
 
 
 def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:

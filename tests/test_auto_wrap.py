@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 from test_compiler import INDUCTOR_ATOL, _check_schedule, _fresh, _step
+from toy import Toy
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
@@ -204,3 +205,31 @@ def test_auto_matches_eager_and_ranks_agree(tmp_path):
     buckets = run_ranks(_auto_variants, 2, str(tmp_path))[0]
     print("buckets per graph (forward, backward):", buckets)
     assert list(tmp_path.glob("comm_model_*.json")), "calibration was not cached on disk"
+
+
+def _hybrid_and_stages(rank: int, world: int, cache_dir: str) -> dict:
+    import os
+
+    from simplefsdp.mesh import stage_group
+
+    os.environ["SIMPLEFSDP_CACHE_DIR"] = cache_dir
+    # HSDP 2x2: each replica has its own shard group, but all four ranks compile the same
+    # graph, so the measurements are agreed over all of them and the plans are identical.
+    mesh = sf.make_mesh(dp_replicate=2, dp_shard=2)
+    torch.manual_seed(0)
+    model = sf.data_parallel(Toy(n_layers=2), mesh, mode="hybrid_shard")
+    be = sf.compile_backend(backend="aot_eager", bucketing="auto")
+    _step(torch.compile(model, fullgraph=True, backend=be), rank % 2, 2)
+    plans = [(r.graph, r.schedule, [str(d) for d in r.decisions]) for r in be.reports]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, plans)
+    assert all(p == everyone[0] for p in everyone), "HSDP replicas chose different buckets"
+    # Under PP the ranks of one stage agree: stage_group is this rank's stage.
+    group = stage_group(sf.make_mesh(pp=2, dp_shard=2))
+    assert dist.get_process_group_ranks(group) == ([0, 1] if rank < 2 else [2, 3])
+    assert stage_group(mesh) is None  # no pp: one stage, all ranks
+    return {"graphs": len(plans)}
+
+
+def test_hybrid_shard_ranks_agree_and_stage_groups(tmp_path):
+    assert run_ranks(_hybrid_and_stages, 4, str(tmp_path))[0] == {"graphs": 2}

@@ -23,6 +23,7 @@ ranks bucket identically.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -275,24 +276,16 @@ def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
     return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
 
 
-def group_of(collectives: list[Collective]) -> dist.ProcessGroup | None:
-    """The process group of the collectives (they are all FSDP's), or the default one."""
-    if not collectives or not dist.is_initialized():
-        return None
-    from torch._C._distributed_c10d import _resolve_process_group
-
-    name = collectives[0].start.args[-1]
-    return name if isinstance(name, dist.ProcessGroup) else _resolve_process_group(name)
-
-
-def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
-         comm: cost_model.CommModel, memory_limit_bytes: float | None,
-         measure: bool = True, compute_cache: dict | None = None) -> Plan:
+def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommModel,
+         memory_limit_bytes: float | None, measure: bool = True,
+         compute_cache: dict | None = None, group: dist.ProcessGroup | None = None) -> Plan:
     """Bucket assignment for one graph (before bucketing), by Algorithm 1.
 
     Collective when a process group exists: every rank measures its nodes' compute time,
-    and the per-step computation and memory are agreed (MAX) across the collectives'
-    group before any decision, so every rank returns the same plan.
+    and the per-step computation and memory are agreed (MAX) across ``group`` before any
+    decision, so every rank returns the same plan. ``group`` must hold every rank that
+    compiles this graph (default: all ranks): agreeing only within the FSDP shard group
+    would let HSDP replicas or TP peers choose different buckets.
     """
     gathers = [c for c in collectives if c.kind == "all_gather"]
     scatters = [c for c in collectives if c.kind == "reduce_scatter"]
@@ -307,7 +300,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
                                                 agree=False)
     profile_s = time.perf_counter() - started
     steps = profile_steps(graph, primary, overlap, seconds, reverse)
-    steps = _agree_steps(steps, group_of(primary))
+    steps = _agree_steps(steps, group)
     buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
     exposed = estimate_exposed(steps, buckets, comm, kind)
     in_graph_order = primary[::-1] if reverse else primary
@@ -326,11 +319,11 @@ def plan(graph: fx.Graph, collectives: list[Collective], backward: bool,
 
 
 def _agree_steps(steps: list[Step], group: dist.ProcessGroup | None) -> list[Step]:
-    """Replace each step's measured computation and memory by the MAX across ranks (also
-    the bytes, which should already match), so every rank decides on the same numbers."""
+    """Replace each step's measured computation and memory by the MAX across ``group``, so
+    every rank decides on the same numbers (the bytes come from the graph: equal already)."""
     if not dist.is_initialized() or not steps:
         return steps
-    flat = [v for s in steps for v in (s.compute_s, s.memory_bytes, s.nbytes, s.overlap_bytes)]
+    flat = [v for s in steps for v in (s.compute_s, s.memory_bytes)]
     agreed = cost_model.agree_across_ranks(flat, group)
-    return [Step(s.name, int(agreed[4 * k + 2]), agreed[4 * k], int(agreed[4 * k + 1]),
-                 int(agreed[4 * k + 3])) for k, s in enumerate(steps)]
+    return [dataclasses.replace(s, compute_s=agreed[2 * k], memory_bytes=int(agreed[2 * k + 1]))
+            for k, s in enumerate(steps)]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import fx
 
 from . import auto_wrap, cost_model, manual_wrap
@@ -75,7 +76,8 @@ class SimpleFSDPBackend:
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
-                 comm_model: cost_model.CommModel | None = None):
+                 comm_model: cost_model.CommModel | None = None,
+                 group: dist.ProcessGroup | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
@@ -91,6 +93,7 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
+        self.group = group  # the ranks compiling these graphs; None: all of them
         self.reports: list[GraphReport] = []
         # bucketing="auto": the comm model (given, or calibrated once here, through
         # cost_model's disk cache) and measured op times, shared by all graphs.
@@ -139,8 +142,8 @@ class SimpleFSDPBackend:
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
             comm = self.comm_model_for()
-            plan = auto_wrap.plan(graph, collectives, backward, comm, self.memory_limit_bytes,
-                                  compute_cache=self._compute_cache)
+            plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
+                                  compute_cache=self._compute_cache, group=self.group)
             report.decisions = plan.decisions
             report.comm_model = comm.to_dict()
             report.estimated_exposed_s = plan.estimated_exposed_s
@@ -177,7 +180,8 @@ class SimpleFSDPBackend:
 def compile_backend(backend: str = "inductor", bucketing: str = "none",
                     reordering: bool = True, module_plan: Sequence | None = None,
                     memory_limit_gb: float | None = None,
-                    comm_model: cost_model.CommModel | None = None) -> SimpleFSDPBackend:
+                    comm_model: cost_model.CommModel | None = None,
+                    group: dist.ProcessGroup | None = None) -> SimpleFSDPBackend:
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
     bucketing and reordering passes on the forward and backward graphs.
 
@@ -185,9 +189,11 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
     ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
     ``comm_model`` or, when None, a model calibrated on the default process group when
     the backend is built (cached on disk, see ``cost_model.get_comm_model``; collective:
-    build the backend on every rank)."""
+    build the backend on every rank). Its measurements are agreed across ``group``: every
+    rank that compiles the same model (None: all ranks; under pipeline parallelism, the
+    ranks of one stage)."""
     return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model)
+                             comm_model, group)
 
 
 def _calibrated_comm_model() -> cost_model.CommModel | None:
@@ -198,8 +204,6 @@ def _calibrated_comm_model() -> cost_model.CommModel | None:
     collectives from inside the compiler (where the passes run) hangs on gloo, while
     the plain collectives ``agree_across_ranks`` uses work there.
     """
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         return None
     _install_cpu_collectives()  # time the all-gather kernel the compiled graphs will use
@@ -231,8 +235,6 @@ def _count(collectives) -> dict[str, int]:
 
 
 def _install_cpu_collectives() -> None:
-    import torch.distributed as dist
-
     from .gloo_collectives import install_gloo_collectives, uses_gloo
 
     if dist.is_initialized() and uses_gloo():

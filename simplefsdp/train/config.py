@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import tomllib
 import types
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 
 DType = Literal["float32", "bfloat16"]
+# Every process group's timeout: a hung collective fails after this instead of waiting.
+PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
 
 class ConfigError(ValueError):

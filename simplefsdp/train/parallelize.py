@@ -19,6 +19,7 @@ Pipeline parallelism (splitting into stages) happens before all of this; see
 
 from __future__ import annotations
 
+import datetime
 import functools
 
 import torch
@@ -27,9 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
+from simplefsdp.mesh import stage_group
 
 from ..models.llama import Transformer, ffn_hidden_dim
-from .config import ConfigError, JobConfig
+from .config import PG_TIMEOUT_S, ConfigError, JobConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -126,13 +128,18 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
                                     reshard_after_forward=reshard, reduce_op="sum")
 
 
-def apply_compile(model: nn.Module, cfg: JobConfig) -> nn.Module:
+def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     from simplefsdp import compile_backend  # written alongside; imported only when used
 
     c = cfg.compile
+    # Auto wrapping agrees its measurements across the ranks compiling the same graph:
+    # under PP, those of this stage.
+    group = None
+    if c.bucketing == "auto":
+        group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
     backend = compile_backend(backend=c.backend, bucketing=c.bucketing,
                               reordering=c.reordering, module_plan=None,
-                              memory_limit_gb=c.memory_limit_gb)
+                              memory_limit_gb=c.memory_limit_gb, group=group)
     return torch.compile(model, fullgraph=True, backend=backend)
 
 
@@ -144,5 +151,5 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Modu
     apply_ac(model, cfg.activation_checkpoint.mode)
     model = apply_dp(model, mesh, cfg)
     if cfg.compile.enable:
-        model = apply_compile(model, cfg)
+        model = apply_compile(model, mesh, cfg)
     return model

@@ -43,14 +43,13 @@ from .checkpoint import (
     export_safetensors,
     resume_point,
 )
-from .config import ConfigError, JobConfig, config_help, parse_args
+from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
 from .data import TextDataset, Tokenizer, build_tokenizer
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
 
 IGNORE_INDEX = -100
-PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
 
 @dataclass
