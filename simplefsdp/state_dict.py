@@ -79,7 +79,10 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / _COMPLETE_MARK).is_file()
 
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")  # compile, checkpointing
+def unwrapped_name(name: str) -> str:
+    """``name`` without the prefixes torch.compile (``_orig_mod.``) and activation
+    checkpointing (``_checkpoint_wrapped_module.``) add: the model's own name."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 @torch.no_grad()
@@ -103,9 +106,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
             # A copy: with one rank the full tensor can be the parameter's own storage.
             gathered[id(value)] = whole.detach().to("cpu", copy=True) if keep else None
         if keep:
-            for prefix in _WRAPPER_PREFIXES:
-                key = key.replace(prefix, "")
-            full[key] = gathered[id(value)]
+            full[unwrapped_name(key)] = gathered[id(value)]
     return full
 
 

@@ -227,13 +227,18 @@ class JobConfig:
                               f"existing text file")
 
 
+def check_tp(args: ModelArgs, tp: int) -> None:
+    """Raise a ConfigError if the model's heads or FFN width cannot be split ``tp`` ways."""
+    for what, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
+                        ("the FFN hidden size", ffn_hidden_dim(args))):
+        if value % tp:
+            raise ConfigError(f"parallel.tp = {tp} does not divide {what} = {value}")
+
+
 def _check_shapes(args: ModelArgs, p: ParallelConfig) -> None:
     """The model's shapes must split over ``tp`` and ``pp``: checked here, before any
     process group exists, so every rank fails at once with the same message."""
-    for what, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
-                        ("the FFN hidden size", ffn_hidden_dim(args))):
-        if value % p.tp:
-            raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {value}")
+    check_tp(args, p.tp)
     if p.pp > 1:
         if args.n_layers < p.pp:
             raise ConfigError(f"parallel.pp = {p.pp} stages need at least {p.pp} layers, the "

@@ -30,8 +30,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import simplefsdp
 from simplefsdp.mesh import stage_group
 
-from ..models.llama import Transformer, ffn_hidden_dim
-from .config import PG_TIMEOUT_S, ConfigError, JobConfig
+from ..models.llama import Transformer
+from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -39,15 +39,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ---------------------------------------------------------------------------------------
 # Tensor parallel.
 # ---------------------------------------------------------------------------------------
-def check_tp(model: Transformer, tp: int) -> None:
-    """Raise a ConfigError if the model's heads or FFN width cannot be split ``tp`` ways."""
-    args = model.args
-    for what, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
-                        ("the FFN hidden size", ffn_hidden_dim(args))):
-        if value % tp:
-            raise ConfigError(f"parallel.tp = {tp} does not divide {what} = {value}")
-
-
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Shard every block's attention heads and FFN width over ``tp_mesh``, in place.
 
@@ -61,7 +52,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         parallelize_module,
     )
 
-    check_tp(model, tp_mesh.size())
+    check_tp(model.args, tp_mesh.size())
     plan = {
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
+from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer, flops_per_token, num_params
 from .checkpoint import (
@@ -93,10 +94,6 @@ def init_distributed(device_type: str) -> bool:
 # ---------------------------------------------------------------------------------------
 # Model.
 # ---------------------------------------------------------------------------------------
-def _strip_wrappers(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 @torch.no_grad()
 def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
     """Overwrite every (sharded) parameter with its piece of a full model initialized
@@ -108,7 +105,7 @@ def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
     reference.init_weights()
     full = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        source = full[_strip_wrappers(name)]
+        source = full[unwrapped_name(name)]
         if isinstance(param, DTensor):
             piece = distribute_tensor(source, param.device_mesh, param.placements,
                                       src_data_rank=None).to_local()
