@@ -93,7 +93,8 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
-        self.group = group  # the ranks compiling these graphs; None: all of them
+        # bucketing="auto" agrees on measurements across the ranks compiling these graphs
+        self._agreement = auto_wrap.Agreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
         # bucketing="auto": the comm model (given, or calibrated once here, through
         # cost_model's disk cache) and measured op times, shared by all graphs.
@@ -143,7 +144,8 @@ class SimpleFSDPBackend:
         elif self.bucketing == "auto":
             comm = self.comm_model_for()
             plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
-                                  compute_cache=self._compute_cache, group=self.group)
+                                  compute_cache=self._compute_cache,
+                                  agreement=self._agreement)
             report.decisions = plan.decisions
             report.comm_model = comm.to_dict()
             report.estimated_exposed_s = plan.estimated_exposed_s
