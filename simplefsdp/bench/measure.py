@@ -39,7 +39,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's parameters, buffers, gradients and optimizer state (each
-    storage once)."""
+    storage once). Taken between steps, where gradients are None (zero_grad sets them
+    so): their memory shows in the step's transient peak instead."""
     seen: set[int] = set()
     total = 0
 
