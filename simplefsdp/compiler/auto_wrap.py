@@ -222,7 +222,8 @@ def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
 
 
 def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective],
-                  node_seconds: list[float], reverse: bool = False) -> list[Step]:
+                  node_seconds: list[float], owner: dict[fx.Node, int],
+                  reverse: bool = False) -> list[Step]:
     """Steps for the greedy from a graph's collectives (before any bucketing).
 
     ``primary``: the collectives that define steps (all-gathers; backward reduce-scatters
@@ -230,8 +231,9 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     the next step's wait (forward), or between the previous reduce-scatter and its own
     (``reverse``: reduce-scatters hide behind the computation that follows them, so the
     greedy walks them backwards). ``overlap``: reduce-scatters mirrored onto the
-    all-gather of the same module (or, failing that, the step whose segment holds them).
-    Memory: the gathered (or reduced) bytes plus the segment's peak growth in live bytes.
+    all-gather of the same module (or, failing that, the step whose segment holds them):
+    ``owner`` from :func:`owner_steps`. Memory: the gathered (or reduced) bytes plus the
+    segment's peak growth in live bytes.
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -244,7 +246,6 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     else:
         segments = _segments(nodes, [c.wait for c in primary])
         starts = [index[c.wait] for c in primary]
-    owner = owner_steps(graph, primary, overlap)
     overlap_bytes = [0] * len(primary)
     for c in overlap:
         overlap_bytes[owner[c.start]] += c.nbytes
@@ -340,7 +341,8 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommMo
     seconds = cost_model.estimate_graph_compute(graph, measure=measure, cache=compute_cache,
                                                 agree=False)
     profile_s = time.perf_counter() - started
-    steps = profile_steps(graph, primary, overlap, seconds, reverse)
+    owner = owner_steps(graph, primary, overlap)
+    steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)
     steps = _agree_steps(steps, agreement)
     buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
     exposed = estimate_exposed(steps, buckets, comm, kind)
@@ -352,10 +354,8 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommMo
         for j in members:
             assignment[in_graph_order[j].start] = name
             names[j] = name
-    if overlap:
-        owner = owner_steps(graph, primary, overlap)
-        for c in overlap:
-            assignment[c.start] = names[owner[c.start]]
+    for c in overlap:
+        assignment[c.start] = names[owner[c.start]]
     return Plan(assignment, steps, buckets, decisions, exposed, kind, profile_s)
 
 
