@@ -202,9 +202,9 @@ def _calibrated_comm_model() -> cost_model.CommModel | None:
     """``cost_model.get_comm_model()`` on the default group (disk cache, else calibrated
     and agreed by all ranks), or None without a process group.
 
-    Called when the backend is built, in eager code on every rank: timing functional
-    collectives from inside the compiler (where the passes run) hangs on gloo, while
-    the plain collectives ``agree_across_ranks`` uses work there.
+    Called when the backend is built, in eager code on every rank: collectives issued
+    from inside the compiler (where the passes run) hang on gloo, which is also why the
+    pass agrees on its measurements through the store (``auto_wrap.Agreement``).
     """
     if not dist.is_available() or not dist.is_initialized():
         return None

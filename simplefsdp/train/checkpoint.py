@@ -109,7 +109,8 @@ def resume_point(folder: str | Path, resume: bool) -> Path | None:
 
     Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off.
     """
-    found = latest_checkpoint(folder)
+    looks = not dist.is_initialized() or dist.get_rank() == 0
+    found = latest_checkpoint(folder) if looks else None
     choice = [str(found[1]) if found else None]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
