@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from rank_runner import run_ranks
 from test_compiler import INDUCTOR_ATOL, _check_schedule, _fresh, _step
 from toy import Toy
 

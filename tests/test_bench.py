@@ -153,7 +153,7 @@ def _run_with_broken_variant(rank, world):
 
 
 def test_a_variant_failing_on_one_rank_is_dropped_on_all():
-    from multiprocess import run_ranks
+    from rank_runner import run_ranks
 
     raw, other = run_ranks(_run_with_broken_variant, 2)
     assert other is None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from rank_runner import run_ranks
 from toy import Toy, global_batch, loss_fn
 
 import simplefsdp as sf

@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
+from rank_runner import run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from simplefsdp.compiler import cost_model as cm
-from tests.multiprocess import run_ranks
 
 # ---------------------------------------------------------------------------- comm model
 

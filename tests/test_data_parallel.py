@@ -18,7 +18,7 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from rank_runner import run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from rank_runner import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from rank_runner import run_ranks
 
 from simplefsdp.train.checkpoint import list_checkpoints
 from simplefsdp.train.trainer import IGNORE_INDEX, main

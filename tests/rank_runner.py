@@ -1,5 +1,7 @@
 """The one helper every multi-rank test uses: spawn N gloo processes, fail fast, never hang.
 
+Import it as ``from rank_runner import run_ranks`` (see conftest.py).
+
 `run_ranks(fn, world_size, *args)` starts `world_size` processes, each joins a gloo
 process group (with a timeout, so a collective mismatch raises instead of hanging),
 calls `fn(rank, world_size, *args)` and sends back its return value. The first rank
