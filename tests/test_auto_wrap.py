@@ -22,7 +22,7 @@ from toy import Toy
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
-from simplefsdp.compiler.cost_model import CommModel
+from simplefsdp.compiler.cost import CommModel
 
 MS = 1e-3
 

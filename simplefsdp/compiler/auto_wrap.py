@@ -14,8 +14,8 @@ closes it:
   issuing the step as its own collective (on a high-latency fabric one more ``alpha``
   costs more than the extra bytes), as long as the memory still fits.
 
-:func:`plan` turns a graph into steps (compute measured by ``cost_model``, agreed across
-ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
+:func:`plan` turns a graph into steps (compute measured by ``cost.compute``, agreed
+across ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
 ``bucketing.bucket_collectives``; reduce-scatters follow the bucket of the all-gather of
 the same parameter. Every number a decision reads is agreed across ranks first, so all
 ranks bucket identically.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import fx
 
-from . import cost_model
+from . import cost
 from .collectives import Collective
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
@@ -95,12 +95,12 @@ def check_memory_limit(memory_limit_gb: float | None) -> float | None:
     return float(memory_limit_gb) * GB
 
 
-def _comm(model: cost_model.CommModel, kind: str, nbytes: int) -> float:
+def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
     """Time of one collective; no bytes means no collective, hence no latency either."""
     return model.predict(kind, nbytes) if nbytes > 0 else 0.0
 
 
-def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
+def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
                    memory_limit_bytes: float | None = None, kind: str = "all_gather",
                    overlap_kind: str = "reduce_scatter"
                    ) -> tuple[list[list[int]], list[Decision]]:
@@ -166,7 +166,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
 
 
 def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
-                     comm: cost_model.CommModel, kind: str = "all_gather",
+                     comm: cost.CommModel, kind: str = "all_gather",
                      overlap_kind: str = "reduce_scatter") -> float:
     """Seconds of communication left exposed by ``buckets`` under the greedy's model.
 
@@ -237,7 +237,7 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    _, live = cost_model.peak_memory_estimate(graph)
+    _, live = cost.peak_memory_estimate(graph)
     if reverse:
         anchors = [c.start for c in primary]
         bounds = [-1] + [index[a] for a in anchors]
@@ -320,7 +320,7 @@ class Agreement:
         return [max(column) for column in zip(*everyone, strict=True)]
 
 
-def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommModel,
+def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
          memory_limit_bytes: float | None, measure: bool = True,
          compute_cache: dict | None = None, agreement: Agreement | None = None) -> Plan:
     """Bucket assignment for one graph (before bucketing), by Algorithm 1.
@@ -338,8 +338,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommMo
     if not primary:
         return Plan({}, [], [], [], 0.0, kind)
     started = time.perf_counter()
-    seconds = cost_model.estimate_graph_compute(graph, measure=measure, cache=compute_cache,
-                                                agree=False)
+    seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
     profile_s = time.perf_counter() - started
     owner = owner_steps(graph, primary, overlap)
     steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from . import auto_wrap, cost_model, manual_wrap
+from . import auto_wrap, cost, manual_wrap
 from .bucketing import bucket_collectives, single
 from .collectives import find_collectives, is_backward, stable_topological_sort
 from .reordering import reorder
@@ -76,15 +76,15 @@ class SimpleFSDPBackend:
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
-                 comm_model: cost_model.CommModel | None = None,
+                 comm_model: cost.CommModel | None = None,
                  group: dist.ProcessGroup | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
             raise ValueError(f"bucketing must be one of {BUCKETING}, got {bucketing!r}")
         self.memory_limit_bytes = auto_wrap.check_memory_limit(memory_limit_gb)
-        if comm_model is not None and not isinstance(comm_model, cost_model.CommModel):
-            raise ValueError(f"comm_model must be a cost_model.CommModel (or None to "
+        if comm_model is not None and not isinstance(comm_model, cost.CommModel):
+            raise ValueError(f"comm_model must be a cost.CommModel (or None to "
                              f"calibrate on the process group), got {type(comm_model)}")
         if module_plan is not None and bucketing != "manual":
             raise ValueError("module_plan is used only with bucketing='manual'")
@@ -97,7 +97,7 @@ class SimpleFSDPBackend:
         self._agreement = auto_wrap.Agreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
         # bucketing="auto": the comm model (given, or calibrated once here, through
-        # cost_model's disk cache) and measured op times, shared by all graphs.
+        # the cost model's disk cache) and measured op times, shared by all graphs.
         self.comm_model = comm_model
         if bucketing == "auto" and comm_model is None:
             self.comm_model = _calibrated_comm_model()
@@ -167,11 +167,11 @@ class SimpleFSDPBackend:
         log.info("%s", report)
         return report
 
-    def comm_model_for(self) -> cost_model.CommModel:
+    def comm_model_for(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
         disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
         if self.comm_model is None:
-            self.comm_model = cost_model.get_comm_model(calibrate=False)
+            self.comm_model = cost.get_comm_model(calibrate=False)
         return self.comm_model
 
     def buckets_of(self, graph: str) -> list[dict]:
@@ -182,7 +182,7 @@ class SimpleFSDPBackend:
 def compile_backend(backend: str = "inductor", bucketing: str = "none",
                     reordering: bool = True, module_plan: Sequence | None = None,
                     memory_limit_gb: float | None = None,
-                    comm_model: cost_model.CommModel | None = None,
+                    comm_model: cost.CommModel | None = None,
                     group: dist.ProcessGroup | None = None) -> SimpleFSDPBackend:
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
     bucketing and reordering passes on the forward and backward graphs.
@@ -190,7 +190,7 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
     ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
     ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
     ``comm_model`` or, when None, a model calibrated on the default process group when
-    the backend is built (cached on disk, see ``cost_model.get_comm_model``; collective:
+    the backend is built (cached on disk, see ``cost.get_comm_model``; collective:
     build the backend on every rank). Its measurements are agreed across ``group``: every
     rank that compiles the same model (None: all ranks; under pipeline parallelism, the
     ranks of one stage)."""
@@ -198,8 +198,8 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
                              comm_model, group)
 
 
-def _calibrated_comm_model() -> cost_model.CommModel | None:
-    """``cost_model.get_comm_model()`` on the default group (disk cache, else calibrated
+def _calibrated_comm_model() -> cost.CommModel | None:
+    """``cost.get_comm_model()`` on the default group (disk cache, else calibrated
     and agreed by all ranks), or None without a process group.
 
     Called when the backend is built, in eager code on every rank: collectives issued
@@ -209,7 +209,7 @@ def _calibrated_comm_model() -> cost_model.CommModel | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     _install_cpu_collectives()  # time the all-gather kernel the compiled graphs will use
-    return cost_model.get_comm_model()
+    return cost.get_comm_model()
 
 
 def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
@@ -247,7 +247,7 @@ def _install_cpu_collectives() -> None:
 def _source_hash() -> str:
     """Our passes' source, so Inductor's cache never reuses a graph from older passes."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

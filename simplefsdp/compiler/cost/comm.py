@@ -1,17 +1,9 @@
-"""Cost model for the auto-wrapping pass (SimpleFSDP section 3.3.2, Table 1, Algorithm 1).
+"""Communication model: ``T = alpha + beta * bytes`` per collective kind.
 
-Three estimates feed the greedy bucketing decision:
-
-* communication: ``T = alpha + beta * bytes`` per collective kind, calibrated on the live
-  process group (or read from a disk cache, or taken from a table of known fabrics);
-* computation: the time of one FX node, measured by running its ATen kernel on real
-  tensors built from the node's FakeTensor metadata, with a FLOP/byte roofline fallback;
-* memory: bytes of a node's output and a liveness-based peak for a whole graph.
-
-Every rank must take the same bucketing decisions, or the collectives they issue stop
-matching and the job deadlocks. Anything measured is therefore combined across ranks
-(``agree_across_ranks``, the MAX of the per-rank measurements) before it is used, and a
-cached communication model is read by rank 0 only and broadcast.
+Calibrated on the live process group (:func:`calibrate`), read from a disk cache, or
+taken from a table of known fabrics (:func:`default_comm_model`); :func:`get_comm_model`
+picks among the three. Calibration and the cache lookup are collective and run in
+eager code, when the backend is built, never inside a compiler pass.
 """
 
 from __future__ import annotations
@@ -19,12 +11,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import operator
 import os
 import platform
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,31 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = [
-    "COLLECTIVE_KINDS",
-    "KNOWN_FABRICS",
-    "CommModel",
-    "ComputeSpec",
-    "Fabric",
-    "agree_across_ranks",
-    "cache_dir",
-    "cache_key",
-    "cache_path",
-    "calibrate",
-    "default_comm_model",
-    "default_compute_spec",
-    "estimate_graph_compute",
-    "estimate_node_time",
-    "fit_alpha_beta",
-    "get_comm_model",
-    "measure_collective",
-    "measure_collectives",
-    "peak_memory_estimate",
-    "tensor_bytes",
-]
+from .compute import outside_modes, time_callable
+
+__all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
+           "get_comm_model"]
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -83,10 +53,6 @@ def _normalize_kind(kind: str) -> str:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of "
                          f"{COLLECTIVE_KINDS}") from None
 
-
-# --------------------------------------------------------------------------------------
-# Communication model
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -181,13 +147,6 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         world_size=n,
         source=f"default:{fabric}",
     )
-
-
-def _outside_modes():
-    """Leave any active FakeTensorMode / proxy mode: compiler passes run inside one, and
-    measurements and collectives must touch real tensors."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    return _disable_current_modes()
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -288,7 +247,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     """
     group = _resolve_group(group)
     dev = _group_device(group, device)
-    with _outside_modes():
+    with outside_modes():
         fns = [_collective_fn(_normalize_kind(k), int(n), group, dev, dtype) for k, n in cases]
         for _ in range(warmup):
             for fn in fns:
@@ -296,7 +255,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
         samples: list[list[float]] = [[] for _ in fns]
         for _ in range(max(repeats, 1)):
             for fn, times in zip(fns, samples, strict=True):
-                times.append(_time_callable(fn, 1, 0, dev))
+                times.append(time_callable(fn, 1, 0, dev))
     return [statistics.median(t) for t in samples]
 
 
@@ -323,7 +282,7 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
     dev = _group_device(group, device)
     ws = dist.get_world_size(group)
     c10d = torch.ops._c10d_functional
-    with _outside_modes():
+    with outside_modes():
         shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
                            dtype=dtype, device=dev)
         a = torch.randn(256, 256, dtype=dtype, device=dev)
@@ -331,8 +290,8 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
         def comm() -> None:
             c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
 
-        t_comm = _time_callable(comm, repeats, 2, dev)
-        t_matmul = _time_callable(lambda: a @ a, repeats, 2, dev)
+        t_comm = time_callable(comm, repeats, 2, dev)
+        t_matmul = time_callable(lambda: a @ a, repeats, 2, dev)
         # every rank must run the same number of matmuls: agree on it
         count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
                                        group)[0])
@@ -346,35 +305,12 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
             compute()
             c10d.wait_tensor(work)
 
-        t_compute = _time_callable(compute, repeats, 1, dev)
+        t_compute = time_callable(compute, repeats, 1, dev)
         dist.barrier(group)
-        t_both = _time_callable(both, repeats, 1, dev)
+        t_both = time_callable(both, repeats, 1, dev)
     hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
     return min(max(hidden, 0.0), 1.0)
 
-
-def _time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
-                   device: torch.device | None) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs; CUDA events
-    (with a synchronize around each run) on a CUDA device, ``perf_counter`` otherwise."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    cuda = device is not None and device.type == "cuda"
-    for _ in range(max(repeats, 1)):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(6))  # 4 KiB .. 4 MiB
@@ -402,7 +338,7 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
         sizes = DEFAULT_CUDA_SIZES if dev.type == "cuda" else DEFAULT_CPU_SIZES
     sizes = [int(s) for s in sizes]
     kinds = [_normalize_kind(k) for k in kinds]
-    with _outside_modes():
+    with outside_modes():
         dist.barrier(group)
     measured = measure_collectives([(k, n) for k in kinds for n in sizes], group, dev, dtype,
                                    repeats, warmup)
@@ -485,7 +421,7 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
 
 def _broadcast_from_group_rank0(obj: Any, group: dist.ProcessGroup) -> Any:
     holder = [obj]
-    with _outside_modes():
+    with outside_modes():
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0]
 
@@ -538,7 +474,7 @@ def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None 
     group = _resolve_group(group)
     if dist.get_world_size(group) == 1:
         return values
-    with _outside_modes():
+    with outside_modes():
         return _agree(values, group, op)
 
 
@@ -565,380 +501,3 @@ def _agree(values: list[float], group: dist.ProcessGroup, op: str) -> list[float
     else:
         raise ValueError(f"op must be 'max', 'min' or 'mean', not {op!r}")
     return t.cpu().tolist()
-
-
-# --------------------------------------------------------------------------------------
-# Compute model
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ComputeSpec:
-    """Roofline figures for the fallback estimate: dense peak FLOP/s per dtype and
-    memory bandwidth in bytes/s."""
-
-    peak_flops: dict[torch.dtype, float]
-    mem_bandwidth_Bps: float
-    name: str = ""
-
-    def flops_per_s(self, dtype: torch.dtype | None) -> float:
-        return self.peak_flops.get(dtype, self.peak_flops.get(torch.float32, 1e12))
-
-
-def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpec:
-    """Datasheet figures (dense, no sparsity) for known GPUs, a rough guess for CPUs."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(dev)
-        if "H100" in name or "H200" in name or "H20" in name:
-            # H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32 (no TF32);
-            # HBM3 3.35 TB/s (H200: HBM3e 4.8 TB/s, same compute).
-            bw = 4.8e12 if "H200" in name else 3.35e12
-            return ComputeSpec({torch.bfloat16: 989e12, torch.float16: 989e12,
-                                torch.float32: 67e12}, bw, name)
-        # A100 SXM datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s.
-        return ComputeSpec({torch.bfloat16: 312e12, torch.float16: 312e12,
-                            torch.float32: 19.5e12}, 2.0e12, name)
-    # CPU: ~2 AVX2 FMA units x 8 fp32 lanes x 2 flop x ~2.5 GHz = 80 GFLOP/s per core at
-    # best; half of that is what MKL/oneDNN reach on small GEMMs. ~10 GB/s per core of
-    # streaming bandwidth. Only the fallback uses these; measurements come first.
-    cores = max(torch.get_num_threads(), 1)
-    fp32 = 40e9 * cores
-    return ComputeSpec({torch.float32: fp32, torch.bfloat16: fp32 / 2,
-                        torch.float16: fp32 / 4, torch.float64: fp32 / 2},
-                       10e9 * cores, "cpu")
-
-
-_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
-_METADATA_ONLY = frozenset({
-    "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
-    "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
-    "aten::_local_scalar_dense", "prim::device", "prim::layout",
-})
-
-
-def _op_name(target: Any) -> str:
-    schema = getattr(target, "_schema", None)
-    return schema.name if schema is not None else ""
-
-
-def _is_zero_cost(node: torch.fx.Node) -> bool:
-    """Views, getitem, collectives and waits, placeholders/outputs: no kernel time."""
-    if node.op != "call_function":
-        return True
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
-        return target is operator.getitem or getattr(target, "__module__", "") in (
-            "_operator", "operator", "builtins", "math")
-    if _op_name(target).split("::", 1)[0] in _COMM_NAMESPACES:
-        return True
-    return bool(getattr(target, "is_view", False)) or _op_name(target) in _METADATA_ONLY
-
-
-class _Unmeasurable(Exception):
-    pass
-
-
-def _hint(x: Any) -> int:
-    """A concrete int for a possibly symbolic size (no guards added where avoidable)."""
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        from torch.fx.experimental import symbolic_shapes as ss
-        for fn_name in ("optimization_hint", "hint_int", "size_hint"):
-            fn = getattr(ss, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                return int(fn(x))
-            except Exception:  # noqa: BLE001 - try the next spelling
-                continue
-        hint = getattr(x.node, "hint", None)
-        hint = getattr(x.node, "_hint", None) if hint is None else hint
-        if hint is not None:
-            return int(hint)
-        raise _Unmeasurable(f"no hint for symbolic size {x}")
-    return int(x)
-
-
-def _val_bytes(val: Any) -> int:
-    leaves, _ = tree_flatten(val)
-    total = 0
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            numel = 1
-            for s in t.shape:
-                numel *= _hint(s)
-            total += numel * t.element_size()
-    return total
-
-
-def tensor_bytes(node: torch.fx.Node) -> int:
-    """Bytes of the node's output(s) from ``node.meta["val"]`` (summed over tuples/lists);
-    0 when the node carries no tensor metadata. Logical size: numel x element size."""
-    val = node.meta.get("val")
-    if val is None:
-        return 0
-    try:
-        return _val_bytes(val)
-    except _Unmeasurable:
-        return 0
-
-
-_MISSING = object()
-
-
-def _node_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
-    def meta_of(n: torch.fx.Node) -> Any:
-        return n.meta.get("val", _MISSING)
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), meta_of)
-    leaves, _ = tree_flatten((args, kwargs))
-    if any(x is _MISSING for x in leaves):
-        raise _Unmeasurable(f"an input of {node.name} carries no meta['val']")
-    return args, kwargs
-
-
-def _describe(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(_hint(s) for s in x.shape), tuple(_hint(s) for s in x.stride()),
-                x.dtype, x.device.type)
-    if isinstance(x, torch.SymInt):
-        return _hint(x)
-    if isinstance(x, (torch.SymFloat, torch.SymBool)):
-        return repr(x)
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return repr(x)
-
-
-def _cache_key(target: Any, args: tuple, kwargs: dict) -> tuple:
-    leaves, spec = tree_flatten((args, kwargs))
-    return (target, str(spec), tuple(_describe(x) for x in leaves))
-
-
-def _materialize(x: Any, budget: list[int]) -> Any:
-    """A real tensor with the fake tensor's shape/stride/dtype/device (random floats,
-    zero integers, so index tensors are always in range); SymInts become ints."""
-    if isinstance(x, torch.Tensor):
-        shape = [_hint(s) for s in x.shape]
-        stride = [_hint(s) for s in x.stride()]
-        offset = _hint(x.storage_offset())
-        extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
-                           if all(n > 0 for n in shape) else 0)
-        budget[0] -= extent * x.element_size()
-        if budget[0] < 0:
-            raise _Unmeasurable("inputs larger than max_input_bytes")
-        dev = x.device
-        if dev.type == "meta" or (dev.type == "cuda" and not torch.cuda.is_available()):
-            raise _Unmeasurable(f"cannot allocate on {dev}")
-        if x.dtype.is_floating_point or x.dtype.is_complex:
-            try:
-                base = torch.randn(extent, dtype=x.dtype, device=dev)
-            except (RuntimeError, TypeError):  # e.g. float8: no randn kernel
-                base = torch.zeros(extent, dtype=x.dtype, device=dev)
-        else:
-            base = torch.zeros(extent, dtype=x.dtype, device=dev)
-        return base.as_strided(shape, stride, offset)
-    if isinstance(x, torch.SymInt):
-        return _hint(x)
-    if isinstance(x, torch.SymFloat):
-        raise _Unmeasurable("symbolic float argument")
-    return x
-
-
-def _first_device(leaves: Iterable[Any]) -> torch.device | None:
-    """The device of the first tensor among ``leaves``, else the first ``torch.device``
-    (factory ops such as ``aten.empty`` only name theirs in a kwarg)."""
-    leaves = list(leaves)
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return next((x for x in leaves if isinstance(x, torch.device)), None)
-
-
-def _roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
-              spec: ComputeSpec | None) -> float:
-    leaves, _ = tree_flatten((args, kwargs))
-    out = node.meta.get("val")
-    dev = _first_device(leaves) or _first_device(tree_flatten(out)[0])
-    spec = spec or default_compute_spec(dev)
-    nbytes = _val_bytes(out) + sum(_val_bytes(x) for x in leaves if isinstance(x, torch.Tensor))
-    flops = 0
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        try:
-            from torch.utils.flop_counter import flop_registry
-            formula = flop_registry.get(packet)
-            if formula is not None:
-                flops = int(formula(*args, out_val=out, **kwargs))
-        except Exception:  # noqa: BLE001 - no FLOP count is a fine answer here
-            flops = 0
-    dtype = next((x.dtype for x in leaves if isinstance(x, torch.Tensor)
-                  and x.dtype.is_floating_point), torch.float32)
-    return flops / spec.flops_per_s(dtype) + nbytes / spec.mem_bandwidth_Bps
-
-
-def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int = 3,
-                       cache: dict | None = None, spec: ComputeSpec | None = None,
-                       max_input_bytes: int = 1 << 30) -> float:
-    """Seconds one FX node's computation takes on this rank.
-
-    Zero for placeholders, outputs, getitem, views and collectives/waits. Otherwise the
-    node's ATen target is run on real tensors built from its inputs' ``meta["val"]``
-    (median of ``repeats`` after one warm-up; CUDA events on GPU), memoised in ``cache``
-    under (target, input shapes/strides/dtypes, other arguments) so repeated layers are
-    timed once. When ``measure=False`` or running fails (no metadata, unbacked sizes,
-    inputs over ``max_input_bytes``, a device that is not here) the roofline
-    ``flops / peak_flops + bytes / mem_bandwidth`` of ``spec`` is used instead.
-    Not collective: pass the results through ``agree_across_ranks`` before deciding.
-    """
-    if _is_zero_cost(node):
-        return 0.0
-    try:
-        args, kwargs = _node_inputs(node)
-    except _Unmeasurable:
-        return 0.0 if node.meta.get("val") is None else _safe_roofline(node, (), {}, spec)
-    if not measure or not isinstance(node.target, torch._ops.OpOverload):
-        return _safe_roofline(node, args, kwargs, spec)
-    try:
-        key = _cache_key(node.target, args, kwargs)
-    except _Unmeasurable:
-        return _safe_roofline(node, args, kwargs, spec)
-    if cache is not None and key in cache:
-        return cache[key]
-    try:
-        with _outside_modes(), torch.no_grad():
-            budget = [max_input_bytes]
-            real_args, real_kwargs = tree_map(lambda x: _materialize(x, budget),
-                                              (args, kwargs))
-            dev = (_first_device(tree_flatten((real_args, real_kwargs))[0])
-                   or _first_device(tree_flatten(node.meta.get("val"))[0]))
-            target = node.target
-            # one warm-up run: lazy init, allocator, oneDNN primitive caches
-            seconds = _time_callable(lambda: target(*real_args, **real_kwargs), repeats, 1,
-                                     dev)
-    except Exception:  # noqa: BLE001 - any failure to run means: estimate instead
-        seconds = _safe_roofline(node, args, kwargs, spec)
-    if cache is not None:
-        cache[key] = seconds
-    return seconds
-
-
-def _safe_roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
-                   spec: ComputeSpec | None) -> float:
-    try:
-        return _roofline(node, args, kwargs, spec)
-    except _Unmeasurable:
-        return 0.0
-
-
-def estimate_graph_compute(gm: torch.fx.GraphModule | torch.fx.Graph, measure: bool = True,
-                           cache: dict | None = None, agree: bool = True,
-                           group: dist.ProcessGroup | None = None,
-                           **kwargs: Any) -> list[float]:
-    """``estimate_node_time`` for every node of the graph, in graph order.
-
-    With ``agree=True`` (the default) and a process group initialized, the list is
-    combined with ``agree_across_ranks`` (MAX), so this is then a collective: call it on
-    every rank with the same graph. ``cache`` is shared by all nodes (a fresh dict when
-    None), so structurally repeated layers are timed once.
-    """
-    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-    cache = {} if cache is None else cache
-    times = [estimate_node_time(n, measure=measure, cache=cache, **kwargs)
-             for n in graph.nodes]
-    if agree and dist.is_available() and dist.is_initialized():
-        times = agree_across_ranks(times, group)
-    return times
-
-
-# --------------------------------------------------------------------------------------
-# Memory model
-# --------------------------------------------------------------------------------------
-
-
-def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [n for n in node.all_input_nodes if "val" in n.meta]
-
-
-def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The input nodes whose memory ``node``'s output shares, or None for fresh memory.
-
-    getitem, waits, views and ops whose schema marks every return as aliasing an input
-    (in-place ``foo_``, ``out=`` variants) produce no new memory; they keep their bases
-    alive instead.
-    """
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if target is operator.getitem:
-        base = node.args[0]
-        return [base] if isinstance(base, torch.fx.Node) else None
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    if _op_name(target).endswith("wait_tensor") or getattr(target, "is_view", False) \
-            or _op_name(target) in _METADATA_ONLY:
-        return _tensor_input_nodes(node)[:1] or None
-    schema = target._schema
-    if schema.returns and all(r.alias_info is not None for r in schema.returns):
-        sets = {a for r in schema.returns for a in r.alias_info.before_set}
-        bases = []
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if isinstance(value, torch.fx.Node):
-                bases.append(value)
-        return bases or None
-    return None
-
-
-def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
-                         ) -> tuple[int, list[int]]:
-    """``(peak_bytes, live_bytes_per_node)`` from a liveness pass over the graph.
-
-    A node's output (``tensor_bytes``) is live from its definition to its last user,
-    both inclusive, so during a node both its inputs and its output count; placeholders
-    are live throughout. Aliasing outputs (views, getitem, waits, in-place ops) cost
-    nothing and extend their base's lifetime to their own last use instead. The list
-    has one entry per node in graph order; the peak is its maximum.
-    """
-    if isinstance(graph, torch.fx.GraphModule):
-        graph = graph.graph
-    nodes = list(graph.nodes)
-    if not nodes:
-        return 0, []
-    index = {n: i for i, n in enumerate(nodes)}
-    last = len(nodes) - 1
-    # Resolve every alias to the fresh-memory nodes it ultimately points at.
-    roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for n in nodes:
-        bases = _alias_bases(n)
-        if bases is None:
-            roots[n] = [n]
-        else:
-            roots[n] = list(dict.fromkeys(r for b in bases for r in roots.get(b, [b])))
-    end = {n: index[n] for n in nodes}
-    for n in nodes:
-        for user in n.users:
-            for r in roots[n]:
-                end[r] = max(end[r], index[user])
-    live_delta = [0] * (len(nodes) + 1)
-    for n in nodes:
-        if roots[n] != [n]:
-            continue  # aliases own no memory
-        size = tensor_bytes(n)
-        if size == 0:
-            continue
-        start, stop = (0, last) if n.op == "placeholder" else (index[n], end[n])
-        live_delta[start] += size
-        live_delta[stop + 1] -= size
-    live, running = [], 0
-    for i in range(len(nodes)):
-        running += live_delta[i]
-        live.append(running)
-    return max(live), live
