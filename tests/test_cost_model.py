@@ -12,6 +12,7 @@ from rank_runner import run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from simplefsdp import agreement
 from simplefsdp.compiler.cost import comm, compute, memory
 
 # ---------------------------------------------------------------------------- comm model
@@ -35,7 +36,7 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
         model = comm.calibrate(repeats=7)
         fresh = comm.measure_collectives([(kind, n) for kind in comm.COLLECTIVE_KINDS
                                         for n in _CHECK_SIZES], repeats=7)
-        fresh = comm.agree_across_ranks(fresh)
+        fresh = agreement.agree_across_ranks(fresh)
         ratios = {}
         for i, kind in enumerate(comm.COLLECTIVE_KINDS):
             for j, n in enumerate(_CHECK_SIZES):
@@ -45,9 +46,9 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
     # agree_across_ranks: MAX, identical everywhere; lengths must match. Compiler passes
     # run inside the compiler's FakeTensorMode: the collective must still be real.
     with FakeTensorMode():
-        agreed = comm.agree_across_ranks([float(rank), 10.0 - rank])
+        agreed = agreement.agree_across_ranks([float(rank), 10.0 - rank])
     try:
-        comm.agree_across_ranks([1.0] * (rank + 1))
+        agreement.agree_across_ranks([1.0] * (rank + 1))
         mismatch = "no error"
     except ValueError as e:
         mismatch = str(e)

@@ -24,15 +24,13 @@ ranks bucket identically.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import fx
 
+from ..agreement import StoreAgreement
 from . import cost
 from .collectives import Collective
 
@@ -279,50 +277,9 @@ def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
     return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
 
 
-@dataclass
-class Agreement:
-    """The MAX of per-rank numbers over ``ranks``, exchanged through the rendezvous store.
-
-    The pass runs inside the compiler, where gloo collectives were seen to deadlock now
-    and then (one rank stuck issuing an all-reduce); the store is a plain TCP key-value
-    exchange outside every process group. ``ranks`` must be every rank that compiles the
-    same graphs: agreeing only within the FSDP shard group would let HSDP replicas or TP
-    peers choose different buckets. Floats travel as JSON, which round-trips them
-    exactly, so every rank computes the same MAX.
-    """
-
-    ranks: list[int]
-    prefix: str
-    rounds: int = 0
-
-    @classmethod
-    def create(cls, group: dist.ProcessGroup | None = None) -> Agreement | None:
-        """Collective (eager, when the backend is built); None without a process group."""
-        if not dist.is_initialized():
-            return None
-        ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(dist.get_world_size()))
-        nonce = [uuid.uuid4().hex]  # rank 0's, so two backends never share keys
-        dist.broadcast_object_list(nonce, src=ranks[0], group=group)
-        return cls(ranks, f"simplefsdp/auto_wrap/{nonce[0]}")
-
-    def max(self, values: list[float]) -> list[float]:
-        store = dist.distributed_c10d._get_default_store()
-        round_key = f"{self.prefix}/{self.rounds}"
-        self.rounds += 1  # every rank compiles the same graphs in the same order
-        store.set(f"{round_key}/{dist.get_rank()}", json.dumps(values))
-        keys = [f"{round_key}/{r}" for r in self.ranks]
-        store.wait(keys)  # the store's timeout: the process group's
-        everyone = [json.loads(store.get(k)) for k in keys]
-        if any(len(v) != len(values) for v in everyone):
-            raise ValueError(f"ranks disagree on the number of auto-wrap steps: "
-                             f"{[len(v) for v in everyone]} for ranks {self.ranks}")
-        return [max(column) for column in zip(*everyone, strict=True)]
-
-
 def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
          memory_limit_bytes: float | None, measure: bool = True,
-         compute_cache: dict | None = None, agreement: Agreement | None = None) -> Plan:
+         compute_cache: dict | None = None, agreement: StoreAgreement | None = None) -> Plan:
     """Bucket assignment for one graph (before bucketing), by Algorithm 1.
 
     Every rank measures its nodes' compute time; with an ``agreement`` the per-step
@@ -358,7 +315,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     return Plan(assignment, steps, buckets, decisions, exposed, kind, profile_s)
 
 
-def _agree_steps(steps: list[Step], agreement: Agreement | None) -> list[Step]:
+def _agree_steps(steps: list[Step], agreement: StoreAgreement | None) -> list[Step]:
     """Replace each step's measured computation and memory by the MAX over the agreeing
     ranks, so all decide on the same numbers (the bytes come from the graph: equal)."""
     if agreement is None:

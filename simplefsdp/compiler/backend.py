@@ -8,8 +8,10 @@ backward), which the default partitioner would drop.
 Every pass decision depends only on the sequence of collectives and module names, which
 is the same on every rank, so every rank issues the same collectives in the same order.
 ``bucketing="auto"`` also reads measured numbers (communication model, compute times),
-agreed across ranks before use; its pass runs collectives, so Inductor's graph caches
-are bypassed for it (a rank that hit the cache would skip them and hang the others).
+agreed across ranks before use (through the rendezvous store: inside a compiler pass
+only the store is safe, see ``simplefsdp.agreement``); its pass talks to the other
+ranks, so Inductor's graph caches are bypassed for it (a rank that hit the cache would
+skip the exchange and hang the others).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
+from ..agreement import StoreAgreement
 from . import auto_wrap, cost, manual_wrap
 from .bucketing import bucket_collectives, single
 from .collectives import find_collectives, is_backward, stable_topological_sort
@@ -94,7 +97,7 @@ class SimpleFSDPBackend:
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
         # bucketing="auto" agrees on measurements across the ranks compiling these graphs
-        self._agreement = auto_wrap.Agreement.create(group) if bucketing == "auto" else None
+        self._agreement = StoreAgreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
         # bucketing="auto": the comm model (given, or calibrated once here, through
         # the cost model's disk cache) and measured op times, shared by all graphs.
@@ -204,7 +207,7 @@ def _calibrated_comm_model() -> cost.CommModel | None:
 
     Called when the backend is built, in eager code on every rank: collectives issued
     from inside the compiler (where the passes run) hang on gloo, which is also why the
-    pass agrees on its measurements through the store (``auto_wrap.Agreement``).
+    pass agrees on its measurements through the store (``simplefsdp.agreement``).
     """
     if not dist.is_available() or not dist.is_initialized():
         return None

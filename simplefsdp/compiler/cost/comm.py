@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compute import outside_modes, time_callable
+from ..._torch_compat import disable_current_modes
+from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device
+from .compute import time_callable
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
            "get_comm_model"]
@@ -153,15 +155,6 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def _group_device(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _local_world_size(world_size: int, device: torch.device) -> int:
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if env is not None:
@@ -246,8 +239,8 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     over all cases instead of skewing one. Collective: every rank must pass the same cases.
     """
     group = _resolve_group(group)
-    dev = _group_device(group, device)
-    with outside_modes():
+    dev = group_device(group, device)
+    with disable_current_modes():
         fns = [_collective_fn(_normalize_kind(k), int(n), group, dev, dtype) for k, n in cases]
         for _ in range(warmup):
             for fn in fns:
@@ -279,10 +272,10 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
     auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
     """
     group = _resolve_group(group)
-    dev = _group_device(group, device)
+    dev = group_device(group, device)
     ws = dist.get_world_size(group)
     c10d = torch.ops._c10d_functional
-    with outside_modes():
+    with disable_current_modes():
         shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
                            dtype=dtype, device=dev)
         a = torch.randn(256, 256, dtype=dtype, device=dev)
@@ -332,13 +325,13 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks.
     """
     group = _resolve_group(group)
-    dev = _group_device(group, device)
+    dev = group_device(group, device)
     ws = dist.get_world_size(group)
     if sizes is None:
         sizes = DEFAULT_CUDA_SIZES if dev.type == "cuda" else DEFAULT_CPU_SIZES
     sizes = [int(s) for s in sizes]
     kinds = [_normalize_kind(k) for k in kinds]
-    with outside_modes():
+    with disable_current_modes():
         dist.barrier(group)
     measured = measure_collectives([(k, n) for k in kinds for n in sizes], group, dev, dtype,
                                    repeats, warmup)
@@ -368,7 +361,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
     """What a calibration depends on: world and node size, backend, device, torch version
     (and the format: a cache written before ``overlap`` existed is not reused)."""
     group = _resolve_group(group)
-    dev = _group_device(group, device)
+    dev = group_device(group, device)
     ws = dist.get_world_size(group)
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
@@ -419,13 +412,6 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
         pass  # a read-only home must not break training; the next run calibrates again
 
 
-def _broadcast_from_group_rank0(obj: Any, group: dist.ProcessGroup) -> Any:
-    holder = [obj]
-    with outside_modes():
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
-    return holder[0]
-
-
 def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = True,
                    cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
     """The communication model for ``group``: cached, freshly calibrated, or defaults.
@@ -443,13 +429,13 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = Tru
     if not dist.is_available() or not dist.is_initialized():
         return default_comm_model(1)
     group = _resolve_group(group)
-    dev = _group_device(group, calibrate_kwargs.get("device"))
+    dev = group_device(group, calibrate_kwargs.get("device"))
     ws = dist.get_world_size(group)
     key = cache_key(group, dev)
     is_rank0 = dist.get_rank(group) == 0
     if cache:
         found = _load_cached(key) if is_rank0 else None
-        found = _broadcast_from_group_rank0(found.to_dict() if found else None, group)
+        found = broadcast_from_rank0(found.to_dict() if found else None, group)
         if found is not None:
             return CommModel.from_dict(found)
     if not calibrate:
@@ -458,46 +444,3 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = Tru
     if cache and is_rank0:
         _store_cached(key, model)
     return model
-
-
-def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None = None,
-                       op: str = "max") -> list[float]:
-    """Make per-rank measurements identical on every rank (all-reduce MAX, MIN or mean).
-
-    MAX is the default: a step is as slow as its slowest rank. Collective when a process
-    group is initialized (all ranks must pass lists of the same length, which is checked
-    first); returns ``values`` unchanged otherwise.
-    """
-    values = [float(v) for v in values]
-    if not dist.is_available() or not dist.is_initialized():
-        return values
-    group = _resolve_group(group)
-    if dist.get_world_size(group) == 1:
-        return values
-    with outside_modes():
-        return _agree(values, group, op)
-
-
-def _agree(values: list[float], group: dist.ProcessGroup, op: str) -> list[float]:
-    dev = _group_device(group, None)
-    n = torch.tensor([len(values), -len(values)], dtype=torch.int64, device=dev)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    if int(n[0]) != -int(n[1]):
-        raise ValueError(f"ranks disagree on the number of values ({len(values)} here, "
-                         f"between {-int(n[1])} and {int(n[0])} across ranks)")
-    if not values:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    if op == "max":
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    elif op == "min":
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    elif op == "mean":
-        # the summation order inside the backend is not specified: broadcast rank 0's
-        # result afterwards so the rounding is identical everywhere.
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        t /= dist.get_world_size(group)
-        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
-    else:
-        raise ValueError(f"op must be 'max', 'min' or 'mean', not {op!r}")
-    return t.cpu().tolist()

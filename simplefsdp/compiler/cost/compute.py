@@ -18,6 +18,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..._torch_compat import disable_current_modes
 from .memory import METADATA_ONLY, Unmeasurable, op_name, size_hint, value_bytes
 
 __all__ = ["ComputeSpec", "default_compute_spec", "estimate_graph_compute",
@@ -204,7 +205,7 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
     if cache is not None and key in cache:
         return cache[key]
     try:
-        with outside_modes(), torch.no_grad():
+        with disable_current_modes(), torch.no_grad():
             budget = [max_input_bytes]
             real_args, real_kwargs = tree_map(lambda x: _materialize(x, budget),
                                               (args, kwargs))
@@ -266,12 +267,3 @@ def time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-
-def outside_modes():
-    """Leave any active FakeTensorMode / proxy mode: compiler passes run inside one, and
-    measurements and collectives must touch real tensors."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    return _disable_current_modes()
-
