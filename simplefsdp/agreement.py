@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,21 +30,40 @@ import torch.distributed as dist
 
 from ._torch_compat import default_store, disable_current_modes
 
-__all__ = ["StoreAgreement", "agree_across_ranks", "broadcast_from_rank0", "group_device"]
+__all__ = ["StoreAgreement", "agree_across_ranks", "broadcast_from_rank0", "group_device",
+           "is_fake_group", "nothing_to_agree"]
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def is_fake_group(group: dist.ProcessGroup | None = None) -> bool:
+    """True for a fake process group (``init_process_group("fake", store=FakeStore())``):
+    one process pretends to be a whole world; its collectives move no data, its store
+    implements almost nothing, and nothing measured on it means anything."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    return str(dist.get_backend(_resolve_group(group))).lower() == "fake"
+
+
+def nothing_to_agree(group: dist.ProcessGroup | None = None) -> bool:
+    """True where a value needs no agreement: no process group, a group of one rank, or a
+    fake group (one real process: whatever it decides is what "every rank" decides)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    return is_fake_group(group) or dist.get_world_size(_resolve_group(group)) == 1
+
+
 def group_device(group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None) -> torch.device:
     """The device ``group``'s collectives take tensors on: ``device`` if given, the
-    current CUDA device for NCCL, else the CPU."""
+    current CUDA device for NCCL (and for a fake group where CUDA is present), else the
+    CPU."""
     if device is not None:
         return torch.device(device)
     backend = str(dist.get_backend(_resolve_group(group))).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    if ("nccl" in backend or backend == "fake") and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -63,11 +82,9 @@ def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None 
     if op not in ("max", "min"):
         raise ValueError(f"op must be 'max' or 'min', not {op!r}")
     values = [float(v) for v in values]
-    if not dist.is_available() or not dist.is_initialized():
+    if nothing_to_agree(group):
         return values
     group = _resolve_group(group)
-    if dist.get_world_size(group) == 1:
-        return values
     with disable_current_modes():  # real tensors even when called under a fake mode
         dev = group_device(group)
         n = torch.tensor([len(values), -len(values)], dtype=torch.int64, device=dev)
@@ -85,8 +102,9 @@ def agree_across_ranks(values: Sequence[float], group: dist.ProcessGroup | None 
 
 def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
     """``obj`` as the group's first rank holds it (any picklable value), on every rank;
-    ``obj`` itself without a process group. Collective; eager code only."""
-    if not dist.is_available() or not dist.is_initialized():
+    ``obj`` itself without a process group, on one rank or a fake group. Collective; eager
+    code only."""
+    if nothing_to_agree(group):
         return obj
     group = _resolve_group(group)
     holder = [obj]
@@ -100,13 +118,13 @@ def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> An
 
 @dataclass
 class StoreAgreement:
-    """The MAX of per-rank numbers over ``ranks``, exchanged through the rendezvous store:
-    safe inside a compiler pass (see module doc).
+    """Agreement through the rendezvous store over ``ranks``: safe inside a compiler pass
+    (see module doc).
 
     ``ranks`` must be every rank that compiles the same graphs: agreeing only within the
     FSDP shard group would let HSDP replicas or TP peers choose different buckets.
-    Floats travel as JSON, which round-trips them exactly, so every rank computes the
-    same MAX. Every rank must call :meth:`max` the same number of times, in one order.
+    Values travel as JSON (floats round-trip exactly). Every rank must make the same
+    calls in the same order: each call is one round, keyed by its number.
     """
 
     ranks: list[int]
@@ -116,19 +134,23 @@ class StoreAgreement:
     @classmethod
     def create(cls, group: dist.ProcessGroup | None = None) -> StoreAgreement | None:
         """Collective (eager, e.g. when the backend is built): rank 0's nonce keeps two
-        agreements from sharing keys. None without a process group."""
-        if not dist.is_initialized():
+        agreements from sharing keys. None where there is nothing to agree with (no
+        process group, one rank, a fake group: its store cannot even ``set``)."""
+        if nothing_to_agree(None) or nothing_to_agree(group):
             return None
         ranks = dist.get_process_group_ranks(group) if group is not None else \
             list(range(dist.get_world_size()))
         nonce = broadcast_from_rank0(uuid.uuid4().hex, group)
         return cls(ranks, f"simplefsdp/agreement/{nonce}")
 
+    def _next_round(self) -> str:
+        self.rounds += 1
+        return f"{self.prefix}/{self.rounds - 1}"
+
     def max(self, values: list[float]) -> list[float]:
         """The element-wise MAX of ``values`` over ``ranks`` (lengths must match)."""
         store = default_store()
-        round_key = f"{self.prefix}/{self.rounds}"
-        self.rounds += 1
+        round_key = self._next_round()
         store.set(f"{round_key}/{dist.get_rank()}", json.dumps(values))
         keys = [f"{round_key}/{r}" for r in self.ranks]
         store.wait(keys)  # the store's timeout: the process group's
@@ -137,3 +159,16 @@ class StoreAgreement:
             raise ValueError(f"ranks disagree on the number of values to agree on: "
                              f"{[len(v) for v in everyone]} for ranks {self.ranks}")
         return [max(column) for column in zip(*everyone, strict=True)]
+
+    def from_first(self, decide: Callable[[], Any]) -> Any:
+        """``decide()`` run on the first of ``ranks`` only; its JSON-able result on every
+        rank. The others wait for it (the store's timeout), so one rank's decision, with
+        its own measurements, is everyone's: no MAX, no noise between ranks."""
+        store = default_store()
+        key = f"{self._next_round()}/decision"
+        if dist.get_rank() == self.ranks[0]:
+            value = decide()
+            store.set(key, json.dumps(value))
+            return json.loads(json.dumps(value))  # the same (JSON) form as the others get
+        store.wait([key])
+        return json.loads(store.get(key))

@@ -1,59 +1,45 @@
-"""Auto wrapping: choose the buckets greedily under time and memory constraints
-(SimpleFSDP section 3.3.2, Table 1, Algorithm 1).
+"""Auto wrapping: choose the buckets under time and memory constraints (SimpleFSDP
+section 3.3.2), by an exact search over a simulated step or by the paper's greedy.
 
-The core, :func:`greedy_buckets`, is a pure function over a list of :class:`Step` (one
-per all-gather in issue order: its bytes, the compute that uses its parameters, the
-memory that compute needs, and in backward the bytes of the reduce-scatters of the same
-parameters). It walks the steps and either extends the open bucket with the next step or
-closes it:
+A graph becomes a list of :class:`Step` (one per collective in issue order: its bytes,
+the compute that uses its parameters, the memory live meanwhile, and in backward the
+bytes of the reduce-scatters of the same parameters). Two planners read them:
 
-* extend when the bucket's communication (plus, in backward, the reduce-scatter of the
-  step before) still fits under the computation it is prefetched behind and the bucket's
-  memory stays under the limit: Algorithm 1 as written;
-* when it no longer fits, extend anyway if that exposes no more communication than
-  issuing the step as its own collective (on a high-latency fabric one more ``alpha``
-  costs more than the extra bytes), as long as the memory still fits.
+* ``"auto"`` (default): :func:`plan_search.optimal_buckets`, dynamic programming over
+  contiguous bucket boundaries minimising the step time of :mod:`.simulate` (compute
+  and communication streams, the measured fraction of a collective that compute hides,
+  copy-in/copy-out) with the predicted step peak under ``memory_limit_gb``;
+* ``"greedy"``: :func:`greedy_buckets`, Algorithm 1 of the paper (see its docstring);
+  its memory rule is the paper's (a bucket's own memory), kept for comparison.
 
-:func:`plan` turns a graph into steps (compute measured by ``cost.compute``, agreed
-across ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
+Both plans are simulated and reported. :func:`plan` turns a graph into steps (compute
+measured by ``cost.compute`` on one rank, quantised), decides on the first rank of the
+agreement and shares the decision through the store, so every rank buckets identically,
+and returns a ``{collective start node: bucket name}`` map for
 ``bucketing.bucket_collectives``; reduce-scatters follow the bucket of the all-gather of
-the same parameter. Every number a decision reads is agreed across ranks first, so all
-ranks bucket identically.
+the same parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx
 
 from ..agreement import StoreAgreement
 from . import cost
 from .collectives import Collective
+from .plan_search import optimal_buckets
+from .simulate import Estimate, Step, simulate
+
+METHODS = ("auto", "greedy")
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
-
-
-@dataclass(frozen=True)
-class Step:
-    """One collective of the greedy, in issue order.
-
-    ``nbytes``: full (unsharded) bytes of the collective (T_mi from the comm model).
-    ``compute_s``: computation that uses what it gathered (T_ci); once in a closed bucket
-    it is the window the next bucket's communication hides behind.
-    ``memory_bytes``: memory live while that computation runs (M_ci).
-    ``overlap_bytes``: bytes of the reduce-scatters that mirror this step (backward): they
-    share the following step's window (T_mi^RS).
-    """
-
-    name: str
-    nbytes: int
-    compute_s: float
-    memory_bytes: int
-    overlap_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,26 +152,8 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
 def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
                      comm: cost.CommModel, kind: str = "all_gather",
                      overlap_kind: str = "reduce_scatter") -> float:
-    """Seconds of communication left exposed by ``buckets`` under the greedy's model.
-
-    Bucket k's collective runs behind bucket k-1's computation together with bucket
-    k-2's reduce-scatter; the first bucket's collective is fully exposed, and after the
-    last bucket its reduce-scatter and the one before it only have the last computation
-    (the one before) and nothing (the last) to hide behind.
-    """
-    comp = [comm.overlap * sum(steps[j].compute_s for j in b) for b in buckets]
-    main = [_comm(comm, kind, sum(steps[j].nbytes for j in b)) for b in buckets]
-    rs = [_comm(comm, overlap_kind, sum(steps[j].overlap_bytes for j in b)) for b in buckets]
-    exposed = 0.0
-    for k in range(len(buckets)):
-        window = comp[k - 1] if k >= 1 else 0.0
-        before = rs[k - 2] if k >= 2 else 0.0
-        exposed += max(0.0, before + main[k] - window)
-    if len(buckets) >= 2:
-        exposed += max(0.0, rs[-2] - comp[-1])
-    if buckets:
-        exposed += rs[-1]
-    return exposed
+    """Seconds of communication left exposed by ``buckets`` in the simulated step."""
+    return simulate(steps, buckets, comm, kind, overlap_kind).exposed_s
 
 
 # ---------------------------------------------------------------------------- FX side
@@ -193,15 +161,23 @@ def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
 
 @dataclass
 class Plan:
-    """What :func:`plan` decided for one graph."""
+    """What :func:`plan` decided for one graph. ``estimates``: the simulated step of
+    each planner's buckets ("auto", "greedy"); ``method`` names the one applied."""
 
     assignment: dict[fx.Node, str]
     steps: list[Step]
     buckets: list[list[int]]
     decisions: list[Decision]
-    estimated_exposed_s: float
+    estimates: dict[str, Estimate]
+    method: str
     kind: str
-    profile_s: float = 0.0  # time spent measuring the graph's compute
+    memory_limit_bytes: float | None = None
+    profile_s: float = 0.0  # time spent measuring the graph's compute (0: from a cache)
+    decided: dict | None = None  # the JSON form, for the plan cache
+
+    @property
+    def estimated_exposed_s(self) -> float:
+        return self.estimates[self.method].exposed_s if self.estimates else 0.0
 
 
 def _segments(nodes: list[fx.Node], anchors: list[fx.Node]) -> list[list[int]]:
@@ -231,7 +207,8 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     greedy walks them backwards). ``overlap``: reduce-scatters mirrored onto the
     all-gather of the same module (or, failing that, the step whose segment holds them):
     ``owner`` from :func:`owner_steps`. Memory: the gathered (or reduced) bytes plus the
-    segment's peak growth in live bytes.
+    segment's peak growth in live bytes (``memory_bytes``), and the segment's peak live
+    bytes less the gathered ones (``base_bytes``).
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -248,7 +225,8 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     for c in overlap:
         overlap_bytes[owner[c.start]] += c.nbytes
     steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
-                  c.nbytes + _segment_memory(live, seg, s), ob)
+                  c.nbytes + _segment_memory(live, seg, s), ob,
+                  max(0, max((live[j] for j in seg), default=live[s]) - c.nbytes))
              for c, seg, s, ob in zip(primary, segments, starts, overlap_bytes, strict=True)]
     return steps[::-1] if reverse else steps
 
@@ -277,14 +255,40 @@ def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
     return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
 
 
+def quantise_seconds(t: float, steps_per_decade: int = 20) -> float:
+    """``t`` rounded to a geometric grid (20 per decade: within 6%), so that run-to-run
+    noise in measured compute rarely changes the numbers a plan is chosen from."""
+    if t <= 0:
+        return 0.0
+    return 10.0 ** (round(math.log10(t) * steps_per_decade) / steps_per_decade)
+
+
+def decide(steps: list[Step], comm: cost.CommModel, memory_limit_bytes: float | None,
+           method: str, kind: str) -> dict[str, Any]:
+    """Both planners over ``steps`` (compute quantised first), simulated: the JSON form of
+    a decision (what ranks share through the store and the plan cache keeps)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    steps = [dataclasses.replace(s, compute_s=quantise_seconds(s.compute_s)) for s in steps]
+    greedy, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
+    best = optimal_buckets(steps, comm, memory_limit_bytes, kind)
+    return {"kind": kind, "method": method, "steps": [dataclasses.asdict(s) for s in steps],
+            "buckets": best if method == "auto" else greedy,
+            "decisions": [dataclasses.asdict(d) for d in decisions],
+            "estimates": {"auto": dataclasses.asdict(simulate(steps, best, comm, kind)),
+                          "greedy": dataclasses.asdict(simulate(steps, greedy, comm, kind))}}
+
+
 def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
          memory_limit_bytes: float | None, measure: bool = True,
-         compute_cache: dict | None = None, agreement: StoreAgreement | None = None) -> Plan:
-    """Bucket assignment for one graph (before bucketing), by Algorithm 1.
+         compute_cache: dict | None = None, agreement: StoreAgreement | None = None,
+         method: str = "auto", cached: dict | None = None) -> Plan:
+    """Bucket assignment for one graph (before bucketing).
 
-    Every rank measures its nodes' compute time; with an ``agreement`` the per-step
-    computation and memory are replaced by their MAX over its ranks before any decision,
-    so every rank returns the same plan.
+    ``cached``: a decision from the plan cache (then nothing is measured or exchanged).
+    Otherwise the first rank of ``agreement`` measures its nodes' compute, decides, and
+    shares the decision through the store; the other ranks wait for it. Without an
+    agreement (one rank, a fake group) this rank decides alone.
     """
     gathers = [c for c in collectives if c.kind == "all_gather"]
     scatters = [c for c in collectives if c.kind == "reduce_scatter"]
@@ -293,15 +297,30 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     else:
         primary, overlap, kind, reverse = scatters, [], "reduce_scatter", True
     if not primary:
-        return Plan({}, [], [], [], 0.0, kind)
-    started = time.perf_counter()
-    seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
-    profile_s = time.perf_counter() - started
+        return Plan({}, [], [], [], {}, method, kind, memory_limit_bytes)
     owner = owner_steps(graph, primary, overlap)
-    steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)
-    steps = _agree_steps(steps, agreement)
-    buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
-    exposed = estimate_exposed(steps, buckets, comm, kind)
+    profile_s = [0.0]
+
+    def measure_and_decide() -> dict[str, Any]:
+        started = time.perf_counter()
+        seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
+        profile_s[0] = time.perf_counter() - started
+        steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)
+        return decide(steps, comm, memory_limit_bytes, method, kind)
+
+    if cached is not None:
+        decided = cached
+    elif agreement is not None:
+        decided = agreement.from_first(measure_and_decide)
+    else:
+        decided = measure_and_decide()
+    steps = [Step(**s) for s in decided["steps"]]
+    buckets = [list(b) for b in decided["buckets"]]
+    if len(steps) != len(primary) or sorted(j for b in buckets for j in b) != \
+            list(range(len(primary))):
+        raise ValueError(f"the plan has {len(steps)} steps but the graph {len(primary)} "
+                         f"collectives: a stale plan cache? Delete it (see "
+                         f"simplefsdp.compiler.plan_cache) and compile again")
     in_graph_order = primary[::-1] if reverse else primary
     assignment: dict[fx.Node, str] = {}
     names = {}
@@ -312,15 +331,6 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
             names[j] = name
     for c in overlap:
         assignment[c.start] = names[owner[c.start]]
-    return Plan(assignment, steps, buckets, decisions, exposed, kind, profile_s)
-
-
-def _agree_steps(steps: list[Step], agreement: StoreAgreement | None) -> list[Step]:
-    """Replace each step's measured computation and memory by the MAX over the agreeing
-    ranks, so all decide on the same numbers (the bytes come from the graph: equal)."""
-    if agreement is None:
-        return steps
-    flat = [float(v) for s in steps for v in (s.compute_s, s.memory_bytes)]
-    agreed = agreement.max(flat)
-    return [dataclasses.replace(s, compute_s=agreed[2 * k], memory_bytes=int(agreed[2 * k + 1]))
-            for k, s in enumerate(steps)]
+    return Plan(assignment, steps, buckets, [Decision(**d) for d in decided["decisions"]],
+                {k: Estimate(**e) for k, e in decided["estimates"].items()},
+                decided["method"], kind, memory_limit_bytes, profile_s[0], decided)

@@ -7,17 +7,20 @@ backward), which the default partitioner would drop.
 
 Every pass decision depends only on the sequence of collectives and module names, which
 is the same on every rank, so every rank issues the same collectives in the same order.
-``bucketing="auto"`` also reads measured numbers (communication model, compute times),
-agreed across ranks before use (through the rendezvous store: inside a compiler pass
-only the store is safe, see ``simplefsdp.agreement``); its pass talks to the other
-ranks, so Inductor's graph caches are bypassed for it (a rank that hit the cache would
-skip the exchange and hang the others).
+``bucketing="auto"`` (and ``"greedy"``) also reads measured numbers (communication
+model, compute times): the first rank decides and shares the decision through the
+rendezvous store (inside a compiler pass only the store is safe, see
+``simplefsdp.agreement``). A pass that talks to the other ranks cannot be served from
+Inductor's graph caches (a rank that hit the cache would skip the exchange and hang the
+others), so decisions are cached on disk (``plan_cache``): when every rank has them, the
+pass talks to nobody and Inductor's caches stay on (a warm rerun).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import time
 from collections import Counter
@@ -29,14 +32,15 @@ import torch.distributed as dist
 from torch import fx
 
 from ..agreement import StoreAgreement
-from . import auto_wrap, cost, manual_wrap
+from . import auto_wrap, cost, manual_wrap, plan_cache
 from .bucketing import bucket_collectives, single
 from .collectives import find_collectives, is_backward, stable_topological_sort
 from .reordering import reorder
 
 log = logging.getLogger("simplefsdp.compiler")
 BACKENDS = ("inductor", "aot_eager")
-BUCKETING = ("none", "manual", "auto")
+BUCKETING = ("none", "manual", "auto", "greedy")
+PLANNED = ("auto", "greedy")  # bucketing values decided by auto_wrap
 
 
 @dataclass
@@ -52,12 +56,16 @@ class GraphReport:
     schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
     overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
     pass_seconds: float = 0.0
-    # bucketing="auto" only: one decision per candidate collective after the first (its
-    # inputs: estimated comm, compute window, memory, and the outcome), the comm model
-    # used, and the estimated exposed communication of the chosen buckets.
+    # bucketing="auto"/"greedy" only: the greedy's decision per candidate collective
+    # after the first (its inputs: estimated comm, compute window, memory, the outcome),
+    # the comm model used, the simulated step of both planners' buckets, the estimated
+    # exposed communication and predicted peak of the buckets applied, and the limit.
     decisions: list[auto_wrap.Decision] = field(default_factory=list)
     comm_model: dict | None = None
+    estimates: dict[str, auto_wrap.Estimate] = field(default_factory=dict)
     estimated_exposed_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    memory_limit_bytes: float | None = None
 
     def __str__(self) -> str:
         lines = [f"[simplefsdp] {self.graph}: collectives {self.collectives_before} -> "
@@ -67,8 +75,12 @@ class GraphReport:
                   for b in self.buckets if b["count"] > 1]
         lines += [f"  {m}" for m in self.moves] + [f"  note: {n}" for n in self.notes]
         if self.comm_model is not None:
+            limit = "none" if self.memory_limit_bytes is None else \
+                f"{self.memory_limit_bytes / 1e9:.4g} GB"
             lines.append(f"  auto: comm model {self.comm_model}, estimated exposed "
-                         f"communication {self.estimated_exposed_s * 1e3:.3f} ms")
+                         f"communication {self.estimated_exposed_s * 1e3:.3f} ms, predicted "
+                         f"peak {self.predicted_peak_bytes / 1e9:.4g} GB (limit {limit})")
+            lines += [f"  estimate {name}: {e}" for name, e in self.estimates.items()]
         lines += [f"  decision: {d}" for d in self.decisions]
         return "\n".join(lines)
 
@@ -80,7 +92,7 @@ class SimpleFSDPBackend:
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
                  comm_model: cost.CommModel | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, plan_cache: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
@@ -96,25 +108,30 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
-        # bucketing="auto" agrees on measurements across the ranks compiling these graphs
-        self._agreement = StoreAgreement.create(group) if bucketing == "auto" else None
+        # auto/greedy: the ranks compiling these graphs agree through the store
+        planned = bucketing in PLANNED
+        self._agreement = StoreAgreement.create(group) if planned else None
         self.reports: list[GraphReport] = []
-        # bucketing="auto": the comm model (given, or calibrated once here, through
-        # the cost model's disk cache) and measured op times, shared by all graphs.
+        # auto/greedy: the comm model (given, or calibrated once here, through the cost
+        # model's disk cache) and measured op times, shared by all graphs.
         self.comm_model = comm_model
-        if bucketing == "auto" and comm_model is None:
+        if planned and comm_model is None:
             self.comm_model = _calibrated_comm_model()
         self._compute_cache: dict = {}
+        self.plan_cache = plan_cache
+
 
     # -- torch.compile entry point ------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs):
         _install_cpu_collectives()
+        # this Dynamo graph's plan-cache key and decisions (when every rank has them)
+        cached = self._look_up_plans(gm, example_inputs)
         if self.backend == "aot_eager":
             from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
             from torch._dynamo.backends.common import aot_autograd
 
             def compile_graph(graph_module, _inputs):
-                self.run_passes(graph_module.graph)
+                self.run_passes(graph_module.graph, cached)
                 graph_module.recompile()
                 return make_boxed_func(graph_module.forward)
 
@@ -123,14 +140,32 @@ class SimpleFSDPBackend:
                 gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"post_grad_custom_post_pass": _InductorPass(self)}
-        if self.bucketing == "auto":  # the pass is collective: every rank must run it
-            patches["fx_graph_cache"] = False
+        patches = {"post_grad_custom_post_pass": _InductorPass(self, cached)}
+        if self.bucketing in PLANNED and cached[1] is None:
+            patches["fx_graph_cache"] = False  # the pass talks: every rank must run it
         return compile_fx(gm, example_inputs, config_patches=patches)
 
+    def _look_up_plans(self, gm: fx.GraphModule, example_inputs
+                       ) -> tuple[str | None, dict | None]:
+        """This Dynamo graph's plan-cache key and cached decisions; the decisions only
+        when every rank has them (one store round), else None: the pass decides live."""
+        if self.bucketing not in PLANNED or not self.plan_cache:
+            return None, None
+        comm = self.comm_model_for()
+        key = plan_cache.dynamo_key(gm, example_inputs, self.bucketing, self.reordering,
+                                    self.memory_limit_bytes, comm.to_dict(),
+                                    _world_size(), _source_hash(), self.backend)
+        found = plan_cache.load(key, _rank())
+        if self._agreement is not None:
+            missing = self._agreement.max([0.0 if found else 1.0])[0]
+            found = found if missing == 0.0 else None
+        return key, found
+
     # -- the passes ---------------------------------------------------------------------
-    def run_passes(self, graph: fx.Graph) -> GraphReport:
-        """Bucket and reorder the collectives of one forward or backward graph in place."""
+    def run_passes(self, graph: fx.Graph,
+                   cached: tuple[str | None, dict | None] = (None, None)) -> GraphReport:
+        """Bucket and reorder the collectives of one forward or backward graph in place;
+        ``cached``: the plan-cache key and decisions of its Dynamo graph (auto/greedy)."""
         started = time.perf_counter()
         backward = is_backward(graph)
         collectives = find_collectives(graph)
@@ -144,16 +179,23 @@ class SimpleFSDPBackend:
                 report.notes.append(f"plan entries matching no collective: {unused}")
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
-        elif self.bucketing == "auto":
-            comm = self.comm_model_for()
-            plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
-                                  compute_cache=self._compute_cache,
-                                  agreement=self._agreement)
+        elif self.bucketing in PLANNED:
+            plan = self._plan(graph, collectives, *cached)
             report.decisions = plan.decisions
-            report.comm_model = comm.to_dict()
+            report.comm_model = self.comm_model_for().to_dict()
+            report.estimates = plan.estimates
             report.estimated_exposed_s = plan.estimated_exposed_s
-            report.notes.append(f"auto: {len(plan.steps)} steps -> {len(plan.buckets)} "
-                                f"buckets; compute measured in {plan.profile_s:.2f} s")
+            chosen = plan.estimates.get(plan.method)
+            report.predicted_peak_bytes = chosen.peak_bytes if chosen else 0
+            report.memory_limit_bytes = self.memory_limit_bytes
+            source = "plan cache" if plan.profile_s == 0.0 and plan.steps else \
+                f"compute measured in {plan.profile_s:.2f} s"
+            report.notes.append(f"{plan.method}: {len(plan.steps)} steps -> "
+                                f"{len(plan.buckets)} buckets; {source}")
+            if chosen and self.memory_limit_bytes and chosen.peak_bytes > \
+                    self.memory_limit_bytes:
+                report.notes.append(f"predicted peak {chosen.peak_bytes / 1e9:.4g} GB is over "
+                                    f"memory_limit_gb even with one collective per bucket")
             buckets = bucket_collectives(graph, collectives, plan.assignment)
             stable_topological_sort(graph)
         else:
@@ -169,6 +211,23 @@ class SimpleFSDPBackend:
         self.reports.append(report)
         log.info("%s", report)
         return report
+
+    def _plan(self, graph: fx.Graph, collectives, plans_key: str | None,
+              plans: dict | None) -> auto_wrap.Plan:
+        """Decide (or read from the plan cache) the buckets of one graph; store new
+        decisions. With cached plans but none for this graph (Inductor's graph differs
+        from the cached run's), the roofline decides: deterministic, no exchange."""
+        comm = self.comm_model_for()
+        gkey = plan_cache.graph_key(graph)
+        cached = plans.get(gkey) if plans is not None else None
+        warm = plans is not None
+        plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
+                              measure=not warm, compute_cache=self._compute_cache,
+                              agreement=None if warm else self._agreement,
+                              method=self.bucketing, cached=cached)
+        if cached is None and plan.decided is not None and plans_key is not None:
+            plan_cache.store(plans_key, _rank(), gkey, plan.decided)
+        return plan
 
     def comm_model_for(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
@@ -186,19 +245,23 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
                     reordering: bool = True, module_plan: Sequence | None = None,
                     memory_limit_gb: float | None = None,
                     comm_model: cost.CommModel | None = None,
-                    group: dist.ProcessGroup | None = None) -> SimpleFSDPBackend:
+                    group: dist.ProcessGroup | None = None,
+                    plan_cache: bool = True) -> SimpleFSDPBackend:
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
     bucketing and reordering passes on the forward and backward graphs.
 
-    ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
-    ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
-    ``comm_model`` or, when None, a model calibrated on the default process group when
-    the backend is built (cached on disk, see ``cost.get_comm_model``; collective:
-    build the backend on every rank). Its measurements are agreed across ``group``: every
-    rank that compiles the same model (None: all ranks; under pipeline parallelism, the
-    ranks of one stage)."""
+    ``bucketing="auto"`` picks the buckets of least simulated step time whose predicted
+    step peak (sharded state + activations + prefetched buckets) stays under
+    ``memory_limit_gb`` (decimal GB; None: no limit); ``"greedy"`` applies the paper's
+    Algorithm 1 instead (both are reported). The comm model is ``comm_model`` or, when
+    None, one calibrated on the default process group when the backend is built (cached
+    on disk, see ``cost.get_comm_model``; collective: build the backend on every rank;
+    a fake group is never timed: the fabric table). Decisions are taken by the first
+    rank of ``group`` (every rank that compiles the same model; None: all ranks; under
+    pipeline parallelism, the ranks of one stage) and cached on disk (``plan_cache``)
+    so that a rerun decides nothing and compiles warm."""
     return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model, group)
+                             comm_model, group, plan_cache)
 
 
 def _calibrated_comm_model() -> cost.CommModel | None:
@@ -213,6 +276,14 @@ def _calibrated_comm_model() -> cost.CommModel | None:
         return None
     _install_cpu_collectives()  # time the all-gather kernel the compiled graphs will use
     return cost.get_comm_model()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
@@ -264,16 +335,18 @@ def _inductor_pass_base():
 class _InductorPass(_inductor_pass_base()):
     """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
 
-    def __init__(self, owner: SimpleFSDPBackend):
-        self.owner = owner
+    def __init__(self, owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):
+        self.owner, self.cached = owner, cached
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.owner.run_passes(graph)
+        self.owner.run_passes(graph, self.cached)
 
     def uuid(self) -> str | None:
-        o = self.owner
-        if o.bucketing == "auto":
+        o, found = self.owner, self.cached[1]
+        if o.bucketing in PLANNED and found is None:
             return None  # not cacheable: the pass measures and talks to the other ranks
-        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+        plans = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() \
+            if found else ""
+        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}|{plans}"
         return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 

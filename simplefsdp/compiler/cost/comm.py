@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..._torch_compat import disable_current_modes
-from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device
+from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device, is_fake_group
 from .compute import time_callable
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
@@ -66,14 +66,17 @@ class CommModel:
     it is the size of the reduced tensor. ``overlap`` is the fraction of concurrent
     computation that actually hides a collective: ~1 where communication has its own
     engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
-    a small CPU host); ``calibrate`` measures it. ``source`` and ``world_size`` describe
-    where the figures came from and take no part in equality.
+    a small CPU host); ``calibrate`` measures it. ``copy_s_per_byte``: a bucket's
+    copy-in/copy-out cost per byte copied (device memory bandwidth; ``measure_copy``).
+    ``source`` and ``world_size`` describe where the figures came from and take no part
+    in equality.
     """
 
     all_gather: tuple[float, float]
     reduce_scatter: tuple[float, float]
     all_reduce: tuple[float, float]
     overlap: float = 1.0
+    copy_s_per_byte: float = 0.0
     world_size: int = dataclasses.field(default=1, compare=False)
     source: str = dataclasses.field(default="unknown", compare=False)
 
@@ -89,24 +92,28 @@ class CommModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
-            "overlap": self.overlap, "world_size": self.world_size, "source": self.source}
+            "overlap": self.overlap, "copy_s_per_byte": self.copy_s_per_byte,
+            "world_size": self.world_size, "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
         pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
         return cls(**pairs, overlap=float(d.get("overlap", 1.0)),
+                   copy_s_per_byte=float(d.get("copy_s_per_byte", 0.0)),
                    world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
 
 
 @dataclass(frozen=True)
 class Fabric:
-    """A link type: per-collective start-up latency, achievable ring bus bandwidth, and
-    the fraction of concurrent compute that hides communication (``CommModel.overlap``)."""
+    """A link type: per-collective start-up latency, achievable ring bus bandwidth, the
+    fraction of concurrent compute that hides communication (``CommModel.overlap``), and
+    the device's copy bandwidth (bytes copied per second: a bucket's copy-in/out)."""
 
     alpha_s: float
     bus_bandwidth_Bps: float
     note: str
     overlap: float = 1.0
+    copy_Bps: float = 1e12
 
 
 # Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
@@ -117,11 +124,13 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # H100 SXM, NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA
     # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
     # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
-    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)"),
+    # Copy: HBM3 3.35 TB/s moves a byte in and out, ~1.3e12 copied bytes/s achieved.
+    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)", copy_Bps=1.3e12),
     # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
     # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
     # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
-    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node"),
+    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node",
+                             copy_Bps=1.3e12),
     # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
     # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
     # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
@@ -129,8 +138,10 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # their load vary a lot; calibrate instead.
     # Overlap: gloo's threads compete with the compute for the same cores; on 2 ranks
     # sharing 2 cores `measure_overlap` found 0.0-0.33 (64 KiB-4 MiB all-gathers).
+    # Copy: `measure_copy` (torch.cat, one thread) found 18-36 GB/s for 1-16 MiB on an
+    # idle core of this host; 10 GB/s allows for the load.
     "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
-                                overlap=0.0),
+                                overlap=0.0, copy_Bps=10e9),
 }
 
 
@@ -146,6 +157,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         reduce_scatter=(spec.alpha_s, ring / bw),
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
         overlap=spec.overlap,
+        copy_s_per_byte=1.0 / spec.copy_Bps,
         world_size=n,
         source=f"default:{fabric}",
     )
@@ -155,19 +167,24 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def _local_world_size(world_size: int, device: torch.device) -> int:
+FAKE_GPUS_PER_NODE = 8  # a fake group's world is laid out on nodes of this many GPUs
+
+
+def _local_world_size(world_size: int, device: torch.device, fake: bool = False) -> int:
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if env is not None:
         return int(env)
+    if fake and device.type == "cuda":
+        return min(world_size, FAKE_GPUS_PER_NODE)
     if device.type == "cuda":
         return min(world_size, max(torch.cuda.device_count(), 1))
     return world_size
 
 
-def _pick_fabric(world_size: int, device: torch.device) -> str:
+def _pick_fabric(world_size: int, device: torch.device, fake: bool = False) -> str:
     if device.type != "cuda":
         return "gloo_cpu_loopback"
-    return "nvlink_h100" if world_size <= _local_world_size(world_size, device) \
+    return "nvlink_h100" if world_size <= _local_world_size(world_size, device, fake) \
         else "infiniband_ndr"
 
 
@@ -305,6 +322,18 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
     return min(max(hidden, 0.0), 1.0)
 
 
+def measure_copy(device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
+                 repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds per byte a bucket's copy-in/copy-out costs on this rank: ``torch.cat`` of
+    eight pieces into one buffer of ``nbytes`` (what bucketing does), median of
+    ``repeats``. Not collective."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    with disable_current_modes():
+        numel = max(nbytes // torch.empty((), dtype=dtype).element_size() // 8, 1)
+        pieces = [torch.ones(numel, dtype=dtype, device=dev) for _ in range(8)]
+        seconds = time_callable(lambda: torch.cat(pieces), repeats, 2, dev)
+    return seconds / (8 * numel * pieces[0].element_size())
+
 
 DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(6))  # 4 KiB .. 4 MiB
 DEFAULT_CUDA_SIZES = tuple(2 ** 20 * 4 ** i for i in range(5))  # 1 MiB .. 256 MiB
@@ -322,7 +351,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
     so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
     defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA. The
-    overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks.
+    overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks;
+    the copy cost ``measure_copy`` at the largest size, the MAX across ranks.
     """
     group = _resolve_group(group)
     dev = group_device(group, device)
@@ -342,6 +372,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
         fitted[kind] = fit_alpha_beta(sizes, times)
     fitted["overlap"] = agree_across_ranks(
         [measure_overlap(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
+    fitted["copy_s_per_byte"] = agree_across_ranks(
+        [measure_copy(dev, max(sizes), repeats, dtype)], group, op="max")[0]
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
     return CommModel(**fitted)
@@ -359,7 +391,8 @@ def cache_dir() -> Path:
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
     """What a calibration depends on: world and node size, backend, device, torch version
-    (and the format: a cache written before ``overlap`` existed is not reused)."""
+    (and the format: a cache written before ``overlap`` or ``copy_s_per_byte`` existed is
+    not reused)."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
@@ -374,7 +407,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
-        "format": 2,
+        "format": 3,
     }
 
 
@@ -424,13 +457,18 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = Tru
       ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
 
     Collective whenever the default process group exists: call it on every rank.
-    Without one (single process) it returns the CPU default for one rank.
+    Without one (single process) it returns the CPU default for one rank. On a fake
+    process group nothing is timed or cached (its collectives move no data): the fabric
+    table's model for its world size and device (CUDA: nodes of
+    ``FAKE_GPUS_PER_NODE``).
     """
     if not dist.is_available() or not dist.is_initialized():
         return default_comm_model(1)
     group = _resolve_group(group)
     dev = group_device(group, calibrate_kwargs.get("device"))
     ws = dist.get_world_size(group)
+    if is_fake_group(group):
+        return default_comm_model(ws, _pick_fabric(ws, dev, fake=True))
     key = cache_key(group, dev)
     is_rank0 = dist.get_rank(group) == 0
     if cache:

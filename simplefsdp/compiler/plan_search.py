@@ -1,0 +1,148 @@
+"""The optimal bucketing plan: dynamic programming over contiguous bucket boundaries.
+
+Buckets are contiguous runs of steps in issue order. The simulated step time
+(:mod:`.simulate`) is a sum of terms that each read at most three consecutive buckets
+(a bucket's collective, the compute of the bucket before it, the reduce-scatter of the
+one before that), and the memory of a bucket reads its neighbours. So the best plan
+ending in buckets ``(prev, last)`` extends the best plan ending in ``prev``: a dynamic
+program over states ``(prev, last)``, exact for that model, O(n^4 / 24) for n
+candidate boundaries.
+
+Candidates: a boundary may fall between any two steps of different blocks (a block is
+the module name up to its layer index, ``layers.3`` for ``layers.3.attn.wq``); when that
+still leaves more than ``max_groups`` groups, neighbouring groups are merged evenly.
+Small graphs (and the synthetic tests) keep every boundary.
+
+Stability: a plan whose step time is within ``tolerance`` of the best is as good; the
+search prefers fewer buckets by charging each bucket ``tolerance * reference / n``
+(so the chosen plan is at most ``tolerance`` of the reference slower than the optimum,
+and run-to-run noise in the measurements does not flip between near-equal plans).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .cost import CommModel
+from .simulate import Step, bucket_peak, comm_seconds, copy_seconds, simulate, window
+
+DEFAULT_TOLERANCE = 0.02
+DEFAULT_MAX_GROUPS = 40
+
+
+def block_of(name: str) -> str:
+    """``layers.3.attn.wq`` -> ``layers.3``; ``tok_embeddings`` -> ``tok_embeddings``."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def candidate_groups(steps: Sequence[Step], max_groups: int = DEFAULT_MAX_GROUPS
+                     ) -> list[list[int]]:
+    """Runs of step indices that the search keeps together (see module doc)."""
+    groups: list[list[int]] = []
+    for i, s in enumerate(steps):
+        if groups and block_of(steps[groups[-1][-1]].name) == block_of(s.name):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    if len(groups) > max_groups:
+        per = math.ceil(len(groups) / max_groups)
+        groups = [[i for g in groups[k:k + per] for i in g]
+                  for k in range(0, len(groups), per)]
+    return groups
+
+
+def optimal_buckets(steps: Sequence[Step], comm: CommModel,
+                    memory_limit_bytes: float | None = None, kind: str = "all_gather",
+                    overlap_kind: str = "reduce_scatter",
+                    tolerance: float = DEFAULT_TOLERANCE,
+                    max_groups: int = DEFAULT_MAX_GROUPS) -> list[list[int]]:
+    """The plan of least simulated step time whose predicted peak stays under
+    ``memory_limit_bytes`` (see module doc). When no plan fits, every step is its own
+    bucket (the smallest peak the model knows); the caller reports the overshoot."""
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if not steps:
+        return []
+    groups = candidate_groups(steps, max_groups)
+    n = len(groups)
+    limit = math.inf if memory_limit_bytes is None else memory_limit_bytes
+    f = comm.overlap
+
+    # Prefix sums over groups: a bucket is groups[i:j].
+    def prefix(values: list[float]) -> list[float]:
+        out = [0.0]
+        for v in values:
+            out.append(out[-1] + v)
+        return out
+
+    comp = prefix([sum(steps[s].compute_s for s in g) for g in groups])
+    size = prefix([sum(steps[s].nbytes for s in g) for g in groups])
+    rs_size = prefix([sum(steps[s].overlap_bytes for s in g) for g in groups])
+    count = prefix([len(g) for g in groups])
+    base_of = [max(steps[s].base_bytes for s in g) for g in groups]
+
+    cache: dict[tuple[int, int], tuple] = {}
+
+    def bucket(i: int, j: int) -> tuple:
+        """(compute, collective s, reduce-scatter s, bytes, rs bytes, steps, base, copy)."""
+        got = cache.get((i, j))
+        if got is None:
+            nb, rb, c = int(size[j] - size[i]), int(rs_size[j] - rs_size[i]), \
+                int(count[j] - count[i])
+            got = (comp[j] - comp[i], comm_seconds(comm, kind, nb),
+                   comm_seconds(comm, overlap_kind, rb), nb, rb, c, max(base_of[i:j]),
+                   copy_seconds(comm, kind, c, nb, rb))
+            cache[(i, j)] = got
+        return got
+
+    reference = simulate(steps, [[s] for s in range(len(steps))], comm, kind,
+                         overlap_kind).step_s
+    penalty = tolerance * reference / max(len(steps), 1)
+    empty = (0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0)
+
+    # best[(h, i, j)]: least cost of buckets covering groups[:j] ending in
+    # groups[h:i], groups[i:j] (h == i: no bucket before), with the terms of every
+    # bucket before groups[i:j] and its own collective; back[...] the previous state.
+    best: dict[tuple[int, int, int], float] = {}
+    back: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
+    for j in range(1, n + 1):
+        b = bucket(0, j)
+        best[(0, 0, j)] = window(0.0, b[1], f) + b[7] + penalty
+        back[(0, 0, j)] = None
+    for j in range(1, n + 1):  # states in order of their end: all predecessors are done
+        for (h, i, jj), cost in [(k, v) for k, v in best.items() if k[2] == j]:
+            prev = bucket(h, i) if h < i else empty
+            cur = bucket(i, jj)
+            for nxt_end in range(j + 1, n + 1):
+                nxt = bucket(j, nxt_end)
+                peak = bucket_peak(cur[6], cur[5], cur[3], nxt[3], prev[5], prev[4])
+                if peak > limit:
+                    continue
+                total = cost + window(cur[0], nxt[1] + prev[2], f) + nxt[7] + penalty
+                key = (i, j, nxt_end)
+                if total < best.get(key, math.inf):
+                    best[key], back[key] = total, (h, i, jj)
+    finals = []
+    for (h, i, j), cost in best.items():
+        if j != n:
+            continue
+        prev = bucket(h, i) if h < i else empty
+        cur = bucket(i, j)
+        if bucket_peak(cur[6], cur[5], cur[3], 0, prev[5], prev[4]) > limit:
+            continue
+        finals.append((cost + window(cur[0], prev[2], f) + cur[2], (h, i, j)))
+    if not finals:
+        return [[s] for s in range(len(steps))]
+    _, state = min(finals)
+    bounds = []
+    while state is not None:
+        bounds.append(state[1:])
+        state = back[state]
+    return [[s for g in groups[i:j] for s in g] for i, j in reversed(bounds)]

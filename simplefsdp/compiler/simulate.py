@@ -1,0 +1,135 @@
+"""A simulated training step for a bucketing plan: compute stream + communication stream.
+
+The schedule is the one our reordering produces (paper Figure 2), prefetching one
+bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their compute,
+``A_k`` their collective, ``R_k`` (backward) the reduce-scatter of their gradients:
+
+* ``A_k`` is issued when the compute of ``b_{k-1}`` starts and runs during it, together
+  with ``R_{k-2}`` (issued when ``b_{k-2}``'s compute ended). ``A_0`` hides behind nothing.
+* Where communication ``D`` runs during compute ``C`` the pair takes
+  ``C + D - f * min(C, D)``, ``f = CommModel.overlap``: the measured fraction of the
+  overlapped time that is really hidden (``cost.comm.measure_overlap`` defines it the same
+  way): ~1 with a communication engine of its own (NCCL), ~0 where collectives and
+  compute share the cores (gloo on a small CPU host).
+* After the last compute, the last reduce-scatter is fully exposed.
+* A bucket of several collectives pays its copy-in and copy-out (``CommModel.copy``
+  seconds per byte) on the compute stream.
+
+Memory while bucket ``k`` computes: the step's own live bytes without its gathered
+parameters (sharded state, activations: ``Step.base_bytes``), plus bucket ``k``'s
+gathered bytes, bucket ``k+1``'s prefetched bytes, the flat buffer of a merged bucket
+during copy-out, and the gradient buffer of ``b_{k-1}``'s merged reduce-scatter.
+
+:func:`simulate` computes all of this for one plan; ``plan_search`` optimises the very
+same terms (:func:`window`, :func:`copy_seconds`, :func:`bucket_peak`), so the two agree
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .cost import CommModel
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective of the plan, in issue order.
+
+    ``nbytes``: full (unsharded) bytes of the collective.
+    ``compute_s``: computation that uses what it gathered (what the next bucket's
+    collective hides behind once this step's bucket computes).
+    ``memory_bytes``: the gathered bytes plus the segment's growth in live bytes (the
+    paper's M_ci, what the greedy's memory rule reads).
+    ``overlap_bytes``: bytes of the reduce-scatters that mirror this step (backward).
+    ``base_bytes``: bytes live while its computation runs, other than gathered
+    parameters: sharded state, activations, gradients (the step-peak model).
+    """
+
+    name: str
+    nbytes: int
+    compute_s: float
+    memory_bytes: int
+    overlap_bytes: int = 0
+    base_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`simulate` predicts for one plan (seconds, bytes)."""
+
+    step_s: float  # compute + copies + exposed communication
+    compute_s: float
+    copy_s: float
+    exposed_s: float  # communication not hidden by compute
+    peak_bytes: int
+    buckets: int
+
+    def __str__(self) -> str:
+        return (f"{self.buckets} buckets: step {self.step_s * 1e3:.3f} ms (compute "
+                f"{self.compute_s * 1e3:.3f}, copies {self.copy_s * 1e3:.3f}, exposed "
+                f"communication {self.exposed_s * 1e3:.3f}), peak {self.peak_bytes / 1e9:.4g} GB")
+
+
+def comm_seconds(comm: CommModel, kind: str, nbytes: float) -> float:
+    """One collective's time; no bytes means no collective, hence no latency either."""
+    return comm.predict(kind, nbytes) if nbytes > 0 else 0.0
+
+
+def window(compute_s: float, comm_s: float, overlap: float) -> float:
+    """Time of ``compute_s`` with ``comm_s`` running during it (see module doc)."""
+    return compute_s + comm_s - overlap * min(compute_s, comm_s)
+
+
+def copy_bytes(kind: str, nbytes: int, overlap_bytes: int, world_size: int) -> int:
+    """Bytes a merged bucket copies: an all-gather bucket concatenates the shards
+    (``nbytes / world``) and copies every parameter out of the gathered buffer
+    (``nbytes``); a reduce-scatter bucket concatenates the full gradients (its outputs
+    are views). ``overlap_bytes`` are reduce-scatters merged alongside."""
+    main = nbytes // max(world_size, 1) + nbytes if kind == "all_gather" else nbytes
+    return main + overlap_bytes
+
+
+def copy_seconds(comm: CommModel, kind: str, count: int, nbytes: int,
+                 overlap_bytes: int) -> float:
+    """Copy-in/copy-out time of a bucket of ``count`` steps (none for a single one)."""
+    if count <= 1:
+        return 0.0
+    return comm.copy_s_per_byte * copy_bytes(kind, nbytes, overlap_bytes, comm.world_size)
+
+
+def bucket_peak(base: int, count: int, nbytes: int, next_nbytes: int,
+                prev_count: int, prev_overlap_bytes: int) -> int:
+    """Live bytes while one bucket computes (see module doc)."""
+    flat = nbytes if count > 1 else 0
+    rs_buffer = prev_overlap_bytes if prev_count > 1 else 0
+    return base + nbytes + next_nbytes + flat + rs_buffer
+
+
+def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: CommModel,
+             kind: str = "all_gather", overlap_kind: str = "reduce_scatter") -> Estimate:
+    """The simulated step of ``buckets`` (lists of step indices, contiguous, in order)."""
+    if not buckets:
+        return Estimate(0.0, 0.0, 0.0, 0.0, 0, 0)
+    f = comm.overlap
+    comp = [sum(steps[j].compute_s for j in b) for b in buckets]
+    size = [sum(steps[j].nbytes for j in b) for b in buckets]
+    rs_size = [sum(steps[j].overlap_bytes for j in b) for b in buckets]
+    main = [comm_seconds(comm, kind, n) for n in size]
+    rs = [comm_seconds(comm, overlap_kind, n) for n in rs_size]
+    copies = sum(copy_seconds(comm, kind, len(b), size[k], rs_size[k])
+                 for k, b in enumerate(buckets))
+    total = 0.0
+    for k in range(len(buckets)):
+        before = rs[k - 2] if k >= 2 else 0.0
+        total += window(comp[k - 1] if k >= 1 else 0.0, main[k] + before, f)
+    total += window(comp[-1], rs[-2] if len(buckets) >= 2 else 0.0, f) + rs[-1]
+    peak = 0
+    for k, b in enumerate(buckets):
+        base = max(steps[j].base_bytes for j in b)
+        nxt = size[k + 1] if k + 1 < len(buckets) else 0
+        prev_count, prev_rs = (len(buckets[k - 1]), rs_size[k - 1]) if k >= 1 else (0, 0)
+        peak = max(peak, bucket_peak(base, len(b), size[k], nxt, prev_count, prev_rs))
+    compute = sum(comp)
+    return Estimate(total + copies, compute, copies, total - compute, peak, len(buckets))
