@@ -140,3 +140,43 @@ def test_resume_flag_is_shorthand():
 def test_missing_config_file_is_a_config_error(tmp_path: Path):
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_mesh_rules_have_one_owner():
+    """``simplefsdp.mesh`` owns the size and mode rules: the config's resolve gives the
+    same sizes, and the same errors in the config's key names."""
+    from simplefsdp.mesh import check_dp_mode, mesh_sizes
+
+    assert mesh_sizes(8, pp=2, tp=2) == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    for world, flags in [(8, ["--parallel.tp", "2"]), (12, ["--parallel.pp", "2"]),
+                         (4, ["--parallel.dp_replicate", "2", "--parallel.dp_mode",
+                              "hybrid_shard"])]:
+        par = load_config(None, flags).parallel
+        sizes = mesh_sizes(world, par.pp, par.dp_replicate, par.dp_shard, par.tp)
+        assert par.resolve(world).dp_shard == sizes["dp_shard"]
+    with pytest.raises(ValueError, match=r"^world size 6 is not divisible by pp \* "):
+        mesh_sizes(6, pp=4)
+    with pytest.raises(ConfigError, match=r"^world size 6 is not divisible by parallel.pp"):
+        load_config(None, ["--parallel.pp", "4"]).parallel.resolve(6)
+    with pytest.raises(ValueError, match=r"^tp = 0 is out of range"):
+        mesh_sizes(4, tp=0)
+    with pytest.raises(ConfigError, match=r"^parallel.tp = 0 is out of range"):
+        load_config(None, ["--parallel.tp", "0"])
+    with pytest.raises(ValueError, match="use mode='hybrid_shard'"):
+        check_dp_mode("fully_shard", 2, 2)
+    check_dp_mode("replicate", 4, -1)  # dp_shard not resolved yet: checked at resolve
+
+
+def test_pipeline_rules_have_one_owner():
+    """``split_stage`` refuses what the config refuses, with the same message."""
+    from simplefsdp.models.llama import Transformer
+    from simplefsdp.train.pipeline import split_stage, stage_layers
+
+    for pp, model_flags in ((8, []), (2, ["--model.tie_embeddings"])):
+        with pytest.raises(ConfigError) as at_load:
+            load_config(None, ["--parallel.pp", str(pp), *model_flags])
+        args = load_config(None, model_flags).model.model_args()
+        with pytest.raises(ConfigError) as at_split:
+            split_stage(Transformer(args), pp, 0)
+        assert str(at_split.value) == str(at_load.value)
+    assert [stage_layers(5, 2, s) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
