@@ -3,8 +3,8 @@
 Every section is a dataclass below; its field types are the schema, read and
 type-checked by ``config_reader`` (a TOML file, then ``--section.key value``
 overrides; every error names the key). ``JobConfig.validate`` adds the ranges and the
-consistency rules that types cannot express. The defaults are the ``debug`` run, which trains a tiny
-model on a laptop CPU: ``load_config(None, [])`` is that run, and so is
+consistency rules that types cannot express. The defaults are the ``debug`` run, which
+trains a tiny model on a laptop CPU: ``load_config(None, [])`` is that run, and so is
 ``configs/debug.toml``.
 
     cfg = load_config("configs/llama3_8b.toml", ["--training.steps", "10"])
