@@ -8,10 +8,11 @@ ending in buckets ``(prev, last)`` extends the best plan ending in ``prev``: a d
 program over states ``(prev, last)``, exact for that model, O(n^4 / 24) for n
 candidate boundaries.
 
-Candidates: a boundary may fall between any two steps of different blocks (a block is
-the module name up to its layer index, ``layers.3`` for ``layers.3.attn.wq``); when that
-still leaves more than ``max_groups`` groups, neighbouring groups are merged evenly.
-Small graphs (and the synthetic tests) keep every boundary.
+Candidates: with at most ``max_groups`` steps a boundary may fall anywhere. Beyond that
+only between steps of different blocks (a block is the module name up to its layer
+index, ``layers.3`` for ``layers.3.attn.wq``), and when that still leaves more than
+``max_groups`` groups, neighbouring groups are merged evenly: exact over the boundaries
+it keeps.
 
 Stability: a plan whose step time is within ``tolerance`` of the best is as good; the
 search prefers fewer buckets by charging each bucket ``tolerance * reference / n``
@@ -43,6 +44,8 @@ def block_of(name: str) -> str:
 def candidate_groups(steps: Sequence[Step], max_groups: int = DEFAULT_MAX_GROUPS
                      ) -> list[list[int]]:
     """Runs of step indices that the search keeps together (see module doc)."""
+    if len(steps) <= max_groups:
+        return [[i] for i in range(len(steps))]
     groups: list[list[int]] = []
     for i, s in enumerate(steps):
         if groups and block_of(steps[groups[-1][-1]].name) == block_of(s.name):
