@@ -153,7 +153,8 @@ class SimpleFSDPBackend:
             return None, None
         comm = self.comm_model_for()
         key = plan_cache.dynamo_key(gm, example_inputs, self.bucketing, self.reordering,
-                                    self.memory_limit_bytes, comm.to_dict(),
+                                    self.memory_limit_bytes,
+                                    {k: v for k, v in comm.to_dict().items() if k != "source"},
                                     _world_size(), _source_hash(), self.backend)
         found = plan_cache.load(key, _rank())
         if self._agreement is not None:
