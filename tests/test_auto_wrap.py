@@ -153,13 +153,20 @@ def _random_case(rng: random.Random, n: int):
     pair = (rng.choice([0.01, 0.3, 1.0, 5.0]) * MS, rng.choice([0.01, 0.5, 2.0]) * 1e-9)
     rs = (pair[0] * rng.uniform(0.5, 2.0), pair[1] * rng.uniform(0.5, 2.0))
     comm = CommModel(pair, rs, pair, overlap=rng.choice([0.0, 0.3, 1.0]),
-                     copy_s_per_byte=rng.choice([0.0, 1e-10, 1e-9]), world_size=4)
+                     copy_s_per_byte=rng.choice([0.0, 1e-10, 1e-9]),
+                     max_bytes=rng.choice([None, None, 3_000_000]), world_size=4)
     return steps, comm
+
+
+def _within_cap(steps, plan, comm) -> bool:
+    return comm.max_bytes is None or all(
+        len(b) == 1 or sum(steps[i].nbytes for i in b) <= comm.max_bytes for b in plan)
 
 
 def test_optimal_matches_brute_force_and_beats_greedy():
     # 300 random timelines of 1-8 steps (latency- or bandwidth-bound, with and without
-    # reduce-scatters, overlap 0/0.3/1, copies free or not), half under a memory limit.
+    # reduce-scatters, overlap 0/0.3/1, copies free or not, a third with a bucket-size
+    # cap: the comm model's max_bytes), half under a memory limit.
     # With no tolerance the search must find the brute-force optimum of the very same
     # simulation (relative 1e-9: float sums in another order), never estimate worse than
     # the greedy, and keep the predicted peak under the limit whenever any plan does.
@@ -168,17 +175,20 @@ def test_optimal_matches_brute_force_and_beats_greedy():
         steps, comm = _random_case(rng, rng.randint(1, 8))
         limit = None
         if case % 2:
-            peaks = sorted(simulate(steps, p, comm).peak_bytes for p in _partitions(len(steps)))
+            peaks = sorted(simulate(steps, p, comm).peak_bytes for p in _partitions(len(steps))
+                           if _within_cap(steps, p, comm))
             limit = float(rng.choice(peaks))  # at least one plan fits
         best = ps.optimal_buckets(steps, comm, limit, tolerance=0.0)
         est = simulate(steps, best, comm)
-        feasible = [simulate(steps, p, comm) for p in _partitions(len(steps))]
+        assert _within_cap(steps, best, comm), case
+        feasible = [simulate(steps, p, comm) for p in _partitions(len(steps))
+                    if _within_cap(steps, p, comm)]
         feasible = [e for e in feasible if limit is None or e.peak_bytes <= limit]
         brute = min(e.step_s for e in feasible)
         assert est.step_s == pytest.approx(brute, rel=1e-9), (case, best)
         assert limit is None or est.peak_bytes <= limit, case
         greedy, _ = aw.greedy_buckets(steps, comm)
-        if limit is None:  # the greedy's memory rule is the paper's, not the step peak
+        if limit is None and comm.max_bytes is None:  # the greedy knows neither
             assert est.step_s <= simulate(steps, greedy, comm).step_s * (1 + 1e-9), case
         # the default tolerance: fewer buckets allowed only within 2% of the singles
         tolerant = simulate(steps, ps.optimal_buckets(steps, comm, limit), comm)

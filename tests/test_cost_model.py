@@ -105,6 +105,9 @@ def test_calibration_fits_agrees_and_predicts(rank_results):
     assert r0["model"]["source"] == "calibrated" and r0["model"]["world_size"] == 2
     # the measured overlap fraction is agreed (MIN) across ranks too
     assert r0["model"]["overlap"] == r1["model"]["overlap"]
+    # the copy cost (MAX across ranks) is measured; buckets stay within the sizes timed
+    assert r0["model"]["copy_s_per_byte"] == r1["model"]["copy_s_per_byte"] > 0
+    assert r0["model"]["max_bytes"] == max(comm.DEFAULT_CPU_SIZES)
     for name, ratio in r0["ratios"].items():
         assert 1 / _TOLERANCE <= ratio <= _TOLERANCE, (name, r0["ratios"], r0["params"])
     assert r0["agreed"] == r1["agreed"] == [1.0, 10.0]

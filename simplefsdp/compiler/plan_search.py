@@ -14,6 +14,9 @@ index, ``layers.3`` for ``layers.3.attn.wq``), and when that still leaves more t
 ``max_groups`` groups, neighbouring groups are merged evenly: exact over the boundaries
 it keeps.
 
+Trust region: no bucket grows past ``CommModel.max_bytes`` (the largest collective the
+comm model was measured on) unless a single candidate group is that large already.
+
 Stability: a plan whose step time is within ``tolerance`` of the best is as good; the
 search prefers fewer buckets by charging each bucket ``tolerance * reference / n``
 (so the chosen plan is at most ``tolerance`` of the reference slower than the optimum,
@@ -76,6 +79,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
     groups = candidate_groups(steps, max_groups)
     n = len(groups)
     limit = math.inf if memory_limit_bytes is None else memory_limit_bytes
+    cap = math.inf if comm.max_bytes is None else comm.max_bytes
     f = comm.overlap
 
     # Prefix sums over groups: a bucket is groups[i:j].
@@ -115,7 +119,12 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
     # bucket before groups[i:j] and its own collective; back[...] the previous state.
     best: dict[tuple[int, int, int], float] = {}
     back: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
+    def too_big(i: int, j: int) -> bool:
+        return j - i > 1 and size[j] - size[i] > cap
+
     for j in range(1, n + 1):
+        if too_big(0, j):
+            break
         b = bucket(0, j)
         best[(0, 0, j)] = window(0.0, b[1], f) + b[7] + penalty
         back[(0, 0, j)] = None
@@ -124,6 +133,8 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
             prev = bucket(h, i) if h < i else empty
             cur = bucket(i, jj)
             for nxt_end in range(j + 1, n + 1):
+                if too_big(j, nxt_end):
+                    break
                 nxt = bucket(j, nxt_end)
                 peak = bucket_peak(cur[6], cur[5], cur[3], nxt[3], prev[5], prev[4])
                 if peak > limit:

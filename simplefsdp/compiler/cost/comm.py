@@ -68,6 +68,9 @@ class CommModel:
     engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
     a small CPU host); ``calibrate`` measures it. ``copy_s_per_byte``: a bucket's
     copy-in/copy-out cost per byte copied (device memory bandwidth; ``measure_copy``).
+    ``max_bytes``: the largest collective the figures were measured on (None: no
+    bound); the planner makes no bucket larger, since the fit says nothing beyond it (on
+    gloo a 100 MB all-gather ran ~15x slower per byte than the 4 MiB fit predicted).
     ``source`` and ``world_size`` describe where the figures came from and take no part
     in equality.
     """
@@ -77,6 +80,7 @@ class CommModel:
     all_reduce: tuple[float, float]
     overlap: float = 1.0
     copy_s_per_byte: float = 0.0
+    max_bytes: float | None = None
     world_size: int = dataclasses.field(default=1, compare=False)
     source: str = dataclasses.field(default="unknown", compare=False)
 
@@ -93,6 +97,7 @@ class CommModel:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
             "overlap": self.overlap, "copy_s_per_byte": self.copy_s_per_byte,
+            "max_bytes": self.max_bytes,
             "world_size": self.world_size, "source": self.source}
 
     @classmethod
@@ -100,6 +105,7 @@ class CommModel:
         pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
         return cls(**pairs, overlap=float(d.get("overlap", 1.0)),
                    copy_s_per_byte=float(d.get("copy_s_per_byte", 0.0)),
+                   max_bytes=None if d.get("max_bytes") is None else float(d["max_bytes"]),
                    world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
 
 
@@ -114,6 +120,7 @@ class Fabric:
     note: str
     overlap: float = 1.0
     copy_Bps: float = 1e12
+    max_bytes: float | None = None  # largest collective the figures hold for
 
 
 # Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
@@ -141,7 +148,7 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # Copy: `measure_copy` (torch.cat, one thread) found 18-36 GB/s for 1-16 MiB on an
     # idle core of this host; 10 GB/s allows for the load.
     "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
-                                overlap=0.0, copy_Bps=10e9),
+                                overlap=0.0, copy_Bps=10e9, max_bytes=16 * 2 ** 20),
 }
 
 
@@ -158,6 +165,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
         overlap=spec.overlap,
         copy_s_per_byte=1.0 / spec.copy_Bps,
+        max_bytes=spec.max_bytes,
         world_size=n,
         source=f"default:{fabric}",
     )
@@ -335,7 +343,7 @@ def measure_copy(device: torch.device | str | None = None, nbytes: int = 4 * 2 *
     return seconds / (8 * numel * pieces[0].element_size())
 
 
-DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(6))  # 4 KiB .. 4 MiB
+DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(7))  # 4 KiB .. 16 MiB
 DEFAULT_CUDA_SIZES = tuple(2 ** 20 * 4 ** i for i in range(5))  # 1 MiB .. 256 MiB
 
 
@@ -350,7 +358,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     sizes interleaved); the per-rank medians are combined with an all-reduce MAX (a
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
     so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
-    defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA. The
+    defaults. ``sizes`` default to 4 KiB..16 MiB on CPU, 1 MiB..256 MiB on CUDA (the
+    largest becomes ``max_bytes``). The
     overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks;
     the copy cost ``measure_copy`` at the largest size, the MAX across ranks.
     """
@@ -374,6 +383,7 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
         [measure_overlap(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["copy_s_per_byte"] = agree_across_ranks(
         [measure_copy(dev, max(sizes), repeats, dtype)], group, op="max")[0]
+    fitted["max_bytes"] = float(max(sizes))
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
     return CommModel(**fitted)
@@ -391,8 +401,8 @@ def cache_dir() -> Path:
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
     """What a calibration depends on: world and node size, backend, device, torch version
-    (and the format: a cache written before ``overlap`` or ``copy_s_per_byte`` existed is
-    not reused)."""
+    (and the format: a cache written before ``overlap``, ``copy_s_per_byte`` or
+    ``max_bytes`` existed is not reused)."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
@@ -407,7 +417,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
-        "format": 3,
+        "format": 4,
     }
 
 
