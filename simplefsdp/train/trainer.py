@@ -136,17 +136,15 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
 # ---------------------------------------------------------------------------------------
 # Optimizer, schedule, clipping.
 # ---------------------------------------------------------------------------------------
-def lr_lambda(step: int, warmup: int, total: int, decay: str = "cosine",
-              min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine (or linear) decay
-    to ``min_ratio`` at ``total``."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
+    ``min_ratio`` at ``total``."""
     import math
 
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-    return min_ratio + (1 - min_ratio) * shape
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig):
@@ -243,9 +241,33 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
-           tokenizer: Tokenizer | None) -> TrainResult:
-    started = time.perf_counter()
+@dataclass
+class _Setup:
+    """Everything the loop needs, built once by :func:`_setup`."""
+
+    cfg: JobConfig  # with parallel sizes resolved
+    device: torch.device
+    mesh: Any
+    at: _Coords
+    loader: Any
+    runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
+    model: nn.Module  # the underlying Transformer (or stage)
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    schedule: Any  # the pipeline schedule, None without PP
+    ckpt: CheckpointManager | None
+    metrics: MetricsLogger
+    start_step: int
+    n_params: int
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
+
+
+def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
+    """Mesh, data, model, optimizer, checkpoint (resumed if asked), metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
     p = cfg.parallel.resolve(world)
@@ -291,13 +313,10 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 print(f"[simplefsdp] resumed from {resume_from} (step {start_step})",
                       flush=True)
 
-    step_loss = torch.zeros((), device=device)  # this rank's share of the step's loss
     schedule = None
-    if p.pp > 1:
-        def pp_loss(logits, targets):  # sum over microbatches: scale_grads=False
-            return token_loss_sum(logits, targets) / pp_loss.global_tokens
-        pp_loss.global_tokens = torch.ones((), device=device)
-        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches, pp_loss)
+    if p.pp > 1:  # the loss is a token sum; the loop divides the gradients afterwards
+        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches,
+                                     token_loss_sum)
 
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
@@ -312,63 +331,100 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
               f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
               f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
               f"({metrics.peak_source})", flush=True)
+    return _Setup(cfg, device, mesh, at, loader, runnable, model, params, optimizer,
+                  scheduler, schedule, ckpt, metrics, start_step, n_params)
 
-    # Which ranks' numbers are summed into global values: one per data-parallel rank
-    # (TP ranks and PP stages see the same tokens; only the last stage has the loss).
-    counts_tokens = at.first and at.tp == 0
-    counts_loss = at.last and at.tp == 0
-    result = TrainResult(start_step=start_step, steps=t.steps, num_params=n_params,
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _global_tokens(s: _Setup, batches: list[Batch]) -> torch.Tensor:
+    """Valid target tokens of the whole step, over every data-parallel rank (TP ranks
+    and PP stages see the same tokens: only the first stage's TP rank 0 counts)."""
+    counts = s.at.first and s.at.tp == 0
+    local = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
+    total = torch.tensor(float(local if counts else 0), device=s.device)
+    dist.all_reduce(total)
+    return total.clamp_(min=1)
+
+
+def _forward_backward(s: _Setup, batches: list[Batch],
+                      global_tokens: torch.Tensor) -> torch.Tensor:
+    """Forward and backward over the step's microbatches; returns this rank's share of
+    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage)."""
+    step_loss = torch.zeros((), device=s.device)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(s.device), targets.to(s.device)
+        if s.schedule is None:
+            loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
+            loss.backward()
+            step_loss += loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            s.schedule.step(*((inputs,) if s.at.first else ()),
+                            target=targets if s.at.last else None, losses=losses)
+            for mb_loss in losses:
+                step_loss += mb_loss.detach() / global_tokens
+    if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
+        _scale_grads_(s.params, 1 / global_tokens)
+    return step_loss
+
+
+@torch.no_grad()
+def _scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
+    for param in params:
+        if param.grad is not None:
+            grad = param.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+
+
+def _train_step(s: _Setup, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step; returns (this rank's contribution to the global loss, the
+    gradient norm before clipping)."""
+    step_loss = _forward_backward(s, batches, _global_tokens(s, batches))
+    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
+    return (step_loss if counts_loss else torch.zeros_like(step_loss)), grad_norm.detach()
+
+
+def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
+           tokenizer: Tokenizer | None) -> TrainResult:
+    started = time.perf_counter()
+    s = _setup(cfg, tokenizer)
+    cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
+    t = cfg.training
+    result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last report
     window_start, window_steps = time.perf_counter(), 0
 
-    for step in range(start_step + 1, t.steps + 1):
-        batches = [next(loader) for _ in range(t.grad_accum_steps)]
+    for step in range(s.start_step + 1, t.steps + 1):
+        batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
         if batch_transform is not None:
             batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-        local_tokens = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
-        global_tokens = torch.tensor(float(local_tokens if counts_tokens else 0), device=device)
-        dist.all_reduce(global_tokens)
-        global_tokens.clamp_(min=1)
-        step_loss.zero_()
-        for inputs, targets in batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            if schedule is None:
-                loss = token_loss_sum(runnable(inputs), targets) / global_tokens
-                loss.backward()
-                step_loss += loss.detach()
-            else:
-                pp_loss.global_tokens = global_tokens
-                losses: list[torch.Tensor] = []
-                schedule.step(*((inputs,) if at.first else ()),
-                              target=targets if at.last else None, losses=losses)
-                for mb_loss in losses:
-                    step_loss += mb_loss.detach()
-        grad_norm = clip_grad_norm_(params, t.max_norm,
-                                    mesh["pp"].get_group() if p.pp > 1 else None)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        contribution = step_loss.clone() if counts_loss else torch.zeros_like(step_loss)
-        pending.append((step, contribution, grad_norm.detach(),
-                        scheduler.get_last_lr()[0]))
+        contribution, grad_norm = _train_step(s, batches)
+        pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
         window_steps += 1
         metrics.advance()
 
         is_last = step == t.steps
-        if step % cfg.metrics.log_every == 0 or is_last or (ckpt and ckpt.due(step)):
+        logs = step % cfg.metrics.log_every == 0 or is_last
+        if logs or (ckpt and ckpt.due(step)):
             # One all-reduce for every step since the last report.
-            stacked = torch.stack([c for _, c, _, _ in pending])
+            stacked = torch.stack([c for c, _, _ in pending])
             dist.all_reduce(stacked)
             values = stacked.tolist()
             result.losses.extend(values)
-            result.grad_norms.extend(float(g) for _, _, g, _ in pending)
-            if step % cfg.metrics.log_every == 0 or is_last:
-                if device.type == "cuda":
+            result.grad_norms.extend(float(g) for _, g, _ in pending)
+            if logs:
+                if s.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
                 metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
-                            pending[-1][3], window_steps, elapsed)
+                            pending[-1][2], window_steps, elapsed)
                 window_start, window_steps = time.perf_counter(), 0
             pending.clear()
         if ckpt is not None and (ckpt.due(step) or is_last):
@@ -376,14 +432,14 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
 
     metrics.close()
     if cfg.checkpoint.export_safetensors:
-        export_safetensors(model, Path(cfg.metrics.output_dir) / "model.safetensors",
-                           mesh["pp"].get_group() if p.pp > 1 else None)
+        export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
+                           s.pp_group)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
-    if rank == 0 and result.losses:
+    if dist.get_rank() == 0 and result.losses:
         rows = result.metrics["rows"]
         tps = rows[-1]["tokens_per_s"] if rows else float("nan")
-        print(f"[simplefsdp] done: steps {start_step}->{t.steps}, final loss "
+        print(f"[simplefsdp] done: steps {s.start_step}->{t.steps}, final loss "
               f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
               f"{result.wall_time_s:.1f}s", flush=True)
     return result
