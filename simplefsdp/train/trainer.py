@@ -37,15 +37,20 @@ import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer, flops_per_token, num_params
+from . import preflight
 from .checkpoint import (
     CheckpointManager,
     TrainerState,
     checkpoint_dir,
+    checkpoint_step,
+    config_fingerprint,
     export_safetensors,
+    remove_partial,
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
 from .data import TextDataset, Tokenizer, build_tokenizer
+from .guard import NonFiniteError, Preempted, StopOnSignal, step_flags
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
@@ -278,9 +283,16 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     at = _Coords(mesh)
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+    args = cfg.model.model_args()
+    fingerprint = config_fingerprint(dataclasses.asdict(args))
+    _check_before_build(cfg, ckpt_folder, rank)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
-        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
+        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
+    if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
+        raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
+                          f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
+                          f"nothing to do; raise --training.steps above it to train on")
 
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -288,14 +300,14 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
         raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
                         f"simplefsdp.train.data.Tokenizer protocol), got "
                         f"{type(tokenizer).__name__}")
-    args = cfg.model.model_args()
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
                           f"{tokenizer.vocab_size} tokens but model.vocab_size = "
                           f"{args.vocab_size}; raise model.vocab_size")
     dataset = TextDataset(cfg.data.dataset, tokenizer)
     loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                            dp_world=at.dp_size, seed=t.seed)
+                            dp_world=at.dp_size, seed=t.seed,
+                            min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
 
     runnable, model = build_model(cfg, mesh, device)
     params = [q for q in model.parameters() if q.requires_grad]
@@ -305,8 +317,10 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
+        preflight.agree([p for p in [_space_problem(params, ckpt_folder, rank)] if p])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
-                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest)
+                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest,
+                                 fingerprint)
         if resume_from is not None:
             start_step = ckpt.load(resume_from)
             if rank == 0:
@@ -333,6 +347,34 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
               f"({metrics.peak_source})", flush=True)
     return _Setup(cfg, device, mesh, at, loader, runnable, model, params, optimizer,
                   scheduler, schedule, ckpt, metrics, start_step, n_params)
+
+
+def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
+    """Packages, writable folders, no overwritten metrics; leftover ``.tmp`` saves go."""
+    problems = preflight.missing_packages(cfg)
+    if rank == 0:
+        problems += [p for p in (
+            preflight.unwritable(Path(cfg.metrics.output_dir), "metrics.output_dir",
+                                 ".write-probe"),
+            preflight.overwrites_metrics(cfg)) if p]
+    if cfg.checkpoint.enable:  # every rank writes its own shards there
+        problem = preflight.unwritable(ckpt_folder, "checkpoint.folder",
+                                       f".write-probe-rank{rank}")
+        problems += [problem] if problem else []
+    preflight.agree(problems)
+    if cfg.checkpoint.enable and rank == 0:
+        for path in remove_partial(ckpt_folder):
+            print(f"[simplefsdp] removed {path}, left by a save that did not finish",
+                  flush=True)
+
+
+def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
+    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
+    local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
+                for q in params)
+    total = torch.tensor(3.0 * local, dtype=torch.float64)
+    dist.all_reduce(total)
+    return preflight.too_little_space(folder, float(total)) if rank == 0 else None
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -378,16 +420,28 @@ def _scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
             (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
 
 
-def _train_step(s: _Setup, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+def _train_step(s: _Setup, step: int, batches: list[Batch],
+                stop_requested: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One optimizer step; returns (this rank's contribution to the global loss, the
-    gradient norm before clipping)."""
+    gradient norm before clipping, whether some rank was asked to stop).
+
+    A loss or gradient norm that is not finite on any rank: the step is not applied and
+    NonFiniteError is raised on every rank."""
     step_loss = _forward_backward(s, batches, _global_tokens(s, batches))
     grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
+    if nonfinite:
+        s.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            f"step {step}: the loss or gradient norm is not finite (NaN/inf); the step was "
+            f"not applied and no checkpoint is written from it. Lower training.lr, check "
+            f"the data, or resume from the last checkpoint")
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
-    return (step_loss if counts_loss else torch.zeros_like(step_loss)), grad_norm.detach()
+    contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
+    return contribution, grad_norm.detach(), stop
 
 
 def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
@@ -401,36 +455,42 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last report
     window_start, window_steps = time.perf_counter(), 0
 
-    for step in range(s.start_step + 1, t.steps + 1):
-        batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
-        if batch_transform is not None:
-            batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-        contribution, grad_norm = _train_step(s, batches)
-        pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
-        window_steps += 1
-        metrics.advance()
+    with StopOnSignal() as signal_:
+        try:
+            for step in range(s.start_step + 1, t.steps + 1):
+                batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
+                if batch_transform is not None:
+                    batches = [batch_transform(inputs, targets) for inputs, targets in batches]
+                contribution, grad_norm, stop = _train_step(s, step, batches,
+                                                            signal_.requested)
+                pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
+                window_steps += 1
+                metrics.advance()
 
-        is_last = step == t.steps
-        logs = step % cfg.metrics.log_every == 0 or is_last
-        if logs or (ckpt and ckpt.due(step)):
-            # One all-reduce for every step since the last report.
-            stacked = torch.stack([c for c, _, _ in pending])
-            dist.all_reduce(stacked)
-            values = stacked.tolist()
-            result.losses.extend(values)
-            result.grad_norms.extend(float(g) for _, g, _ in pending)
-            if logs:
-                if s.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
-                            pending[-1][2], window_steps, elapsed)
-                window_start, window_steps = time.perf_counter(), 0
-            pending.clear()
-        if ckpt is not None and (ckpt.due(step) or is_last):
-            ckpt.save(step)
+                is_last = step == t.steps or stop
+                logs = step % cfg.metrics.log_every == 0 or is_last
+                if logs or (ckpt and ckpt.due(step)):
+                    # One all-reduce for every step since the last report.
+                    stacked = torch.stack([c for c, _, _ in pending])
+                    dist.all_reduce(stacked)
+                    values = stacked.tolist()
+                    result.losses.extend(values)
+                    result.grad_norms.extend(float(g) for _, g, _ in pending)
+                    if logs:
+                        if s.device.type == "cuda":
+                            torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - window_start
+                        metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
+                                    pending[-1][2], window_steps, elapsed)
+                        window_start, window_steps = time.perf_counter(), 0
+                    pending.clear()
+                if ckpt is not None and (ckpt.due(step) or is_last):
+                    ckpt.save(step)
+                if stop:
+                    raise _preempted(s, step, signal_.signum)
+        finally:
+            metrics.close()
 
-    metrics.close()
     if cfg.checkpoint.export_safetensors:
         export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
                            s.pp_group)
@@ -443,6 +503,18 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
               f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
               f"{result.wall_time_s:.1f}s", flush=True)
     return result
+
+
+def _preempted(s: _Setup, step: int, signum: int | None) -> Preempted:
+    """The error a signalled run stops with: where it saved, how to continue."""
+    import signal
+
+    name = signal.Signals(signum).name if signum else "a signal on another rank"
+    where = (f"saved checkpoint step-{step} in {s.ckpt.folder}; repeat the command with "
+             f"--resume to continue" if s.ckpt is not None else
+             "checkpoints are off (checkpoint.enable = false), so nothing was saved")
+    return Preempted(f"stopped by {name} after step {step}: {where}",
+                     signum or signal.SIGTERM)
 
 
 def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
