@@ -183,7 +183,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def verify(path: str | Path, fingerprint: str | None = None) -> str | None:
+def verify(path: str | Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be trusted, or None if its manifest holds
     and every file has the recorded size and checksum."""
     path = Path(path)
@@ -201,9 +201,46 @@ def verify(path: str | Path, fingerprint: str | None = None) -> str | None:
             return f"{name} has {size} bytes, the manifest says {want['size']} (truncated?)"
         if _checksum(file) != want["crc32"]:
             return f"{name} does not match its checksum (corrupted)"
-    if fingerprint is not None and manifest.get("fingerprint") != fingerprint:
-        return "it was written for a different model (model config fingerprint differs)"
     return None
+
+
+def _choose(folder: str | Path, resume: bool, fingerprint: str | None) -> list[Any]:
+    """Rank 0's part of :func:`resume_point`: [chosen path, newest path, error]."""
+    found = list_checkpoints(folder)
+    newest = str(found[-1][1]) if found else None
+    if not resume:
+        return [None, newest, None]
+    skipped = []
+    for _, path in reversed(found):
+        reason = verify(path)
+        if reason is None:
+            written_for = (read_manifest(path) or {}).get("fingerprint")
+            if fingerprint is not None and written_for != fingerprint:
+                return [None, newest, f"{path} was written for a different model (its model "
+                                      f"config fingerprint differs); resume with the model "
+                                      f"config it was trained with, or start afresh in "
+                                      f"another --checkpoint.folder"]
+            return [str(path), newest, None]
+        print(f"[simplefsdp] --resume: skipping {path}: {reason}", flush=True)
+        skipped.append(f"{path.name}: {reason}")
+    if skipped:
+        return [None, newest, f"--resume: none of the {len(skipped)} checkpoints in {folder} "
+                              f"verifies ({'; '.join(skipped)}); move them away (or choose "
+                              f"another --checkpoint.folder) to start afresh"]
+    return [None, None, None]
+
+
+def _cause(error: BaseException) -> str:
+    """A short account of a failed save: DCP's CheckpointException holds one exception
+    per failed rank (``failures``); anything else is itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        def first(value: Any) -> Any:
+            return value[0] if isinstance(value, tuple) else value
+
+        return "; ".join(f"rank {rank}: {first(value)!r:.300}"
+                         for rank, value in sorted(failures.items())[:4])
+    return f"{error!r:.600}"
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -217,22 +254,17 @@ def resume_point(folder: str | Path, resume: bool,
     skipped), else None. A collective: rank 0 looks and broadcasts its choice, so every
     rank decides alike (and raises alike) even if a checkpoint completes while they look.
 
-    Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off.
+    Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off,
+    if ``resume`` is on and complete checkpoints exist but none verifies, or if the one
+    that verifies was written for a model with another ``fingerprint``.
     """
     looks = not dist.is_initialized() or dist.get_rank() == 0
-    choice: list[Any] = [None, None]  # (chosen path, newest complete path)
-    if looks:
-        found = list_checkpoints(folder)
-        choice[1] = str(found[-1][1]) if found else None
-        for _, path in reversed(found if resume else []):
-            reason = verify(path, fingerprint)
-            if reason is None:
-                choice[0] = str(path)
-                break
-            print(f"[simplefsdp] --resume: skipping {path}: {reason}", flush=True)
+    choice = _choose(folder, resume, fingerprint) if looks else [None, None, None]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
-    chosen, newest = choice
+    chosen, newest, error = choice
+    if error is not None:
+        raise ConfigError(error)
     if newest is not None and not resume:
         raise ConfigError(
             f"{folder} already holds a complete checkpoint ({Path(newest).name}) from an "
@@ -240,9 +272,8 @@ def resume_point(folder: str | Path, resume: bool,
             f"or choose another --checkpoint.folder (or --metrics.output_dir) to start afresh")
     if chosen is None:
         if resume and looks:
-            none = "no complete checkpoint" if newest is None else "no checkpoint that verifies"
-            print(f"[simplefsdp] --resume: {none} in {folder}; starting from step 0",
-                  flush=True)
+            print(f"[simplefsdp] --resume: no complete checkpoint in {folder}; starting "
+                  f"from step 0", flush=True)
         return None
     return Path(chosen)
 
@@ -290,12 +321,13 @@ class CheckpointManager:
                 shutil.rmtree(target.with_name(target.name + ".tmp"), ignore_errors=True)
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            full = "No space left" in str(e) or "unexpected pos" in str(e) or (
-                isinstance(e, OSError) and e.errno == errno.ENOSPC)
+            cause = _cause(e)
+            full = any(s in cause for s in ("No space left", "unexpected pos",
+                                            f"[Errno {errno.ENOSPC}]"))
             hint = ("the disk is full: free space or point --checkpoint.folder elsewhere"
                     if full else "check that the folder is writable and has free space")
             raise CheckpointError(f"saving checkpoint {target} failed ({hint}); its partial "
-                                  f"files were removed. Cause: {e!r:.600}") from e
+                                  f"files were removed. Cause: {cause}") from e
         if self.rank == 0:
             self._prune(step)
         return path

@@ -10,6 +10,11 @@ every data-parallel rank and every gradient-accumulation microstep contributes
 gradients. The result is the mean over all tokens of the step, whatever the split
 across ranks, microsteps or pipeline microbatches.
 
+Before step 1 the run checks what would fail late (``preflight.py``: packages, writable
+folders, free space, no overwritten metrics; the dataset's size). A step whose loss or
+gradient norm is not finite is not applied and stops the run; SIGTERM/SIGINT finish the
+step, save and stop (``guard.py``).
+
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
 initialized as DTensors, whose random ops use offsets into one stream.
@@ -317,7 +322,8 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
-        preflight.agree([p for p in [_space_problem(params, ckpt_folder, rank)] if p])
+        space = _space_problem(params, ckpt_folder, rank)
+        preflight.agree([space] if space else [])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest,
                                  fingerprint)
