@@ -126,7 +126,7 @@ def _startup_cases(rank: int, world: int, root: str, reference_out: str) -> dict
                           ("matplotlib", [])):
         found[module] = _without(rank, world, _argv(root_path / module, *extra, steps=2),
                                  module)
-    # 7. A corpus of 2 windows of 33 tokens; one global batch (2 ranks x 2) needs 4.
+    # 7. A corpus of 2 windows of 32 (+1) tokens; one global batch (2 ranks x 2) needs 4.
     corpus = root_path / "small.txt"
     if rank == 0:
         corpus.write_text("x" * 100)
@@ -381,7 +381,7 @@ def test_a_corpus_smaller_than_one_global_batch_is_refused(startup):
     assert found[0]["dataset"] == found[1]["dataset"], found
     message = found[0]["dataset"]
     assert message.startswith("ConfigError: data.dataset = "), message
-    assert "needs 4 windows, about 133 tokens" in message, message
+    assert "needs 4 windows, about 129 tokens" in message, message  # 4 * 32 + 1
     assert not (root / "data" / "metrics.csv").exists()
 
 
