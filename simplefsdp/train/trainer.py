@@ -290,10 +290,10 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
     args = cfg.model.model_args()
     fingerprint = config_fingerprint(dataclasses.asdict(args))
-    _check_before_build(cfg, ckpt_folder, rank)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
+    _check_before_build(cfg, ckpt_folder, rank)
     if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
         raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
