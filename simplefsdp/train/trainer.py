@@ -299,21 +299,7 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
                           f"nothing to do; raise --training.steps above it to train on")
 
-    if tokenizer is None:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-    elif not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
-                        f"simplefsdp.train.data.Tokenizer protocol), got "
-                        f"{type(tokenizer).__name__}")
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
-                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
-                          f"{args.vocab_size}; raise model.vocab_size")
-    dataset = TextDataset(cfg.data.dataset, tokenizer)
-    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                            dp_world=at.dp_size, seed=t.seed,
-                            min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
-
+    loader = _build_loader(cfg, tokenizer, at)
     runnable, model = build_model(cfg, mesh, device)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -353,6 +339,26 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
               f"({metrics.peak_source})", flush=True)
     return _Setup(cfg, device, mesh, at, loader, runnable, model, params, optimizer,
                   scheduler, schedule, ckpt, metrics, start_step, n_params)
+
+
+def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
+    """This data-parallel rank's training batches; refuses a corpus smaller than one
+    global batch and a tokenizer that does not fit the model."""
+    t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    elif not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
+                        f"simplefsdp.train.data.Tokenizer protocol), got "
+                        f"{type(tokenizer).__name__}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
+                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
+                          f"{vocab_size}; raise model.vocab_size")
+    dataset = TextDataset(cfg.data.dataset, tokenizer)
+    return dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
+                          dp_world=at.dp_size, seed=t.seed,
+                          min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
 
 
 def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
