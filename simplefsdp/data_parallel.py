@@ -319,6 +319,9 @@ def data_parallel(
                         f"got {type(mesh).__name__}")
     mesh = data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
+    from .checks import check_model
+
+    check_model(model, mesh)  # not wrapped already; the same parameters on every rank
     from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
 
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
