@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import fake_store
 from .config import BenchConfig, BenchConfigError
 
 
@@ -75,12 +76,12 @@ def run_torchrun(cfg: BenchConfig) -> Path | None:
 def run_fake(cfg: BenchConfig) -> Path | None:
     """One process in a fake process group of ``cfg.world_size`` ranks."""
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        store = fake_store()
     except ImportError as e:
         raise BenchConfigError(f"--fake-pg is unavailable on this torch: {e}") from e
     if cfg.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
+    dist.init_process_group("fake", store=store, rank=0, world_size=cfg.world_size)
     try:
         return main_for_rank(cfg, 0, cfg.world_size, 1, "fake")
     finally:

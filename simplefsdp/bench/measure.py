@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from .._torch_compat import profiler_events
+
 CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "
                       "CPU allocations during one profiled step (profiler memory events); "
                       "excludes the process baseline; approximate")
@@ -126,7 +128,7 @@ def profiled_step(step: Callable[[], float], device: torch.device
     counts: Counter[str] = Counter()
     memory: list[tuple[int, int]] = []
     blocked: list[tuple[int, int]] = []
-    for event in prof.profiler.kineto_results.events():
+    for event in profiler_events(prof):
         name = event.name()
         if name == "[memory]":
             if event.device_type() == torch.autograd.DeviceType.CPU:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
+from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
 from ..agreement import StoreAgreement
 from . import auto_wrap, cost, manual_wrap
 from .bucketing import bucket_collectives, single
@@ -111,7 +112,6 @@ class SimpleFSDPBackend:
         _install_cpu_collectives()
         if self.backend == "aot_eager":
             from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-            from torch._dynamo.backends.common import aot_autograd
 
             def compile_graph(graph_module, _inputs):
                 self.run_passes(graph_module.graph)
@@ -121,9 +121,7 @@ class SimpleFSDPBackend:
             return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
                                 partition_fn=min_cut_rematerialization_partition)(
                 gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {"post_grad_custom_post_pass": _InductorPass(self)}
+        patches = {"post_grad_custom_post_pass": _inductor_pass(self)}
         if self.bucketing == "auto":  # the pass is collective: every rank must run it
             patches["fx_graph_cache"] = False
         return compile_fx(gm, example_inputs, config_patches=patches)
@@ -255,25 +253,31 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
-def _inductor_pass_base():
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _inductor_pass(owner: SimpleFSDPBackend):
+    """Our passes as Inductor's ``post_grad_custom_post_pass`` for ``owner``."""
+    return _inductor_pass_class()(owner)
 
-    return CustomGraphPass
 
+@functools.cache
+def _inductor_pass_class() -> type:
+    """Defined on first use: its base class lives in Inductor, which ``import
+    simplefsdp`` should not load (about 2 s)."""
 
-class _InductorPass(_inductor_pass_base()):
-    """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
+    class InductorPass(custom_graph_pass_base()):
+        """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
 
-    def __init__(self, owner: SimpleFSDPBackend):
-        self.owner = owner
+        def __init__(self, owner: SimpleFSDPBackend):
+            self.owner = owner
 
-    def __call__(self, graph: fx.Graph) -> None:
-        self.owner.run_passes(graph)
+        def __call__(self, graph: fx.Graph) -> None:
+            self.owner.run_passes(graph)
 
-    def uuid(self) -> str | None:
-        o = self.owner
-        if o.bucketing == "auto":
-            return None  # not cacheable: the pass measures and talks to the other ranks
-        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
-        return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+        def uuid(self) -> str | None:
+            o = self.owner
+            if o.bucketing == "auto":
+                return None  # not cacheable: the pass measures and talks to the other ranks
+            settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+            return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+
+    return InductorPass
 

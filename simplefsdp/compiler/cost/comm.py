@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import disable_current_modes
+from ..._torch_compat import c10d_functional, disable_current_modes
 from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device
 from .compute import time_callable
 
@@ -210,7 +210,7 @@ def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: tor
     name = group.group_name
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = max(nbytes // itemsize // ws, 1) * ws  # full numel, divisible by world size
-    c10d = torch.ops._c10d_functional
+    c10d = c10d_functional
     if kind == "all_gather":
         x = torch.ones(numel // ws, dtype=dtype, device=device)
         return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, name))
@@ -228,7 +228,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
     case; ``nbytes`` is the full, unsharded size for all-gather and reduce-scatter.
 
-    Times the functional collectives (``torch.ops._c10d_functional`` + ``wait_tensor``):
+    Times the functional collectives (``c10d_functional`` + ``wait_tensor``):
     that is what DTensor's redistribute runs in eager mode and what the compiled graphs
     hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
     Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
@@ -274,7 +274,7 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
-    c10d = torch.ops._c10d_functional
+    c10d = c10d_functional
     with disable_current_modes():
         shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
                            dtype=dtype, device=dev)

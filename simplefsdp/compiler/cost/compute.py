@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ..._torch_compat import disable_current_modes
-from .memory import METADATA_ONLY, Unmeasurable, op_name, size_hint, value_bytes
+from ..._torch_compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from .memory import METADATA_ONLY, Unmeasurable, concrete_int, op_name, value_bytes
 
 __all__ = ["ComputeSpec", "default_compute_spec", "estimate_graph_compute",
            "estimate_node_time"]
@@ -70,7 +69,7 @@ def _is_zero_cost(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return True
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
         return target is operator.getitem or getattr(target, "__module__", "") in (
             "_operator", "operator", "builtins", "math")
@@ -95,10 +94,10 @@ def _node_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
 
 def _describe(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("T", tuple(size_hint(s) for s in x.shape), tuple(size_hint(s) for s in x.stride()),
-                x.dtype, x.device.type)
+        return ("T", tuple(concrete_int(s) for s in x.shape),
+                tuple(concrete_int(s) for s in x.stride()), x.dtype, x.device.type)
     if isinstance(x, torch.SymInt):
-        return size_hint(x)
+        return concrete_int(x)
     if isinstance(x, (torch.SymFloat, torch.SymBool)):
         return repr(x)
     try:
@@ -117,9 +116,9 @@ def _materialize(x: Any, budget: list[int]) -> Any:
     """A real tensor with the fake tensor's shape/stride/dtype/device (random floats,
     zero integers, so index tensors are always in range); SymInts become ints."""
     if isinstance(x, torch.Tensor):
-        shape = [size_hint(s) for s in x.shape]
-        stride = [size_hint(s) for s in x.stride()]
-        offset = size_hint(x.storage_offset())
+        shape = [concrete_int(s) for s in x.shape]
+        stride = [concrete_int(s) for s in x.stride()]
+        offset = concrete_int(x.storage_offset())
         extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
                            if all(n > 0 for n in shape) else 0)
         budget[0] -= extent * x.element_size()
@@ -137,7 +136,7 @@ def _materialize(x: Any, budget: list[int]) -> Any:
             base = torch.zeros(extent, dtype=x.dtype, device=dev)
         return base.as_strided(shape, stride, offset)
     if isinstance(x, torch.SymInt):
-        return size_hint(x)
+        return concrete_int(x)
     if isinstance(x, torch.SymFloat):
         raise Unmeasurable("symbolic float argument")
     return x
@@ -196,7 +195,7 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
         args, kwargs = _node_inputs(node)
     except Unmeasurable:
         return 0.0 if node.meta.get("val") is None else _safe_roofline(node, (), {}, spec)
-    if not measure or not isinstance(node.target, torch._ops.OpOverload):
+    if not measure or not isinstance(node.target, OpOverload):
         return _safe_roofline(node, args, kwargs, spec)
     try:
         key = _cache_key(node.target, args, kwargs)
