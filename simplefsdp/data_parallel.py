@@ -46,6 +46,7 @@ from torch.utils.checkpoint import (
 
 from . import eager_reshard
 from ._torch_compat import StridedShard, c10d_functional, root_mesh
+from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import data_parallel_mesh
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
@@ -296,6 +297,14 @@ def data_parallel(
             them (for losses already normalized by the global token count).
     Returns:
         ``model`` itself, with its parameters sharded.
+
+    Process-wide effect on gloo: when ``mesh`` runs CPU collectives on gloo, this
+    registers simplefsdp's CPU kernel for ``_c10d_functional.all_gather_into_tensor``
+    for the whole process (:mod:`simplefsdp.gloo_kernel`). Torch's own kernel takes
+    gloo's *coalesced* all-gather, which was seen to abort the process with several
+    all-gathers in flight, and prefetching keeps several in flight on purpose; the
+    replacement takes the plain all-gather (same results). CUDA/NCCL and other backends
+    keep torch's kernel; ``simplefsdp.gloo_kernel.uninstall_gloo_collectives`` undoes it.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -310,8 +319,6 @@ def data_parallel(
                         f"got {type(mesh).__name__}")
     mesh = data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
-    from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
-
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
         install_gloo_collectives()
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")

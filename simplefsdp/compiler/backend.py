@@ -30,6 +30,7 @@ from torch import fx
 
 from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
 from ..agreement import StoreAgreement
+from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap
 from .bucketing import bucket_collectives, single
 from .collectives import find_collectives, is_backward, stable_topological_sort
@@ -238,8 +239,6 @@ def _count(collectives) -> dict[str, int]:
 
 
 def _install_cpu_collectives() -> None:
-    from .gloo_collectives import install_gloo_collectives, uses_gloo
-
     if dist.is_initialized() and uses_gloo():
         install_gloo_collectives()
 

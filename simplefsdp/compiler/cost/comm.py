@@ -232,7 +232,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     that is what DTensor's redistribute runs in eager mode and what the compiled graphs
     hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
     Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
-    gloo all-gather of ``simplefsdp.compiler.gloo_collectives`` once installed).
+    gloo all-gather of ``simplefsdp.gloo_kernel`` once installed).
     Exactly one collective is in flight at a time (several concurrent functional
     all-gathers crash gloo). The cases are interleaved round-robin, ``warmup`` rounds
     then ``repeats`` timed rounds, so a burst of load from elsewhere on the host spreads

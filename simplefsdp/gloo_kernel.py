@@ -1,5 +1,10 @@
 """A CPU kernel for the functional all-gather that takes gloo's plain all-gather path.
 
+A process-wide runtime change: :func:`simplefsdp.data_parallel` installs it when its mesh
+runs CPU collectives on gloo, and it stays in effect for every later all-gather of the
+process (eager, DTensor and compiled alike) until :func:`uninstall_gloo_collectives`.
+It is an eager kernel, not a compiler pass, so it lives outside ``compiler/``.
+
 ``torch.ops._c10d_functional.all_gather_into_tensor`` (what ``DTensor.redistribute``,
 ``funcol.all_gather_tensor`` and compiled graphs call) has one C++ kernel, registered
 as ``CompositeExplicitAutograd``: it wraps the input in a one-element list and calls
@@ -30,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._torch_compat import (
+from ._torch_compat import (
     allgather_base,
     backend_name,
     c10d_functional,
