@@ -148,3 +148,15 @@ def test_bad_backend_arguments():
         sf.compile_backend(module_plan=["layers.0"])
     with pytest.raises(ValueError, match="module_plan entries"):
         sf.compile_backend(bucketing="manual", module_plan=[3])
+
+
+def test_wrapper_names_are_stripped_alike():
+    """State dict keys and the module names the passes bucket by drop the same wrapper
+    components (compile, activation checkpointing, FSDP1), wherever they stand."""
+    from simplefsdp.state_dict import unwrapped_name
+
+    assert unwrapped_name("_orig_mod.layers.0._checkpoint_wrapped_module.w.weight") == \
+        "layers.0.w.weight"
+    assert unwrapped_name("layers.1._fsdp_wrapped_module") == "layers.1"
+    assert unwrapped_name("layers.2.attention") == "layers.2.attention"
+    assert unwrapped_name("") == ""

@@ -13,7 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from simplefsdp import agreement
+from simplefsdp.compiler.collectives import collective_kind
 from simplefsdp.compiler.cost import comm, compute, memory
+from simplefsdp.hardware import gpu_peak_flops, gpu_spec
 
 # ---------------------------------------------------------------------------- comm model
 
@@ -270,3 +272,26 @@ def test_tensor_bytes_tuple_and_inplace():
     assert memory.tensor_bytes(nodes["max_1"]) == 4 * 4 + 4 * 8
     peak, live = memory.peak_memory_estimate(gm)
     assert peak == 4 * 8 * 4 + 4 * 4 + 4 * 8  # x + the (values, indices) tuple
+
+
+# ------------------------------------------------------------------------ hardware table
+
+
+def test_gpu_table_and_collective_names():
+    # the more specific names win: an H20 is not an H100 (148 vs 989 TFLOP/s bf16), an
+    # H200 is not an H20, the H100 PCIe card is slower than the SXM one
+    assert gpu_peak_flops("NVIDIA H20") == 148e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("Tesla T4") is None
+    assert gpu_spec("NVIDIA H20").mem_bandwidth_Bps == 4.0e12
+    # one normalization for graph, c10d and profiler names
+    for name, kind in [("all_gather_into_tensor", "all_gather"),
+                       ("c10d::_allgather_base_", "all_gather"),
+                       ("_c10d_functional::reduce_scatter_tensor", "reduce_scatter"),
+                       ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+                       ("allreduce_coalesced", "all_reduce"), ("all_reduce", "all_reduce"),
+                       ("_c10d_functional::wait_tensor", None), ("aten::mm", None)]:
+        assert collective_kind(name) == kind, name

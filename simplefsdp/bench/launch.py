@@ -99,7 +99,9 @@ def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a local rendezvous (the benchmark's
+    spawned ranks, the tests' rank runner)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -114,7 +116,7 @@ def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
             f"for real timings, or --fake-pg for compile/memory figures at world size "
             f"{cfg.world_size}")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(cfg, r, port), name=f"bench-rank{r}")
              for r in range(cfg.world_size)]
     for p in procs:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from .._torch_compat import profiler_events
+from ..compiler.collectives import collective_kind
 
 CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "
                       "CPU allocations during one profiled step (profiler memory events); "
@@ -77,11 +78,13 @@ def _collective_kind(name: str) -> str | None:
     op = name[len("c10d::"):].lower().replace("_", "")
     if "barrier" in op or "wait" in op or "monitored" in op:
         return None
-    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
-                      ("allreduce", "all_reduce"), ("broadcast", "broadcast"),
-                      ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv")):
+    kind = collective_kind(name)
+    if kind is not None:
+        return kind
+    for key, other in (("broadcast", "broadcast"), ("alltoall", "all_to_all"),
+                       ("send", "send"), ("recv", "recv")):
         if key in op:
-            return kind
+            return other
     return op
 
 

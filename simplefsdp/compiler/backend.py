@@ -76,7 +76,20 @@ class GraphReport:
 
 
 class SimpleFSDPBackend:
-    """Callable ``torch.compile`` backend; ``reports`` holds one entry per compiled graph."""
+    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
+    bucketing and reordering passes on the forward and backward graphs; ``reports``
+    holds one :class:`GraphReport` per compiled graph. Public as ``compile_backend``.
+
+    ``backend``: "inductor" or "aot_eager". ``bucketing``: "none", "manual" (one bucket
+    per entry of ``module_plan``; None: derived from the graph) or "auto": Algorithm 1
+    of the paper under ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no
+    limit), from ``comm_model`` or, when None, a model calibrated on the default process
+    group when the backend is built (cached on disk, see ``cost.get_comm_model``;
+    collective: build the backend on every rank). Its measurements are agreed across
+    ``group``: every rank that compiles the same model (None: all ranks; under pipeline
+    parallelism, the ranks of one stage). ``reordering``: prefetch all-gathers and
+    defer reduce-scatter waits.
+    """
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
@@ -181,23 +194,9 @@ class SimpleFSDPBackend:
         return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
 
 
-def compile_backend(backend: str = "inductor", bucketing: str = "none",
-                    reordering: bool = True, module_plan: Sequence | None = None,
-                    memory_limit_gb: float | None = None,
-                    comm_model: cost.CommModel | None = None,
-                    group: dist.ProcessGroup | None = None) -> SimpleFSDPBackend:
-    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
-    bucketing and reordering passes on the forward and backward graphs.
-
-    ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
-    ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
-    ``comm_model`` or, when None, a model calibrated on the default process group when
-    the backend is built (cached on disk, see ``cost.get_comm_model``; collective:
-    build the backend on every rank). Its measurements are agreed across ``group``: every
-    rank that compiles the same model (None: all ranks; under pipeline parallelism, the
-    ranks of one stage)."""
-    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model, group)
+# The public name: a backend is built by calling it, and its keyword arguments are the
+# constructor's (one list of parameters, documented once, on the class).
+compile_backend = SimpleFSDPBackend
 
 
 def _calibrated_comm_model() -> cost.CommModel | None:

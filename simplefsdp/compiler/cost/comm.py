@@ -25,35 +25,20 @@ import torch.distributed as dist
 
 from ..._torch_compat import c10d_functional, disable_current_modes
 from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device
+from ...hardware import KNOWN_FABRICS
+from ..collectives import COLLECTIVE_KINDS, collective_kind
 from .compute import time_callable
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
            "get_comm_model"]
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-# Names under which the kinds appear in FX graphs (functional collectives) or in c10d.
-_KIND_ALIASES = {
-    "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "allgather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "reducescatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "allreduce": "all_reduce",
-}
-
 
 def _normalize_kind(kind: str) -> str:
-    try:
-        return _KIND_ALIASES[kind.lower().rstrip("_")]
-    except KeyError:
+    normal = collective_kind(kind)
+    if normal is None:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of "
-                         f"{COLLECTIVE_KINDS}") from None
+                         f"{COLLECTIVE_KINDS}")
+    return normal
 
 
 
@@ -98,42 +83,6 @@ class CommModel:
                    world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
 
 
-@dataclass(frozen=True)
-class Fabric:
-    """A link type: per-collective start-up latency, achievable ring bus bandwidth, and
-    the fraction of concurrent compute that hides communication (``CommModel.overlap``)."""
-
-    alpha_s: float
-    bus_bandwidth_Bps: float
-    note: str
-    overlap: float = 1.0
-
-
-# Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
-# moves (n-1)/n of the full tensor through every rank's link, a ring all-reduce twice
-# that (reduce-scatter + all-gather), so beta = factor / bus_bandwidth and the bus
-# bandwidth is the figure nccl-tests reports as "busbw".
-KNOWN_FABRICS: dict[str, Fabric] = {
-    # H100 SXM, NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA
-    # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
-    # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
-    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)"),
-    # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
-    # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
-    # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
-    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node"),
-    # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
-    # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
-    # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
-    # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
-    # their load vary a lot; calibrate instead.
-    # Overlap: gloo's threads compete with the compute for the same cores; on 2 ranks
-    # sharing 2 cores `measure_overlap` found 0.0-0.33 (64 KiB-4 MiB all-gathers).
-    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
-                                overlap=0.0),
-}
-
-
 def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> CommModel:
     """A ``CommModel`` from ``KNOWN_FABRICS[fabric]`` for a ring over ``world_size`` ranks."""
     spec = KNOWN_FABRICS[fabric]
@@ -145,7 +94,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         all_gather=(spec.alpha_s, ring / bw),
         reduce_scatter=(spec.alpha_s, ring / bw),
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
-        overlap=spec.overlap,
+        overlap=spec.hidden_fraction,
         world_size=n,
         source=f"default:{fabric}",
     )

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from ..._torch_compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from ...hardware import gpu_spec
 from .memory import METADATA_ONLY, Unmeasurable, concrete_int, op_name, value_bytes
 
 __all__ = ["ComputeSpec", "default_compute_spec", "estimate_graph_compute",
@@ -38,19 +39,14 @@ class ComputeSpec:
 
 
 def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpec:
-    """Datasheet figures (dense, no sparsity) for known GPUs, a rough guess for CPUs."""
+    """Datasheet figures (``simplefsdp.hardware``; an unknown GPU counts as an A100) for
+    GPUs, a rough guess for CPUs."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(dev)
-        if "H100" in name or "H200" in name or "H20" in name:
-            # H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32 (no TF32);
-            # HBM3 3.35 TB/s (H200: HBM3e 4.8 TB/s, same compute).
-            bw = 4.8e12 if "H200" in name else 3.35e12
-            return ComputeSpec({torch.bfloat16: 989e12, torch.float16: 989e12,
-                                torch.float32: 67e12}, bw, name)
-        # A100 SXM datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s.
-        return ComputeSpec({torch.bfloat16: 312e12, torch.float16: 312e12,
-                            torch.float32: 19.5e12}, 2.0e12, name)
+        gpu = gpu_spec(name) or gpu_spec("A100")
+        return ComputeSpec({torch.bfloat16: gpu.bf16_flops, torch.float16: gpu.bf16_flops,
+                            torch.float32: gpu.fp32_flops}, gpu.mem_bandwidth_Bps, name)
     # CPU: ~2 AVX2 FMA units x 8 fp32 lanes x 2 flop x ~2.5 GHz = 80 GFLOP/s per core at
     # best; half of that is what MKL/oneDNN reach on small GEMMs. ~10 GB/s per core of
     # streaming bandwidth. Only the fallback uses these; measurements come first.
