@@ -62,20 +62,27 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
 def _cache_roundtrip(rank: int, world_size: int, dirs: list[str]) -> dict:
     os.environ["SIMPLEFSDP_CACHE_DIR"] = dirs[rank]  # rank 1's folder stays empty
     key = comm.cache_key()
-    no_cache = comm.get_comm_model(calibrate=False, cache=False)
+    no_cache = comm.get_comm_model(calibrate_on_miss=False, cache=False)
     first = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached run must not time collectives")
 
-    measure, comm.measure_collective = comm.measure_collective, no_timing
+    # what calibrate() times with: replaced, so a calibration now would fail the test
+    measure, comm.measure_collectives = comm.measure_collectives, no_timing
     try:
         second = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
         with FakeTensorMode():  # as inside a torch.compile backend
-            third = comm.get_comm_model(calibrate=False)  # a cache hit beats the defaults
+            # a cache hit beats the defaults
+            third = comm.get_comm_model(calibrate_on_miss=False)
+        try:  # the guard is live: a calibration does reach the replaced function
+            comm.calibrate(sizes=[4096], repeats=1)
+            guarded = False
+        except AssertionError:
+            guarded = True
     finally:
-        comm.measure_collective = measure
-    return {"key": key, "first": first, "second": second, "third": third,
+        comm.measure_collectives = measure
+    return {"key": key, "first": first, "second": second, "third": third, "guarded": guarded,
             "second_source": second.source, "no_cache": no_cache,
             "files": sorted(os.listdir(dirs[rank]))}
 
@@ -123,9 +130,11 @@ def test_cache_roundtrip_and_broadcast(rank_results):
     assert r0["no_cache"].source == "default:gloo_cpu_loopback"
     # only rank 0 wrote, one file, no leftover tmp file
     assert r0["files"] == [comm.cache_path(r0["key"]).name] and r1["files"] == []
-    # the second call timed nothing (measure_collective raised if called) and rank 1,
-    # whose cache folder is empty, got rank 0's figures
+    # the second call timed nothing (measure_collectives raised if called; "guarded":
+    # calibrate() does call it) and rank 1, whose cache folder is empty, got rank 0's
+    # figures
     for r in (r0, r1):
+        assert r["guarded"]
         assert r["second"] == r0["first"] and r["third"] == r0["first"]
         assert r["second_source"] == "cache"
     stored = json.loads((root / "rank0" / r0["files"][0]).read_text())

@@ -278,7 +278,7 @@ def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
 
 
 def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
-         memory_limit_bytes: float | None, measure: bool = True,
+         memory_limit_bytes: float | None,
          compute_cache: dict | None = None, agreement: StoreAgreement | None = None) -> Plan:
     """Bucket assignment for one graph (before bucketing), by Algorithm 1.
 
@@ -295,7 +295,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     if not primary:
         return Plan({}, [], [], [], 0.0, kind)
     started = time.perf_counter()
-    seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
+    seconds = cost.estimate_graph_compute(graph, cache=compute_cache)
     profile_s = time.perf_counter() - started
     owner = owner_steps(graph, primary, overlap)
     steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)

@@ -186,12 +186,8 @@ class SimpleFSDPBackend:
         """The comm model of this backend; without a process group at construction, the
         disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
         if self.comm_model is None:
-            self.comm_model = cost.get_comm_model(calibrate=False)
+            self.comm_model = cost.get_comm_model(calibrate_on_miss=False)
         return self.comm_model
-
-    def buckets_of(self, graph: str) -> list[dict]:
-        """Bucket summaries of the latest report for "forward" or "backward"."""
-        return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
 
 
 # The public name: a backend is built by calling it, and its keyword arguments are the

@@ -201,14 +201,6 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     return [statistics.median(t) for t in samples]
 
 
-def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None,
-                       device: torch.device | str | None = None,
-                       dtype: torch.dtype = torch.float32, repeats: int = 5,
-                       warmup: int = 2) -> float:
-    """``measure_collectives`` for a single ``(kind, nbytes)``."""
-    return measure_collectives([(kind, nbytes)], group, device, dtype, repeats, warmup)[0]
-
-
 def measure_overlap(group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
                     repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
@@ -296,9 +288,6 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     return CommModel(**fitted)
 
 
-_calibrate = calibrate  # `get_comm_model`'s flag of the same name shadows the function
-
-
 def cache_dir() -> Path:
     """``$SIMPLEFSDP_CACHE_DIR`` or ``~/.cache/simplefsdp``."""
     env = os.environ.get("SIMPLEFSDP_CACHE_DIR")
@@ -361,15 +350,15 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
         pass  # a read-only home must not break training; the next run calibrates again
 
 
-def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = True,
+def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
                    cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
     """The communication model for ``group``: cached, freshly calibrated, or defaults.
 
     * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
       it found, so all ranks agree even when only some of them see the file.
-    * on a miss with ``calibrate=True``: every rank runs ``calibrate`` (collective) and
-      rank 0 stores the result (tmp file + rename) when ``cache=True``.
-    * ``calibrate=False``: nothing is timed; a cached calibration is still used when
+    * on a miss with ``calibrate_on_miss=True``: every rank runs :func:`calibrate`
+      (collective) and rank 0 stores the result (tmp file + rename) when ``cache=True``.
+    * ``calibrate_on_miss=False``: nothing is timed; a cached calibration is still used when
       ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
 
     Collective whenever the default process group exists: call it on every rank.
@@ -387,9 +376,9 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = Tru
         found = broadcast_from_rank0(found.to_dict() if found else None, group)
         if found is not None:
             return CommModel.from_dict(found)
-    if not calibrate:
+    if not calibrate_on_miss:
         return default_comm_model(ws, _pick_fabric(ws, dev))
-    model = _calibrate(group, **calibrate_kwargs)
+    model = calibrate(group, **calibrate_kwargs)
     if cache and is_rank0:
         _store_cached(key, model)
     return model
