@@ -262,6 +262,8 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
+            # An empty TP shard (TP gave this rank no rows) has nothing to split: it is
+            # this rank's DP shard as it is, whatever torch.chunk would make of 0 rows.
             local = torch.chunk(local, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)] \
                 if local.shape[0] else local
             tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)

@@ -52,10 +52,10 @@ def _check_schedule(report) -> None:
         # previous reduce-scatter's wait deferred until just before the next one
         assert pos["wait reduce_scatter", prev] < pos["reduce_scatter", nxt]
         # ... so computation runs while it is in flight
-        assert report.overlap[f"reduce_scatter {prev}"] > 0, report.overlap
+        assert report.nodes_in_flight[f"reduce_scatter {prev}"] > 0, report.nodes_in_flight
     if report.graph == "forward":  # every prefetched gather overlaps computation
         for name in starts[1:]:
-            assert report.overlap[f"all_gather {name}"] > 0, report.overlap
+            assert report.nodes_in_flight[f"all_gather {name}"] > 0, report.nodes_in_flight
 
 
 def _compiled_variants(rank: int, world: int) -> dict:

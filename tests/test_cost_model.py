@@ -112,8 +112,8 @@ def test_calibration_fits_agrees_and_predicts(rank_results):
         assert alpha >= 0 and beta >= 0
         assert alpha > 0 or beta > 0
     assert r0["model"]["source"] == "calibrated" and r0["model"]["world_size"] == 2
-    # the measured overlap fraction is agreed (MIN) across ranks too
-    assert r0["model"]["overlap"] == r1["model"]["overlap"]
+    # the measured hidden fraction is agreed (MIN) across ranks too
+    assert r0["model"]["hidden_fraction"] == r1["model"]["hidden_fraction"]
     for name, ratio in r0["ratios"].items():
         assert 1 / _TOLERANCE <= ratio <= _TOLERANCE, (name, r0["ratios"], r0["params"])
     assert r0["agreed"] == r1["agreed"] == [1.0, 10.0]

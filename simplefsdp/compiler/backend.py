@@ -32,7 +32,7 @@ from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap
-from .bucketing import bucket_collectives, single
+from .bucketing import bucket_collectives, bucket_of_one
 from .collectives import find_collectives, is_backward, stable_topological_sort
 from .reordering import reorder
 
@@ -52,7 +52,8 @@ class GraphReport:
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
-    overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
+    # "kind bucket": computation nodes that run while the bucket's collective is in flight
+    nodes_in_flight: dict[str, int] = field(default_factory=dict)
     pass_seconds: float = 0.0
     # bucketing="auto" only: one decision per candidate collective after the first (its
     # inputs: estimated comm, compute window, memory, and the outcome), the comm model
@@ -157,7 +158,7 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
-            comm = self.comm_model_for()
+            comm = self.resolved_comm_model()
             plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
                                   compute_cache=self._compute_cache,
                                   agreement=self._agreement)
@@ -169,20 +170,20 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, plan.assignment)
             stable_topological_sort(graph)
         else:
-            buckets = [single(c, i) for i, c in enumerate(collectives)]
+            buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
         if self.reordering:
             report.moves = reorder(graph, buckets, backward)
         graph.lint()
         report.buckets = [b.summary() for b in buckets]
         report.schedule = _schedule(graph, buckets)
-        report.overlap = _overlap(graph, buckets)
+        report.nodes_in_flight = _nodes_in_flight(graph, buckets)
         report.collectives_after = _count(find_collectives(graph))
         report.pass_seconds = time.perf_counter() - started
         self.reports.append(report)
         log.info("%s", report)
         return report
 
-    def comm_model_for(self) -> cost.CommModel:
+    def resolved_comm_model(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
         disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
         if self.comm_model is None:
@@ -219,7 +220,7 @@ def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
     return [events[n] for n in graph.nodes if n in events]
 
 
-def _overlap(graph: fx.Graph, buckets) -> dict[str, int]:
+def _nodes_in_flight(graph: fx.Graph, buckets) -> dict[str, int]:
     """Per bucket, how many computation nodes run between its start and its wait."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     comm = {n for b in buckets for n in (b.start, b.wait)}

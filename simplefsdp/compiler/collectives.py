@@ -47,8 +47,9 @@ class Collective:
     module: str  # FQN of the module that owns the parameter, e.g. "layers.0.attention.wq"
 
     @property
-    def group(self) -> tuple:
-        """What must match for two collectives to merge: group, size, dtype, reduce op."""
+    def merge_key(self) -> tuple:
+        """What must match for two collectives to merge: kind, process group (size and
+        name), reduce op, dtype. A key to compare, not a process group."""
         args = self.start.args
         if self.kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
             return (self.kind, args[2], args[3], args[1], self.start.meta["val"].dtype)

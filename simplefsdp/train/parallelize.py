@@ -119,15 +119,13 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    from simplefsdp import compile_backend  # written alongside; imported only when used
-
     c = cfg.compile
     # Auto wrapping agrees its measurements across the ranks compiling the same graph:
     # under PP, those of this stage.
     group = None
     if c.bucketing == "auto":
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
-    backend = compile_backend(backend=c.backend, bucketing=c.bucketing,
+    backend = simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                               reordering=c.reordering, module_plan=None,
                               memory_limit_gb=c.memory_limit_gb, group=group)
     return torch.compile(model, fullgraph=True, backend=backend)

@@ -48,7 +48,7 @@ class CommModel:
 
     For ``all_gather`` and ``reduce_scatter`` ``n`` is the full (unsharded) tensor size in
     bytes, i.e. the all-gather's output or the reduce-scatter's input; for ``all_reduce``
-    it is the size of the reduced tensor. ``overlap`` is the fraction of concurrent
+    it is the size of the reduced tensor. ``hidden_fraction`` is the fraction of concurrent
     computation that actually hides a collective: ~1 where communication has its own
     engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
     a small CPU host); ``calibrate`` measures it. ``source`` and ``world_size`` describe
@@ -58,7 +58,7 @@ class CommModel:
     all_gather: tuple[float, float]
     reduce_scatter: tuple[float, float]
     all_reduce: tuple[float, float]
-    overlap: float = 1.0
+    hidden_fraction: float = 1.0
     world_size: int = dataclasses.field(default=1, compare=False)
     source: str = dataclasses.field(default="unknown", compare=False)
 
@@ -74,12 +74,13 @@ class CommModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
-            "overlap": self.overlap, "world_size": self.world_size, "source": self.source}
+            "hidden_fraction": self.hidden_fraction, "world_size": self.world_size,
+            "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
         pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
-        return cls(**pairs, overlap=float(d.get("overlap", 1.0)),
+        return cls(**pairs, hidden_fraction=float(d.get("hidden_fraction", 1.0)),
                    world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
 
 
@@ -94,7 +95,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         all_gather=(spec.alpha_s, ring / bw),
         reduce_scatter=(spec.alpha_s, ring / bw),
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
-        overlap=spec.hidden_fraction,
+        hidden_fraction=spec.hidden_fraction,
         world_size=n,
         source=f"default:{fabric}",
     )
@@ -201,7 +202,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     return [statistics.median(t) for t in samples]
 
 
-def measure_overlap(group: dist.ProcessGroup | None = None,
+def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
                     repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """The fraction of an all-gather's time that computation running meanwhile hides, on
@@ -263,7 +264,7 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
     so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
     defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA. The
-    overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks.
+    hidden fraction is ``measure_hidden_fraction`` at the largest size, the MIN across ranks.
     """
     group = _resolve_group(group)
     dev = group_device(group, device)
@@ -281,8 +282,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     for i, kind in enumerate(kinds):
         times = agreed[i * len(sizes):(i + 1) * len(sizes)]
         fitted[kind] = fit_alpha_beta(sizes, times)
-    fitted["overlap"] = agree_across_ranks(
-        [measure_overlap(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
+    fitted["hidden_fraction"] = agree_across_ranks(
+        [measure_hidden_fraction(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
     return CommModel(**fitted)
@@ -297,7 +298,7 @@ def cache_dir() -> Path:
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
     """What a calibration depends on: world and node size, backend, device, torch version
-    (and the format: a cache written before ``overlap`` existed is not reused)."""
+    (and the format: a cache written before ``hidden_fraction`` is not reused)."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
@@ -312,7 +313,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
-        "format": 2,
+        "format": 3,
     }
 
 
