@@ -26,23 +26,7 @@ from typing import Any
 
 import torch
 
-# bf16 dense tensor-core peaks (FLOP/s), matched by substring of the device name.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower (756e12), matched first below
-    "A100": 312e12,
-}
-_H100_PCIE = 756e12
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """Peak bf16 dense FLOP/s of a GPU from its name, or None if not in the table."""
-    if "H100" in name and "PCIe" in name:
-        return _H100_PCIE
-    for key, peak in GPU_PEAK_FLOPS.items():
-        if key in name:
-            return peak
-    return None
+from ..hardware import gpu_peak_flops
 
 
 @functools.cache
