@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..hf import hooks as hf_hooks
 from ..models.llama import Transformer, flops_per_token, num_params
 from .checkpoint import (
     CheckpointManager,
@@ -45,7 +46,7 @@ from .checkpoint import (
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
-from .data import TextDataset, Tokenizer, build_tokenizer
+from .data import TextDataset, Tokenizer
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
@@ -261,21 +262,23 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
 
     if tokenizer is None:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        tokenizer = hf_hooks.choose_tokenizer(cfg)
     elif not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
                         f"simplefsdp.train.data.Tokenizer protocol), got "
                         f"{type(tokenizer).__name__}")
     args = cfg.model.model_args()
-    if tokenizer.vocab_size > args.vocab_size:
+    hf_hooks.check_vocab(cfg, tokenizer)
+    if cfg.model.hf_path is None and tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
                           f"{tokenizer.vocab_size} tokens but model.vocab_size = "
                           f"{args.vocab_size}; raise model.vocab_size")
-    dataset = TextDataset(cfg.data.dataset, tokenizer)
+    dataset = (hf_hooks.build_dataset(cfg, tokenizer)
+               or TextDataset(cfg.data.dataset, tokenizer))
     loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
                             dp_world=at.dp_size, seed=t.seed)
 
-    runnable, model = build_model(cfg, mesh, device)
+    runnable, model = hf_hooks.build_model(cfg, mesh, device, default=build_model)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     state = TrainerState(scheduler, loader)
@@ -302,7 +305,8 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
-                            flops_per_token=flops_per_token(args, t.seq_len),
+                            flops_per_token=hf_hooks.flops_per_token(cfg, model, t.seq_len)
+                            or flops_per_token(args, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard)
     if rank == 0:
@@ -378,6 +382,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     if cfg.checkpoint.export_safetensors:
         export_safetensors(model, Path(cfg.metrics.output_dir) / "model.safetensors",
                            mesh["pp"].get_group() if p.pp > 1 else None)
+    hf_hooks.export(cfg, model, tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
     if rank == 0 and result.losses:
