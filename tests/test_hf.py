@@ -179,7 +179,7 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
     out = {}
     for source, extra in ((llama_dir, ["--model.hf_path", llama_dir]),
                           (ours_dir, ["--model.init_from_hf", ours_dir,
-                                      "--model.dim", "64", "--model.n_layers", "2",
+                                      "--model.dim", "64", "--model.n_layers", "2", "--model.multiple_of", "16",
                                       "--model.vocab_size", str(VOCAB)])):
         shards = {}
         for mode in ("broadcast", "all_ranks"):
@@ -369,6 +369,6 @@ def test_bad_inputs_fail_before_any_step(assets, tmp_path):
     for (_, expected), message in zip(cases, messages, strict=True):
         assert expected in message, message
     assert "model.safetensors" in messages[0] and "not in the files" in messages[0]
-    assert "[128, 32]" in messages[1] and "[64, 32]" in messages[1]
+    assert "[32, 128]" in messages[1] and "[32, 64]" in messages[1]  # Conv1D: (in, out)
     assert "config.json" in messages[2]
     assert not (out / "metrics.jsonl").exists()  # no step ran
