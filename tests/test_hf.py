@@ -179,7 +179,8 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
     out = {}
     for source, extra in ((llama_dir, ["--model.hf_path", llama_dir]),
                           (ours_dir, ["--model.init_from_hf", ours_dir,
-                                      "--model.dim", "64", "--model.n_layers", "2", "--model.multiple_of", "16",
+                                      "--model.dim", "64", "--model.n_layers", "2",
+                                      "--model.multiple_of", "16",
                                       "--model.vocab_size", str(VOCAB)])):
         shards = {}
         for mode in ("broadcast", "all_ranks"):
@@ -253,6 +254,7 @@ def test_two_ranks_train_then_export_matches(assets, tmp_path):
                  "--training.lr", "3e-3", "--training.warmup_steps", "2",
                  "--checkpoint.export_hf", "true", "--activation_checkpoint.mode", "full")
     (losses, diff), _ = run_ranks(_train_and_export, 2, argv, str(tmp_path), str(assets["jsonl"]))
+    print(f"losses {[round(x, 3) for x in losses]}, export logits max diff {diff:.2e}")
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses  # the random model starts ~ln(321)
     # from_pretrained(hf/) runs the same float32 weights through the same HF code; the

@@ -197,10 +197,12 @@ def _build_llama_from_hf(cfg, mesh, device):
 def _print_report(report, folder: Path, mode: str) -> None:
     """Rank 0 prints each rank's load time, bytes read and peak RSS while loading."""
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (report.seconds, report.bytes_read, report.peak_rss_bytes))
+    dist.all_gather_object(rows, (report.seconds, report.bytes_read, report.peak_rss_bytes,
+                                  report.peak_anon_bytes))
     if dist.get_rank() == 0:
         per_rank = ", ".join(f"rank {r}: {s:.2f}s, read {b / 2**20:.1f} MiB, peak RSS "
-                             f"{m / 2**20:.0f} MiB" for r, (s, b, m) in enumerate(rows))
+                             f"{m / 2**20:.0f} MiB ({a / 2**20:.0f} MiB private)"
+                             for r, (s, b, m, a) in enumerate(rows))
         print(f"[simplefsdp] loaded {report.tensors} tensors from {folder} "
               f"(load_weights = {mode}): {per_rank}", flush=True)
 

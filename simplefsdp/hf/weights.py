@@ -108,7 +108,13 @@ class LoadReport:
     tensors: int = 0
     bytes_read: int = 0  # by this rank
     seconds: float = 0.0
-    peak_rss_bytes: int = 0  # this process's peak resident memory while loading
+    peak_rss_bytes: int = 0  # this process's peak resident memory while loading (VmHWM)
+    # ... of which memory-mapped file pages are not private memory: the peak of the
+    # anonymous (private) resident memory, sampled after each tensor and scatter.
+    peak_anon_bytes: int = 0
+
+    def sample(self) -> None:
+        self.peak_anon_bytes = max(self.peak_anon_bytes, _status_kib("RssAnon") * 1024)
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,15 +130,22 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (VmHWM), or ru_maxrss where /proc is absent."""
+def _status_kib(field: str) -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except OSError:
         pass
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (VmHWM), or ru_maxrss where /proc is absent."""
+    peak = _status_kib("VmHWM")
+    if peak:
+        return peak * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -249,6 +262,7 @@ def load_sharded(model: nn.Module, folder: str | Path, mode: LoadMode,
         if src is None:
             continue
         report.tensors += 1
+        report.sample()
         if isinstance(value, DTensor):
             _load_dtensor(value, files, src, mode, rank, world, reader, report)
         else:  # a buffer or an unsharded parameter: every rank gets all of it
@@ -259,6 +273,7 @@ def load_sharded(model: nn.Module, folder: str | Path, mode: LoadMode,
                 value.copy_(data)
             if mode == "broadcast" and world > 1:
                 dist.broadcast(value, src=0)
+    report.sample()
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
     return report
@@ -275,6 +290,7 @@ def _load_dtensor(value: DTensor, files: WeightFiles, src: Source, mode: LoadMod
             rows = _read_rows(files, src, start, stop, total)
             report.bytes_read += rows.numel() * rows.element_size()
             local.copy_(rows)
+            report.sample()
         return
     if mesh.size() != world:
         raise HFError("load_weights = 'broadcast' needs the model sharded over all ranks "
@@ -295,6 +311,7 @@ def _load_dtensor(value: DTensor, files: WeightFiles, src: Source, mode: LoadMod
             piece = torch.zeros_like(received)
             piece[: stop - start] = full[start:stop]
             pieces.append(piece)
+        report.sample()  # rank 0's high point: the tensor and its padded pieces
         del full
     if world > 1:
         dist.scatter(received, pieces, src=0)
