@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -82,6 +83,9 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs an initialized process group: call "
                            "torch.distributed.init_process_group first (torchrun sets it up)")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("make_mesh(device_type='cuda'), but CUDA is not available here "
+                           "(no GPU, or a CPU-only torch build); use device_type='cpu'")
     sizes = mesh_sizes(dist.get_world_size(), pp, dp_replicate, dp_shard, tp)
     return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)

@@ -38,8 +38,8 @@ def _model(alpha_ms: float, ns_per_byte: float) -> CommModel:
     return CommModel(pair, pair, pair, world_size=2, source="test")
 
 
-def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, overlap=0) -> list[aw.Step]:
-    return [aw.Step(f"s{i}", nbytes, c * MS, memory, overlap) for i, c in enumerate(compute_ms)]
+def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, scatter=0) -> list[aw.Step]:
+    return [aw.Step(f"s{i}", nbytes, c * MS, memory, scatter) for i, c in enumerate(compute_ms)]
 
 
 # ------------------------------------------------------------------ the greedy, pure
@@ -69,15 +69,15 @@ def test_no_overlap_means_fewest_buckets_under_memory():
     # The first test's timeline, but compute hides nothing (gloo sharing the cores):
     # every split adds an exposed alpha, so one bucket; a memory limit still splits it.
     steps = _steps([10] * 8)
-    comm = dataclasses.replace(_model(1.0, 1.0), overlap=0.0)
+    comm = dataclasses.replace(_model(1.0, 1.0), hidden_fraction=0.0)
     buckets, decisions = aw.greedy_buckets(steps, comm)
     assert buckets == [list(range(8))]
-    assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x overlap
+    assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x hidden_fraction
     assert aw.greedy_buckets(steps, comm, memory_limit_bytes=3e6)[0] == \
         [[0, 1, 2], [3, 4, 5], [6, 7]]
-    # Half overlap: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
+    # Half hidden: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
     # (1 + 4 ms fits, 1 + 5 ms exposes 1 ms, more than a new collective would).
-    half = dataclasses.replace(comm, overlap=0.5)
+    half = dataclasses.replace(comm, hidden_fraction=0.5)
     assert aw.greedy_buckets(steps, half)[0][:2] == [[0], [1, 2, 3, 4]]
 
 
@@ -107,13 +107,13 @@ def test_backward_reduce_scatter_shares_the_window():
     forward, _ = aw.greedy_buckets(_steps(compute, nbytes=500_000), comm)
     # Forward: step 1 (0.6 ms) hides behind step 0 alone; {1, 2} (1.1 ms) would not.
     assert forward == [[0], [1], [2], [3, 4]]
-    steps = _steps(compute, nbytes=500_000, overlap=500_000)
+    steps = _steps(compute, nbytes=500_000, scatter=500_000)
     backward, decisions = aw.greedy_buckets(steps, comm)
     # Backward: behind step 1's compute, step 2 alone would share it with bucket {0}'s
     # 0.6 ms reduce-scatter (0.2 ms exposed); merged into {1, 2} only 0.1 ms is exposed.
     assert backward == [[0], [1, 2], [3, 4]]
     last = decisions[-1]  # step 4 joins {3}: behind {1, 2}'s 11 ms with {0}'s RS
-    assert last.merged and last.overlap_s == pytest.approx(0.6 * MS)
+    assert last.merged and last.scatter_s == pytest.approx(0.6 * MS)
     assert last.compute_s == pytest.approx(11 * MS)
 
 
@@ -152,7 +152,7 @@ def _random_case(rng: random.Random, n: int):
                      rng.choice([0, 1_000_000, 8_000_000])) for i in range(n)]
     pair = (rng.choice([0.01, 0.3, 1.0, 5.0]) * MS, rng.choice([0.01, 0.5, 2.0]) * 1e-9)
     rs = (pair[0] * rng.uniform(0.5, 2.0), pair[1] * rng.uniform(0.5, 2.0))
-    comm = CommModel(pair, rs, pair, overlap=rng.choice([0.0, 0.3, 1.0]),
+    comm = CommModel(pair, rs, pair, hidden_fraction=rng.choice([0.0, 0.3, 1.0]),
                      copy_s_per_byte=rng.choice([0.0, 1e-10, 1e-9]),
                      max_bytes=rng.choice([None, None, 3_000_000]), world_size=4)
     return steps, comm
@@ -165,7 +165,7 @@ def _within_cap(steps, plan, comm) -> bool:
 
 def test_optimal_matches_brute_force_and_beats_greedy():
     # 300 random timelines of 1-8 steps (latency- or bandwidth-bound, with and without
-    # reduce-scatters, overlap 0/0.3/1, copies free or not, a third with a bucket-size
+    # reduce-scatters, hidden fraction 0/0.3/1, copies free or not, a third with a bucket-size
     # cap: the comm model's max_bytes), half under a memory limit.
     # With no tolerance the search must find the brute-force optimum of the very same
     # simulation (relative 1e-9: float sums in another order), never estimate worse than
@@ -198,7 +198,7 @@ def test_optimal_matches_brute_force_and_beats_greedy():
 
 
 def test_optimal_overlap_and_memory_by_hand():
-    # NCCL-like (overlap 1, no copies), 8 steps of 10 ms compute, 1 MB, alpha 1 ms,
+    # NCCL-like (hidden fraction 1, no copies), 8 steps of 10 ms compute, 1 MB, alpha 1 ms,
     # 1 ns/B: the first bucket is exposed whatever it holds (1 + k ms), so it is one
     # step; everything after hides behind step 0's 10 ms when merged into one bucket
     # (1 + 7 = 8 ms <= 10 ms): 2 ms exposed. Other plans tie (e.g. [0], [1-3], [4-7]);
@@ -210,8 +210,8 @@ def test_optimal_overlap_and_memory_by_hand():
     best = ps.optimal_buckets(steps, comm)
     assert best == [[0], [1, 2, 3, 4, 5, 6, 7]]
     assert simulate(steps, best, comm).exposed_s == pytest.approx(2 * MS)
-    # gloo-like (overlap 0): nothing hides, so the fewest collectives win: one bucket.
-    gloo = dataclasses.replace(comm, overlap=0.0)
+    # gloo-like (hidden fraction 0): nothing hides, so the fewest collectives win: one bucket.
+    gloo = dataclasses.replace(comm, hidden_fraction=0.0)
     assert ps.optimal_buckets(steps, gloo) == [list(range(8))]
     # Memory: every step holds 1 MB of its own (base), so one bucket of k steps
     # peaks at 1 MB base + k MB gathered + k MB copy-out buffer + the next bucket.
@@ -360,9 +360,9 @@ def _fake_group_plans(world: int) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         out = {}
-        slow = dataclasses.replace(_model(1000.0, 1.0), overlap=1.0, world_size=world)
+        slow = dataclasses.replace(_model(1000.0, 1.0), hidden_fraction=1.0, world_size=world)
         # collectives free, copies dear: merging only costs
-        fast = dataclasses.replace(_model(0.001, 0.0), overlap=1.0, world_size=world,
+        fast = dataclasses.replace(_model(0.001, 0.0), hidden_fraction=1.0, world_size=world,
                                    copy_s_per_byte=1.0)
         for name, kwargs in {"table": {}, "slow": {"comm_model": slow},
                              "fast": {"comm_model": fast}}.items():
@@ -389,7 +389,7 @@ def _in_fresh_process(fn, *args):
 def test_fake_process_group(tmp_path, monkeypatch):
     # The planner (issue 14) compiles under a fake group of many ranks: before, the
     # agreement's store raised "Not implemented". Now the comm model comes from the
-    # fabric table (world 8 on CPU: gloo loopback, overlap 0 -> one bucket per graph),
+    # fabric table (world 8 on CPU: gloo loopback, hidden fraction 0 -> one bucket per graph),
     # or the one given: a 1 s collective can never hide, so one bucket; free
     # collectives with dear copies: no bucket merges anything.
     monkeypatch.setenv("SIMPLEFSDP_CACHE_DIR", str(tmp_path))

@@ -13,7 +13,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from simplefsdp import agreement
+from simplefsdp.compiler.collectives import collective_kind
 from simplefsdp.compiler.cost import comm, compute, memory
+from simplefsdp.hardware import gpu_peak_flops, gpu_spec
 
 # ---------------------------------------------------------------------------- comm model
 
@@ -60,20 +62,27 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
 def _cache_roundtrip(rank: int, world_size: int, dirs: list[str]) -> dict:
     os.environ["SIMPLEFSDP_CACHE_DIR"] = dirs[rank]  # rank 1's folder stays empty
     key = comm.cache_key()
-    no_cache = comm.get_comm_model(calibrate=False, cache=False)
+    no_cache = comm.get_comm_model(calibrate_on_miss=False, cache=False)
     first = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached run must not time collectives")
 
-    measure, comm.measure_collective = comm.measure_collective, no_timing
+    # what calibrate() times with: replaced, so a calibration now would fail the test
+    measure, comm.measure_collectives = comm.measure_collectives, no_timing
     try:
         second = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
         with FakeTensorMode():  # as inside a torch.compile backend
-            third = comm.get_comm_model(calibrate=False)  # a cache hit beats the defaults
+            # a cache hit beats the defaults
+            third = comm.get_comm_model(calibrate_on_miss=False)
+        try:  # the guard is live: a calibration does reach the replaced function
+            comm.calibrate(sizes=[4096], repeats=1)
+            guarded = False
+        except AssertionError:
+            guarded = True
     finally:
-        comm.measure_collective = measure
-    return {"key": key, "first": first, "second": second, "third": third,
+        comm.measure_collectives = measure
+    return {"key": key, "first": first, "second": second, "third": third, "guarded": guarded,
             "second_source": second.source, "no_cache": no_cache,
             "files": sorted(os.listdir(dirs[rank]))}
 
@@ -103,8 +112,8 @@ def test_calibration_fits_agrees_and_predicts(rank_results):
         assert alpha >= 0 and beta >= 0
         assert alpha > 0 or beta > 0
     assert r0["model"]["source"] == "calibrated" and r0["model"]["world_size"] == 2
-    # the measured overlap fraction is agreed (MIN) across ranks too
-    assert r0["model"]["overlap"] == r1["model"]["overlap"]
+    # the measured hidden fraction is agreed (MIN) across ranks too
+    assert r0["model"]["hidden_fraction"] == r1["model"]["hidden_fraction"]
     # the copy cost (MAX across ranks) is measured; buckets stay within the sizes timed
     assert r0["model"]["copy_s_per_byte"] == r1["model"]["copy_s_per_byte"] > 0
     assert r0["model"]["max_bytes"] == max(comm.DEFAULT_CPU_SIZES)
@@ -124,9 +133,11 @@ def test_cache_roundtrip_and_broadcast(rank_results):
     assert r0["no_cache"].source == "default:gloo_cpu_loopback"
     # only rank 0 wrote, one file, no leftover tmp file
     assert r0["files"] == [comm.cache_path(r0["key"]).name] and r1["files"] == []
-    # the second call timed nothing (measure_collective raised if called) and rank 1,
-    # whose cache folder is empty, got rank 0's figures
+    # the second call timed nothing (measure_collectives raised if called; "guarded":
+    # calibrate() does call it) and rank 1, whose cache folder is empty, got rank 0's
+    # figures
     for r in (r0, r1):
+        assert r["guarded"]
         assert r["second"] == r0["first"] and r["third"] == r0["first"]
         assert r["second_source"] == "cache"
     stored = json.loads((root / "rank0" / r0["files"][0]).read_text())
@@ -273,3 +284,26 @@ def test_tensor_bytes_tuple_and_inplace():
     assert memory.tensor_bytes(nodes["max_1"]) == 4 * 4 + 4 * 8
     peak, live = memory.peak_memory_estimate(gm)
     assert peak == 4 * 8 * 4 + 4 * 4 + 4 * 8  # x + the (values, indices) tuple
+
+
+# ------------------------------------------------------------------------ hardware table
+
+
+def test_gpu_table_and_collective_names():
+    # the more specific names win: an H20 is not an H100 (148 vs 989 TFLOP/s bf16), an
+    # H200 is not an H20, the H100 PCIe card is slower than the SXM one
+    assert gpu_peak_flops("NVIDIA H20") == 148e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("Tesla T4") is None
+    assert gpu_spec("NVIDIA H20").mem_bandwidth_Bps == 4.0e12
+    # one normalization for graph, c10d and profiler names
+    for name, kind in [("all_gather_into_tensor", "all_gather"),
+                       ("c10d::_allgather_base_", "all_gather"),
+                       ("_c10d_functional::reduce_scatter_tensor", "reduce_scatter"),
+                       ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+                       ("allreduce_coalesced", "all_reduce"), ("all_reduce", "all_reduce"),
+                       ("_c10d_functional::wait_tensor", None), ("aten::mm", None)]:
+        assert collective_kind(name) == kind, name

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import fake_store
 from ..train.config_reader import ConfigError
 from .config import BenchConfig
 
@@ -76,12 +77,12 @@ def run_torchrun(cfg: BenchConfig) -> Path | None:
 def run_fake(cfg: BenchConfig) -> Path | None:
     """One process in a fake process group of ``cfg.bench.world_size`` ranks."""
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        store = fake_store()
     except ImportError as e:
         raise ConfigError(f"--fake-pg is unavailable on this torch: {e}") from e
     if cfg.job.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.bench.world_size)
+    dist.init_process_group("fake", store=store, rank=0, world_size=cfg.bench.world_size)
     try:
         return main_for_rank(cfg, 0, cfg.bench.world_size, 1, "fake")
     finally:
@@ -99,7 +100,9 @@ def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a local rendezvous (the benchmark's
+    spawned ranks, the tests' rank runner)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -114,7 +117,7 @@ def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
             f"for real timings, or --fake-pg for compile/memory figures at world size "
             f"{cfg.bench.world_size}")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(cfg, r, port), name=f"bench-rank{r}")
              for r in range(cfg.bench.world_size)]
     for p in procs:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import simplefsdp as sf
 
+from .._torch_compat import disable_compile_caches, dynamo_counters, raise_recompile_limits
 from ..models.llama import Transformer, num_params
 from ..train.data import TextDataset
 from . import measure
@@ -96,21 +97,10 @@ def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
     threads = cfg.bench.threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     torch.set_num_threads(threads)
     if not cfg.bench.compile_cache:  # a cold compile every run: comparable compile times
-        from torch._functorch import config as functorch_config
-        from torch._inductor import config as inductor_config
-
-        for module, name in ((inductor_config, "fx_graph_cache"),
-                             (inductor_config, "fx_graph_remote_cache"),
-                             (functorch_config, "enable_autograd_cache")):
-            if hasattr(module, name):
-                setattr(module, name, False)
-    dynamo = torch._dynamo.config
+        disable_compile_caches()
     # One compiled code object (Transformer.forward, TransformerBlock.forward) per variant
     # and block: stay far from the recompile limit.
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(dynamo, name):
-            setattr(dynamo, name, max(getattr(dynamo, name), 256))
+    raise_recompile_limits(256)
 
 
 def _batches(cfg: BenchConfig, rank: int, world: int, device: torch.device):
@@ -198,9 +188,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
 
 def _graphs_compiled() -> int:
     """Graphs Dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
+    return int(dynamo_counters()["stats"].get("unique_graphs", 0))
 
 
 def _agree_failed(control: Control, name: str, error: str | None,

@@ -52,8 +52,8 @@ class Decision:
     merged: bool
     reason: str
     comm_s: float  # T_(m+mi): the bucket's communication if the step joined it
-    overlap_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
-    compute_s: float  # T_c: the window the bucket is prefetched behind (x comm.overlap)
+    scatter_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
+    compute_s: float  # T_c: the window the bucket is prefetched behind (x comm.hidden_fraction)
     memory_bytes: int  # M_c + M_ci
     memory_limit_bytes: float | None
     exposed_if_merged_s: float
@@ -62,7 +62,7 @@ class Decision:
     def __str__(self) -> str:
         limit = "none" if self.memory_limit_bytes is None else f"{self.memory_limit_bytes:.3g}"
         return (f"{'merge' if self.merged else 'close'} before {self.name}: {self.reason} "
-                f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.overlap_s * 1e3:.3f} ms vs "
+                f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.scatter_s * 1e3:.3f} ms vs "
                 f"window {self.compute_s * 1e3:.3f} ms; memory {self.memory_bytes} B, "
                 f"limit {limit}; exposed merged/split {self.exposed_if_merged_s * 1e3:.3f}/"
                 f"{self.exposed_if_split_s * 1e3:.3f} ms)")
@@ -86,7 +86,7 @@ def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
 
 def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
                    memory_limit_bytes: float | None = None, kind: str = "all_gather",
-                   overlap_kind: str = "reduce_scatter"
+                   scatter_kind: str = "reduce_scatter"
                    ) -> tuple[list[list[int]], list[Decision]]:
     """Algorithm 1 over ``steps``: buckets as lists of step indices, and one decision per
     step after the first.
@@ -96,7 +96,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
     backward, the reduce-scatter of the bucket before that is also in flight. A step joins
     when the memory fits and merging exposes no more communication than a split would
     (which includes every case where the merged bucket still fits in its window). A
-    window hides only ``comm.overlap`` of its computation's time: where collectives and
+    window hides only ``comm.hidden_fraction`` of its computation's time: where collectives and
     compute share cores (gloo on CPU) prefetching hides little, and fewer, larger buckets
     win. Pure and deterministic: same inputs, same buckets.
     """
@@ -113,7 +113,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
         return sum(getattr(steps[j], field) for j in idx)
 
     def hides(idx: list[int]) -> float:  # what the computation of ``idx`` can hide
-        return comm.overlap * total(idx, "compute_s")
+        return comm.hidden_fraction * total(idx, "compute_s")
 
     for i in range(1, len(steps)):
         step = steps[i]
@@ -141,8 +141,8 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
             current.append(i)
             continue
         buckets.append(current)
-        rs_before, rs_window = rs_window, _comm(comm, overlap_kind,
-                                                int(total(current, "overlap_bytes")))
+        rs_before, rs_window = rs_window, _comm(comm, scatter_kind,
+                                                int(total(current, "scatter_bytes")))
         window = hides(current)
         current = [i]
     buckets.append(current)
@@ -151,9 +151,9 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
 
 def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
                      comm: cost.CommModel, kind: str = "all_gather",
-                     overlap_kind: str = "reduce_scatter") -> float:
+                     scatter_kind: str = "reduce_scatter") -> float:
     """Seconds of communication left exposed by ``buckets`` in the simulated step."""
-    return simulate(steps, buckets, comm, kind, overlap_kind).exposed_s
+    return simulate(steps, buckets, comm, kind, scatter_kind).exposed_s
 
 
 # ---------------------------------------------------------------------------- FX side
@@ -195,7 +195,7 @@ def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
     return max(0, max(live[j] for j in segment) - live[start])
 
 
-def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective],
+def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective],
                   node_seconds: list[float], owner: dict[fx.Node, int],
                   reverse: bool = False) -> list[Step]:
     """Steps for the greedy from a graph's collectives (before any bucketing).
@@ -204,7 +204,7 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     when there is no re-gather). A step's computation is what runs between its wait and
     the next step's wait (forward), or between the previous reduce-scatter and its own
     (``reverse``: reduce-scatters hide behind the computation that follows them, so the
-    greedy walks them backwards). ``overlap``: reduce-scatters mirrored onto the
+    greedy walks them backwards). ``mirrored``: reduce-scatters mirrored onto the
     all-gather of the same module (or, failing that, the step whose segment holds them):
     ``owner`` from :func:`owner_steps`. Memory: the gathered (or reduced) bytes plus the
     segment's peak growth in live bytes (``memory_bytes``), and the segment's peak live
@@ -221,19 +221,19 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     else:
         segments = _segments(nodes, [c.wait for c in primary])
         starts = [index[c.wait] for c in primary]
-    overlap_bytes = [0] * len(primary)
-    for c in overlap:
-        overlap_bytes[owner[c.start]] += c.nbytes
+    scatter_bytes = [0] * len(primary)
+    for c in mirrored:
+        scatter_bytes[owner[c.start]] += c.nbytes
     steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
                   c.nbytes + _segment_memory(live, seg, s), ob,
                   max(0, max((live[j] for j in seg), default=live[s]) - c.nbytes))
-             for c, seg, s, ob in zip(primary, segments, starts, overlap_bytes, strict=True)]
+             for c, seg, s, ob in zip(primary, segments, starts, scatter_bytes, strict=True)]
     return steps[::-1] if reverse else steps
 
 
-def owner_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective]
+def owner_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective]
                 ) -> dict[fx.Node, int]:
-    """For each ``overlap`` collective, the index of the ``primary`` step it follows: the
+    """For each ``mirrored`` collective, the index of the ``primary`` step it follows: the
     first step of the same module, else the last step whose wait precedes it."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     by_module: dict[str, int] = {}
@@ -241,7 +241,7 @@ def owner_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collec
         by_module.setdefault(c.module, k)
     waits = [index[c.wait] for c in primary]
     owner = {}
-    for c in overlap:
+    for c in mirrored:
         if c.module in by_module:
             owner[c.start] = by_module[c.module]
         else:
@@ -293,19 +293,19 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     gathers = [c for c in collectives if c.kind == "all_gather"]
     scatters = [c for c in collectives if c.kind == "reduce_scatter"]
     if gathers:
-        primary, overlap, kind, reverse = gathers, scatters, "all_gather", False
+        primary, mirrored, kind, reverse = gathers, scatters, "all_gather", False
     else:
-        primary, overlap, kind, reverse = scatters, [], "reduce_scatter", True
+        primary, mirrored, kind, reverse = scatters, [], "reduce_scatter", True
     if not primary:
         return Plan({}, [], [], [], {}, method, kind, memory_limit_bytes)
-    owner = owner_steps(graph, primary, overlap)
+    owner = owner_steps(graph, primary, mirrored)
     profile_s = [0.0]
 
     def measure_and_decide() -> dict[str, Any]:
         started = time.perf_counter()
         seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
         profile_s[0] = time.perf_counter() - started
-        steps = profile_steps(graph, primary, overlap, seconds, owner, reverse)
+        steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse)
         return decide(steps, comm, memory_limit_bytes, method, kind)
 
     if cached is not None:
@@ -329,7 +329,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
         for j in members:
             assignment[in_graph_order[j].start] = name
             names[j] = name
-    for c in overlap:
+    for c in mirrored:
         assignment[c.start] = names[owner[c.start]]
     return Plan(assignment, steps, buckets, [Decision(**d) for d in decided["decisions"]],
                 {k: Estimate(**e) for k, e in decided["estimates"].items()},

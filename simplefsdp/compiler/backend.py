@@ -31,9 +31,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
+from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
 from ..agreement import StoreAgreement
+from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap, plan_cache
-from .bucketing import bucket_collectives, single
+from .bucketing import bucket_collectives, bucket_of_one
 from .collectives import find_collectives, is_backward, stable_topological_sort
 from .reordering import reorder
 
@@ -54,7 +56,8 @@ class GraphReport:
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
-    overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
+    # "kind bucket": computation nodes that run while the bucket's collective is in flight
+    nodes_in_flight: dict[str, int] = field(default_factory=dict)
     pass_seconds: float = 0.0
     # bucketing="auto"/"greedy" only: the greedy's decision per candidate collective
     # after the first (its inputs: estimated comm, compute window, memory, the outcome),
@@ -86,7 +89,23 @@ class GraphReport:
 
 
 class SimpleFSDPBackend:
-    """Callable ``torch.compile`` backend; ``reports`` holds one entry per compiled graph."""
+    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
+    bucketing and reordering passes on the forward and backward graphs; ``reports``
+    holds one :class:`GraphReport` per compiled graph. Public as ``compile_backend``.
+
+    ``backend``: "inductor" or "aot_eager". ``bucketing``: "none", "manual" (one bucket
+    per entry of ``module_plan``; None: derived from the graph), "auto": the buckets of
+    least simulated step time whose predicted step peak (sharded state + activations +
+    prefetched buckets) stays under ``memory_limit_gb`` (decimal GB; None: no limit), or
+    "greedy": the paper's Algorithm 1 instead (both are reported). The comm model is
+    ``comm_model`` or, when None, one calibrated on the default process group when the
+    backend is built (cached on disk, see ``cost.get_comm_model``; collective: build the
+    backend on every rank; a fake group is never timed: the fabric table). Decisions are
+    taken by the first rank of ``group`` (every rank that compiles the same model; None:
+    all ranks; under pipeline parallelism, the ranks of one stage) and cached on disk
+    (``plan_cache``) so that a rerun decides nothing and compiles warm. ``reordering``:
+    prefetch all-gathers and defer reduce-scatter waits.
+    """
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
@@ -128,7 +147,6 @@ class SimpleFSDPBackend:
         cached = self._look_up_plans(gm, example_inputs)
         if self.backend == "aot_eager":
             from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-            from torch._dynamo.backends.common import aot_autograd
 
             def compile_graph(graph_module, _inputs):
                 self.run_passes(graph_module.graph, cached)
@@ -138,9 +156,7 @@ class SimpleFSDPBackend:
             return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
                                 partition_fn=min_cut_rematerialization_partition)(
                 gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {"post_grad_custom_post_pass": _InductorPass(self, cached)}
+        patches = {"post_grad_custom_post_pass": _inductor_pass(self, cached)}
         if self.bucketing in PLANNED and cached[1] is None:
             patches["fx_graph_cache"] = False  # the pass talks: every rank must run it
         return compile_fx(gm, example_inputs, config_patches=patches)
@@ -151,7 +167,7 @@ class SimpleFSDPBackend:
         when every rank has them (one store round), else None: the pass decides live."""
         if self.bucketing not in PLANNED or not self.plan_cache:
             return None, None
-        comm = self.comm_model_for()
+        comm = self.resolved_comm_model()
         key = plan_cache.dynamo_key(gm, example_inputs, self.bucketing, self.reordering,
                                     self.memory_limit_bytes,
                                     {k: v for k, v in comm.to_dict().items() if k != "source"},
@@ -183,7 +199,7 @@ class SimpleFSDPBackend:
         elif self.bucketing in PLANNED:
             plan = self._plan(graph, collectives, *cached)
             report.decisions = plan.decisions
-            report.comm_model = self.comm_model_for().to_dict()
+            report.comm_model = self.resolved_comm_model().to_dict()
             report.estimates = plan.estimates
             report.estimated_exposed_s = plan.estimated_exposed_s
             chosen = plan.estimates.get(plan.method)
@@ -200,13 +216,13 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, plan.assignment)
             stable_topological_sort(graph)
         else:
-            buckets = [single(c, i) for i, c in enumerate(collectives)]
+            buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
         if self.reordering:
             report.moves = reorder(graph, buckets, backward)
         graph.lint()
         report.buckets = [b.summary() for b in buckets]
         report.schedule = _schedule(graph, buckets)
-        report.overlap = _overlap(graph, buckets)
+        report.nodes_in_flight = _nodes_in_flight(graph, buckets)
         report.collectives_after = _count(find_collectives(graph))
         report.pass_seconds = time.perf_counter() - started
         self.reports.append(report)
@@ -218,7 +234,7 @@ class SimpleFSDPBackend:
         """Decide (or read from the plan cache) the buckets of one graph; store new
         decisions. With cached plans but none for this graph (Inductor's graph differs
         from the cached run's), the roofline decides: deterministic, no exchange."""
-        comm = self.comm_model_for()
+        comm = self.resolved_comm_model()
         gkey = plan_cache.graph_key(graph)
         cached = plans.get(gkey) if plans is not None else None
         warm = plans is not None
@@ -230,39 +246,17 @@ class SimpleFSDPBackend:
             plan_cache.store(plans_key, _rank(), gkey, plan.decided)
         return plan
 
-    def comm_model_for(self) -> cost.CommModel:
+    def resolved_comm_model(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
         disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
         if self.comm_model is None:
-            self.comm_model = cost.get_comm_model(calibrate=False)
+            self.comm_model = cost.get_comm_model(calibrate_on_miss=False)
         return self.comm_model
 
-    def buckets_of(self, graph: str) -> list[dict]:
-        """Bucket summaries of the latest report for "forward" or "backward"."""
-        return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
 
-
-def compile_backend(backend: str = "inductor", bucketing: str = "none",
-                    reordering: bool = True, module_plan: Sequence | None = None,
-                    memory_limit_gb: float | None = None,
-                    comm_model: cost.CommModel | None = None,
-                    group: dist.ProcessGroup | None = None,
-                    plan_cache: bool = True) -> SimpleFSDPBackend:
-    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
-    bucketing and reordering passes on the forward and backward graphs.
-
-    ``bucketing="auto"`` picks the buckets of least simulated step time whose predicted
-    step peak (sharded state + activations + prefetched buckets) stays under
-    ``memory_limit_gb`` (decimal GB; None: no limit); ``"greedy"`` applies the paper's
-    Algorithm 1 instead (both are reported). The comm model is ``comm_model`` or, when
-    None, one calibrated on the default process group when the backend is built (cached
-    on disk, see ``cost.get_comm_model``; collective: build the backend on every rank;
-    a fake group is never timed: the fabric table). Decisions are taken by the first
-    rank of ``group`` (every rank that compiles the same model; None: all ranks; under
-    pipeline parallelism, the ranks of one stage) and cached on disk (``plan_cache``)
-    so that a rerun decides nothing and compiles warm."""
-    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model, group, plan_cache)
+# The public name: a backend is built by calling it, and its keyword arguments are the
+# constructor's (one list of parameters, documented once, on the class).
+compile_backend = SimpleFSDPBackend
 
 
 def _calibrated_comm_model() -> cost.CommModel | None:
@@ -297,7 +291,7 @@ def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
     return [events[n] for n in graph.nodes if n in events]
 
 
-def _overlap(graph: fx.Graph, buckets) -> dict[str, int]:
+def _nodes_in_flight(graph: fx.Graph, buckets) -> dict[str, int]:
     """Per bucket, how many computation nodes run between its start and its wait."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     comm = {n for b in buckets for n in (b.start, b.wait)}
@@ -312,8 +306,6 @@ def _count(collectives) -> dict[str, int]:
 
 
 def _install_cpu_collectives() -> None:
-    from .gloo_collectives import install_gloo_collectives, uses_gloo
-
     if dist.is_initialized() and uses_gloo():
         install_gloo_collectives()
 
@@ -327,27 +319,35 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
-def _inductor_pass_base():
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _inductor_pass(owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):
+    """Our passes as Inductor's ``post_grad_custom_post_pass`` for ``owner``; ``cached``:
+    the plan-cache key and decisions of the Dynamo graph being compiled."""
+    return _inductor_pass_class()(owner, cached)
 
-    return CustomGraphPass
 
+@functools.cache
+def _inductor_pass_class() -> type:
+    """Defined on first use: its base class lives in Inductor, which ``import
+    simplefsdp`` should not load (about 2 s)."""
 
-class _InductorPass(_inductor_pass_base()):
-    """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
+    class InductorPass(custom_graph_pass_base()):
+        """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
 
-    def __init__(self, owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):
-        self.owner, self.cached = owner, cached
+        def __init__(self, owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):
+            self.owner, self.cached = owner, cached
 
-    def __call__(self, graph: fx.Graph) -> None:
-        self.owner.run_passes(graph, self.cached)
+        def __call__(self, graph: fx.Graph) -> None:
+            self.owner.run_passes(graph, self.cached)
 
-    def uuid(self) -> str | None:
-        o, found = self.owner, self.cached[1]
-        if o.bucketing in PLANNED and found is None:
-            return None  # not cacheable: the pass measures and talks to the other ranks
-        plans = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() \
-            if found else ""
-        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}|{plans}"
-        return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+        def uuid(self) -> str | None:
+            o, found = self.owner, self.cached[1]
+            if o.bucketing in PLANNED and found is None:
+                return None  # not cacheable: the pass measures and talks to the other ranks
+            plans = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() \
+                if found else ""
+            settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+                        f"|{plans}")
+            return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+
+    return InductorPass
 

@@ -64,7 +64,7 @@ def candidate_groups(steps: Sequence[Step], max_groups: int = DEFAULT_MAX_GROUPS
 
 def optimal_buckets(steps: Sequence[Step], comm: CommModel,
                     memory_limit_bytes: float | None = None, kind: str = "all_gather",
-                    overlap_kind: str = "reduce_scatter",
+                    scatter_kind: str = "reduce_scatter",
                     tolerance: float = DEFAULT_TOLERANCE,
                     max_groups: int = DEFAULT_MAX_GROUPS) -> list[list[int]]:
     """The plan of least simulated step time whose predicted peak stays under
@@ -80,7 +80,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
     n = len(groups)
     limit = math.inf if memory_limit_bytes is None else memory_limit_bytes
     cap = math.inf if comm.max_bytes is None else comm.max_bytes
-    f = comm.overlap
+    f = comm.hidden_fraction
 
     # Prefix sums over groups: a bucket is groups[i:j].
     def prefix(values: list[float]) -> list[float]:
@@ -91,7 +91,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
 
     comp = prefix([sum(steps[s].compute_s for s in g) for g in groups])
     size = prefix([sum(steps[s].nbytes for s in g) for g in groups])
-    rs_size = prefix([sum(steps[s].overlap_bytes for s in g) for g in groups])
+    rs_size = prefix([sum(steps[s].scatter_bytes for s in g) for g in groups])
     count = prefix([len(g) for g in groups])
     base_of = [max(steps[s].base_bytes for s in g) for g in groups]
 
@@ -104,13 +104,13 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
             nb, rb, c = int(size[j] - size[i]), int(rs_size[j] - rs_size[i]), \
                 int(count[j] - count[i])
             got = (comp[j] - comp[i], comm_seconds(comm, kind, nb),
-                   comm_seconds(comm, overlap_kind, rb), nb, rb, c, max(base_of[i:j]),
+                   comm_seconds(comm, scatter_kind, rb), nb, rb, c, max(base_of[i:j]),
                    copy_seconds(comm, kind, c, nb, rb))
             cache[(i, j)] = got
         return got
 
     reference = simulate(steps, [[s] for s in range(len(steps))], comm, kind,
-                         overlap_kind).step_s
+                         scatter_kind).step_s
     penalty = tolerance * reference / max(len(steps), 1)
     empty = (0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0)
 

@@ -7,10 +7,10 @@ bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their comp
 * ``A_k`` is issued when the compute of ``b_{k-1}`` starts and runs during it, together
   with ``R_{k-2}`` (issued when ``b_{k-2}``'s compute ended). ``A_0`` hides behind nothing.
 * Where communication ``D`` runs during compute ``C`` the pair takes
-  ``C + D - f * min(C, D)``, ``f = CommModel.overlap``: the measured fraction of the
-  overlapped time that is really hidden (``cost.comm.measure_overlap`` defines it the same
-  way): ~1 with a communication engine of its own (NCCL), ~0 where collectives and
-  compute share the cores (gloo on a small CPU host).
+  ``C + D - f * min(C, D)``, ``f = CommModel.hidden_fraction``: the measured fraction
+  of the overlapped time that is really hidden (``cost.comm.measure_hidden_fraction``
+  defines it the same way): ~1 with a communication engine of its own (NCCL), ~0 where
+  collectives and compute share the cores (gloo on a small CPU host).
 * After the last compute, the last reduce-scatter is fully exposed.
 * A bucket of several collectives pays its copy-in and copy-out (``CommModel.copy``
   seconds per byte) on the compute stream.
@@ -42,7 +42,7 @@ class Step:
     collective hides behind once this step's bucket computes).
     ``memory_bytes``: the gathered bytes plus the segment's growth in live bytes (the
     paper's M_ci, what the greedy's memory rule reads).
-    ``overlap_bytes``: bytes of the reduce-scatters that mirror this step (backward).
+    ``scatter_bytes``: bytes of the reduce-scatters that mirror this step (backward).
     ``base_bytes``: bytes live while its computation runs, other than gathered
     parameters: sharded state, activations, gradients (the step-peak model).
     """
@@ -51,7 +51,7 @@ class Step:
     nbytes: int
     compute_s: float
     memory_bytes: int
-    overlap_bytes: int = 0
+    scatter_bytes: int = 0
     base_bytes: int = 0
 
 
@@ -77,47 +77,47 @@ def comm_seconds(comm: CommModel, kind: str, nbytes: float) -> float:
     return comm.predict(kind, nbytes) if nbytes > 0 else 0.0
 
 
-def window(compute_s: float, comm_s: float, overlap: float) -> float:
+def window(compute_s: float, comm_s: float, hidden_fraction: float) -> float:
     """Time of ``compute_s`` with ``comm_s`` running during it (see module doc)."""
-    return compute_s + comm_s - overlap * min(compute_s, comm_s)
+    return compute_s + comm_s - hidden_fraction * min(compute_s, comm_s)
 
 
-def copy_bytes(kind: str, nbytes: int, overlap_bytes: int, world_size: int) -> int:
+def copy_bytes(kind: str, nbytes: int, scatter_bytes: int, world_size: int) -> int:
     """Bytes a merged bucket copies: an all-gather bucket concatenates the shards
     (``nbytes / world``) and copies every parameter out of the gathered buffer
     (``nbytes``); a reduce-scatter bucket concatenates the full gradients (its outputs
-    are views). ``overlap_bytes`` are reduce-scatters merged alongside."""
+    are views). ``scatter_bytes`` are reduce-scatters merged alongside."""
     main = nbytes // max(world_size, 1) + nbytes if kind == "all_gather" else nbytes
-    return main + overlap_bytes
+    return main + scatter_bytes
 
 
 def copy_seconds(comm: CommModel, kind: str, count: int, nbytes: int,
-                 overlap_bytes: int) -> float:
+                 scatter_bytes: int) -> float:
     """Copy-in/copy-out time of a bucket of ``count`` steps (none for a single one)."""
     if count <= 1:
         return 0.0
-    return comm.copy_s_per_byte * copy_bytes(kind, nbytes, overlap_bytes, comm.world_size)
+    return comm.copy_s_per_byte * copy_bytes(kind, nbytes, scatter_bytes, comm.world_size)
 
 
 def bucket_peak(base: int, count: int, nbytes: int, next_nbytes: int,
-                prev_count: int, prev_overlap_bytes: int) -> int:
+                prev_count: int, prev_scatter_bytes: int) -> int:
     """Live bytes while one bucket computes (see module doc)."""
     flat = nbytes if count > 1 else 0
-    rs_buffer = prev_overlap_bytes if prev_count > 1 else 0
+    rs_buffer = prev_scatter_bytes if prev_count > 1 else 0
     return base + nbytes + next_nbytes + flat + rs_buffer
 
 
 def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: CommModel,
-             kind: str = "all_gather", overlap_kind: str = "reduce_scatter") -> Estimate:
+             kind: str = "all_gather", scatter_kind: str = "reduce_scatter") -> Estimate:
     """The simulated step of ``buckets`` (lists of step indices, contiguous, in order)."""
     if not buckets:
         return Estimate(0.0, 0.0, 0.0, 0.0, 0, 0)
-    f = comm.overlap
+    f = comm.hidden_fraction
     comp = [sum(steps[j].compute_s for j in b) for b in buckets]
     size = [sum(steps[j].nbytes for j in b) for b in buckets]
-    rs_size = [sum(steps[j].overlap_bytes for j in b) for b in buckets]
+    rs_size = [sum(steps[j].scatter_bytes for j in b) for b in buckets]
     main = [comm_seconds(comm, kind, n) for n in size]
-    rs = [comm_seconds(comm, overlap_kind, n) for n in rs_size]
+    rs = [comm_seconds(comm, scatter_kind, n) for n in rs_size]
     copies = sum(copy_seconds(comm, kind, len(b), size[k], rs_size[k])
                  for k, b in enumerate(buckets))
     total = 0.0

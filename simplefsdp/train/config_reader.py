@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import tomllib
 import types
 from collections.abc import Iterator, Mapping
@@ -88,13 +89,20 @@ def _check(value: Any, tp: Any, key: str) -> Any:
         ok = isinstance(value, str) and value in get_args(tp)
     elif tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        value = _finite(float(value), key) if ok else value
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:
         ok = isinstance(value, tp)
     if not ok:
         raise ConfigError(f"{key} = {value!r} is invalid: expected {_type_name(tp)}")
+    return value
+
+
+def _finite(value: float, key: str) -> float:
+    """Reject NaN and infinities (``1e400`` in TOML reads as inf): they would train to NaN."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} is invalid: expected a finite number")
     return value
 
 
@@ -117,9 +125,11 @@ def _parse(text: str | None, tp: Any, key: str) -> Any:
                 for item in text.split(",") if item.strip()]
     elif tp is int or tp is float:
         try:
-            return tp(text)
+            value = tp(text)
         except ValueError:
             pass
+        else:
+            return _finite(value, key) if tp is float else value
     else:  # str or Literal
         return _check(text, tp, key)
     raise ConfigError(f"{key} = {text!r} is invalid: expected {_type_name(tp)}")

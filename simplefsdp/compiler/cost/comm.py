@@ -23,37 +23,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import disable_current_modes
+from ..._torch_compat import c10d_functional, disable_current_modes
 from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device, is_fake_group
+from ...hardware import KNOWN_FABRICS
+from ..collectives import COLLECTIVE_KINDS, collective_kind
 from .compute import time_callable
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
            "get_comm_model"]
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-# Names under which the kinds appear in FX graphs (functional collectives) or in c10d.
-_KIND_ALIASES = {
-    "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "allgather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "reducescatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "allreduce": "all_reduce",
-}
-
 
 def _normalize_kind(kind: str) -> str:
-    try:
-        return _KIND_ALIASES[kind.lower().rstrip("_")]
-    except KeyError:
+    normal = collective_kind(kind)
+    if normal is None:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of "
-                         f"{COLLECTIVE_KINDS}") from None
+                         f"{COLLECTIVE_KINDS}")
+    return normal
 
 
 
@@ -63,7 +48,7 @@ class CommModel:
 
     For ``all_gather`` and ``reduce_scatter`` ``n`` is the full (unsharded) tensor size in
     bytes, i.e. the all-gather's output or the reduce-scatter's input; for ``all_reduce``
-    it is the size of the reduced tensor. ``overlap`` is the fraction of concurrent
+    it is the size of the reduced tensor. ``hidden_fraction`` is the fraction of concurrent
     computation that actually hides a collective: ~1 where communication has its own
     engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
     a small CPU host); ``calibrate`` measures it. ``copy_s_per_byte``: a bucket's
@@ -78,7 +63,7 @@ class CommModel:
     all_gather: tuple[float, float]
     reduce_scatter: tuple[float, float]
     all_reduce: tuple[float, float]
-    overlap: float = 1.0
+    hidden_fraction: float = 1.0
     copy_s_per_byte: float = 0.0
     max_bytes: float | None = None
     world_size: int = dataclasses.field(default=1, compare=False)
@@ -96,60 +81,16 @@ class CommModel:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
-            "overlap": self.overlap, "copy_s_per_byte": self.copy_s_per_byte,
-            "max_bytes": self.max_bytes,
-            "world_size": self.world_size, "source": self.source}
+            "hidden_fraction": self.hidden_fraction, "copy_s_per_byte": self.copy_s_per_byte,
+            "max_bytes": self.max_bytes, "world_size": self.world_size, "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
         pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
-        return cls(**pairs, overlap=float(d.get("overlap", 1.0)),
+        return cls(**pairs, hidden_fraction=float(d.get("hidden_fraction", 1.0)),
                    copy_s_per_byte=float(d.get("copy_s_per_byte", 0.0)),
                    max_bytes=None if d.get("max_bytes") is None else float(d["max_bytes"]),
                    world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """A link type: per-collective start-up latency, achievable ring bus bandwidth, the
-    fraction of concurrent compute that hides communication (``CommModel.overlap``), and
-    the device's copy bandwidth (bytes copied per second: a bucket's copy-in/out)."""
-
-    alpha_s: float
-    bus_bandwidth_Bps: float
-    note: str
-    overlap: float = 1.0
-    copy_Bps: float = 1e12
-    max_bytes: float | None = None  # largest collective the figures hold for
-
-
-# Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
-# moves (n-1)/n of the full tensor through every rank's link, a ring all-reduce twice
-# that (reduce-scatter + all-gather), so beta = factor / bus_bandwidth and the bus
-# bandwidth is the figure nccl-tests reports as "busbw".
-KNOWN_FABRICS: dict[str, Fabric] = {
-    # H100 SXM, NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA
-    # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
-    # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
-    # Copy: HBM3 3.35 TB/s moves a byte in and out, ~1.3e12 copied bytes/s achieved.
-    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)", copy_Bps=1.3e12),
-    # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
-    # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
-    # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
-    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node",
-                             copy_Bps=1.3e12),
-    # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
-    # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
-    # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
-    # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
-    # their load vary a lot; calibrate instead.
-    # Overlap: gloo's threads compete with the compute for the same cores; on 2 ranks
-    # sharing 2 cores `measure_overlap` found 0.0-0.33 (64 KiB-4 MiB all-gathers).
-    # Copy: `measure_copy` (torch.cat, one thread) found 18-36 GB/s for 1-16 MiB on an
-    # idle core of this host; 10 GB/s allows for the load.
-    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
-                                overlap=0.0, copy_Bps=10e9, max_bytes=16 * 2 ** 20),
-}
 
 
 def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> CommModel:
@@ -163,7 +104,7 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         all_gather=(spec.alpha_s, ring / bw),
         reduce_scatter=(spec.alpha_s, ring / bw),
         all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
-        overlap=spec.overlap,
+        hidden_fraction=spec.hidden_fraction,
         copy_s_per_byte=1.0 / spec.copy_Bps,
         max_bytes=spec.max_bytes,
         world_size=n,
@@ -235,7 +176,7 @@ def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: tor
     name = group.group_name
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = max(nbytes // itemsize // ws, 1) * ws  # full numel, divisible by world size
-    c10d = torch.ops._c10d_functional
+    c10d = c10d_functional
     if kind == "all_gather":
         x = torch.ones(numel // ws, dtype=dtype, device=device)
         return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, name))
@@ -253,11 +194,11 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
     case; ``nbytes`` is the full, unsharded size for all-gather and reduce-scatter.
 
-    Times the functional collectives (``torch.ops._c10d_functional`` + ``wait_tensor``):
+    Times the functional collectives (``c10d_functional`` + ``wait_tensor``):
     that is what DTensor's redistribute runs in eager mode and what the compiled graphs
     hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
     Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
-    gloo all-gather of ``simplefsdp.compiler.gloo_collectives`` once installed).
+    gloo all-gather of ``simplefsdp.gloo_kernel`` once installed).
     Exactly one collective is in flight at a time (several concurrent functional
     all-gathers crash gloo). The cases are interleaved round-robin, ``warmup`` rounds
     then ``repeats`` timed rounds, so a burst of load from elsewhere on the host spreads
@@ -277,15 +218,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
     return [statistics.median(t) for t in samples]
 
 
-def measure_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None,
-                       device: torch.device | str | None = None,
-                       dtype: torch.dtype = torch.float32, repeats: int = 5,
-                       warmup: int = 2) -> float:
-    """``measure_collectives`` for a single ``(kind, nbytes)``."""
-    return measure_collectives([(kind, nbytes)], group, device, dtype, repeats, warmup)[0]
-
-
-def measure_overlap(group: dist.ProcessGroup | None = None,
+def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
                     repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """The fraction of an all-gather's time that computation running meanwhile hides, on
@@ -299,7 +232,7 @@ def measure_overlap(group: dist.ProcessGroup | None = None,
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
-    c10d = torch.ops._c10d_functional
+    c10d = c10d_functional
     with disable_current_modes():
         shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
                            dtype=dtype, device=dev)
@@ -359,9 +292,9 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
     so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
     defaults. ``sizes`` default to 4 KiB..16 MiB on CPU, 1 MiB..256 MiB on CUDA (the
-    largest becomes ``max_bytes``). The
-    overlap fraction is ``measure_overlap`` at the largest size, the MIN across ranks;
-    the copy cost ``measure_copy`` at the largest size, the MAX across ranks.
+    largest becomes ``max_bytes``). The hidden fraction is ``measure_hidden_fraction`` at
+    the largest size, the MIN across ranks; the copy cost ``measure_copy`` at the largest
+    size, the MAX across ranks.
     """
     group = _resolve_group(group)
     dev = group_device(group, device)
@@ -379,17 +312,14 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     for i, kind in enumerate(kinds):
         times = agreed[i * len(sizes):(i + 1) * len(sizes)]
         fitted[kind] = fit_alpha_beta(sizes, times)
-    fitted["overlap"] = agree_across_ranks(
-        [measure_overlap(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
+    fitted["hidden_fraction"] = agree_across_ranks(
+        [measure_hidden_fraction(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["copy_s_per_byte"] = agree_across_ranks(
         [measure_copy(dev, max(sizes), repeats, dtype)], group, op="max")[0]
     fitted["max_bytes"] = float(max(sizes))
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
     return CommModel(**fitted)
-
-
-_calibrate = calibrate  # `get_comm_model`'s flag of the same name shadows the function
 
 
 def cache_dir() -> Path:
@@ -401,8 +331,8 @@ def cache_dir() -> Path:
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
     """What a calibration depends on: world and node size, backend, device, torch version
-    (and the format: a cache written before ``overlap``, ``copy_s_per_byte`` or
-    ``max_bytes`` existed is not reused)."""
+    (and the format, raised whenever the stored fields change: a cache written before
+    ``hidden_fraction``, ``copy_s_per_byte`` or ``max_bytes`` existed is not reused)."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
@@ -417,7 +347,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
-        "format": 4,
+        "format": 5,
     }
 
 
@@ -455,15 +385,15 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
         pass  # a read-only home must not break training; the next run calibrates again
 
 
-def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = True,
+def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
                    cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
     """The communication model for ``group``: cached, freshly calibrated, or defaults.
 
     * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
       it found, so all ranks agree even when only some of them see the file.
-    * on a miss with ``calibrate=True``: every rank runs ``calibrate`` (collective) and
-      rank 0 stores the result (tmp file + rename) when ``cache=True``.
-    * ``calibrate=False``: nothing is timed; a cached calibration is still used when
+    * on a miss with ``calibrate_on_miss=True``: every rank runs :func:`calibrate`
+      (collective) and rank 0 stores the result (tmp file + rename) when ``cache=True``.
+    * ``calibrate_on_miss=False``: nothing is timed; a cached calibration is still used when
       ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
 
     Collective whenever the default process group exists: call it on every rank.
@@ -486,9 +416,9 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate: bool = Tru
         found = broadcast_from_rank0(found.to_dict() if found else None, group)
         if found is not None:
             return CommModel.from_dict(found)
-    if not calibrate:
+    if not calibrate_on_miss:
         return default_comm_model(ws, _pick_fabric(ws, dev))
-    model = _calibrate(group, **calibrate_kwargs)
+    model = calibrate(group, **calibrate_kwargs)
     if cache and is_rank0:
         _store_cached(key, model)
     return model

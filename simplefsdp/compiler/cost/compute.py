@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ..._torch_compat import disable_current_modes
-from .memory import METADATA_ONLY, Unmeasurable, op_name, size_hint, value_bytes
+from ..._torch_compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from ...hardware import gpu_spec
+from .memory import METADATA_ONLY, Unmeasurable, concrete_int, op_name, value_bytes
 
 __all__ = ["ComputeSpec", "default_compute_spec", "estimate_graph_compute",
            "estimate_node_time"]
@@ -39,19 +39,14 @@ class ComputeSpec:
 
 
 def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpec:
-    """Datasheet figures (dense, no sparsity) for known GPUs, a rough guess for CPUs."""
+    """Datasheet figures (``simplefsdp.hardware``; an unknown GPU counts as an A100) for
+    GPUs, a rough guess for CPUs."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(dev)
-        if "H100" in name or "H200" in name or "H20" in name:
-            # H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32 (no TF32);
-            # HBM3 3.35 TB/s (H200: HBM3e 4.8 TB/s, same compute).
-            bw = 4.8e12 if "H200" in name else 3.35e12
-            return ComputeSpec({torch.bfloat16: 989e12, torch.float16: 989e12,
-                                torch.float32: 67e12}, bw, name)
-        # A100 SXM datasheet: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s.
-        return ComputeSpec({torch.bfloat16: 312e12, torch.float16: 312e12,
-                            torch.float32: 19.5e12}, 2.0e12, name)
+        gpu = gpu_spec(name) or gpu_spec("A100")
+        return ComputeSpec({torch.bfloat16: gpu.bf16_flops, torch.float16: gpu.bf16_flops,
+                            torch.float32: gpu.fp32_flops}, gpu.mem_bandwidth_Bps, name)
     # CPU: ~2 AVX2 FMA units x 8 fp32 lanes x 2 flop x ~2.5 GHz = 80 GFLOP/s per core at
     # best; half of that is what MKL/oneDNN reach on small GEMMs. ~10 GB/s per core of
     # streaming bandwidth. Only the fallback uses these; measurements come first.
@@ -70,7 +65,7 @@ def _is_zero_cost(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return True
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
         return target is operator.getitem or getattr(target, "__module__", "") in (
             "_operator", "operator", "builtins", "math")
@@ -95,10 +90,10 @@ def _node_inputs(node: torch.fx.Node) -> tuple[tuple, dict]:
 
 def _describe(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("T", tuple(size_hint(s) for s in x.shape), tuple(size_hint(s) for s in x.stride()),
-                x.dtype, x.device.type)
+        return ("T", tuple(concrete_int(s) for s in x.shape),
+                tuple(concrete_int(s) for s in x.stride()), x.dtype, x.device.type)
     if isinstance(x, torch.SymInt):
-        return size_hint(x)
+        return concrete_int(x)
     if isinstance(x, (torch.SymFloat, torch.SymBool)):
         return repr(x)
     try:
@@ -117,9 +112,9 @@ def _materialize(x: Any, budget: list[int]) -> Any:
     """A real tensor with the fake tensor's shape/stride/dtype/device (random floats,
     zero integers, so index tensors are always in range); SymInts become ints."""
     if isinstance(x, torch.Tensor):
-        shape = [size_hint(s) for s in x.shape]
-        stride = [size_hint(s) for s in x.stride()]
-        offset = size_hint(x.storage_offset())
+        shape = [concrete_int(s) for s in x.shape]
+        stride = [concrete_int(s) for s in x.stride()]
+        offset = concrete_int(x.storage_offset())
         extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
                            if all(n > 0 for n in shape) else 0)
         budget[0] -= extent * x.element_size()
@@ -137,7 +132,7 @@ def _materialize(x: Any, budget: list[int]) -> Any:
             base = torch.zeros(extent, dtype=x.dtype, device=dev)
         return base.as_strided(shape, stride, offset)
     if isinstance(x, torch.SymInt):
-        return size_hint(x)
+        return concrete_int(x)
     if isinstance(x, torch.SymFloat):
         raise Unmeasurable("symbolic float argument")
     return x
@@ -196,7 +191,7 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
         args, kwargs = _node_inputs(node)
     except Unmeasurable:
         return 0.0 if node.meta.get("val") is None else _safe_roofline(node, (), {}, spec)
-    if not measure or not isinstance(node.target, torch._ops.OpOverload):
+    if not measure or not isinstance(node.target, OpOverload):
         return _safe_roofline(node, args, kwargs, spec)
     try:
         key = _cache_key(node.target, args, kwargs)

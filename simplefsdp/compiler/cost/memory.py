@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+
+from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
 
 __all__ = ["peak_memory_estimate", "tensor_bytes"]
 
+# Ops that return metadata or a view of their input without a kernel of their own.
 METADATA_ONLY = frozenset({
     "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
     "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -22,47 +24,35 @@ METADATA_ONLY = frozenset({
 })
 
 
-
 def op_name(target: Any) -> str:
-    schema = getattr(target, "_schema", None)
+    """``"aten::mm"`` for an op overload; "" for other callables."""
+    schema = op_schema(target)
     return schema.name if schema is not None else ""
 
 
-
 class Unmeasurable(Exception):
-    pass
+    """A node whose size or time cannot be known here (no metadata, unbacked sizes)."""
 
 
-def size_hint(x: Any) -> int:
+def concrete_int(x: Any) -> int:
     """A concrete int for a possibly symbolic size (no guards added where avoidable)."""
-    if isinstance(x, int):
-        return x
     if isinstance(x, torch.SymInt):
-        from torch.fx.experimental import symbolic_shapes as ss
-        for fn_name in ("optimization_hint", "hint_int", "size_hint"):
-            fn = getattr(ss, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                return int(fn(x))
-            except Exception:  # noqa: BLE001 - try the next spelling
-                continue
-        hint = getattr(x.node, "hint", None)
-        hint = getattr(x.node, "_hint", None) if hint is None else hint
-        if hint is not None:
-            return int(hint)
-        raise Unmeasurable(f"no hint for symbolic size {x}")
+        hint = symint_hint(x)
+        if hint is None:
+            raise Unmeasurable(f"no hint for symbolic size {x}")
+        return hint
     return int(x)
 
 
 def value_bytes(val: Any) -> int:
+    """Bytes of every tensor in ``val`` (a tensor or a nest of them): numel x itemsize."""
     leaves, _ = tree_flatten(val)
     total = 0
     for t in leaves:
         if isinstance(t, torch.Tensor):
             numel = 1
             for s in t.shape:
-                numel *= size_hint(s)
+                numel *= concrete_int(s)
             total += numel * t.element_size()
     return total
 
@@ -97,12 +87,12 @@ def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     if target is operator.getitem:
         base = node.args[0]
         return [base] if isinstance(base, torch.fx.Node) else None
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     if op_name(target).endswith("wait_tensor") or getattr(target, "is_view", False) \
             or op_name(target) in METADATA_ONLY:
         return _tensor_input_nodes(node)[:1] or None
-    schema = target._schema
+    schema = op_schema(target)
     if schema.returns and all(r.alias_info is not None for r in schema.returns):
         sets = {a for r in schema.returns for a in r.alias_info.before_set}
         bases = []
