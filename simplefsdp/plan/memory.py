@@ -40,7 +40,7 @@ class GraphMemory:
 
 def _tensor_bytes(val) -> int:
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return int(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(_tensor_bytes(v) for v in val)
     return 0
@@ -68,7 +68,7 @@ def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if isinstance(val, torch.Tensor) and (tuple(val.shape), val.dtype) in shards:
+            if isinstance(val, torch.Tensor) and (tuple(int(d) for d in val.shape), val.dtype) in shards:
                 found.add(node)
         elif node.op == "call_function":
             if node.target == REDUCE_SCATTER:
