@@ -19,6 +19,15 @@ from .predict import predict
 from .search import search
 
 
+def _progress(started: float):
+    def show(r) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] dp {r.dp_replicate}x{r.dp_shard} "
+              f"tp {r.tp} pp {r.pp} ac {r.ac} batch {r.batch_size}: "
+              f"{r.reserved_memory_gib:.1f} GiB, {r.tokens_per_s_per_gpu:.0f} tok/s/GPU",
+              file=sys.stderr, flush=True)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         failures: list[str] = []
         if args.search:
-            rows = search(cfg, args.gpus, args.gpu, args.gpus_per_node, failures=failures)
+            rows = search(cfg, args.gpus, args.gpu, args.gpus_per_node, failures=failures,
+                          progress=_progress(started))
         else:
             rows = [predict(cfg, args.gpus, args.gpu, args.gpus_per_node)]
     except (ConfigError, ValueError) as e:

@@ -2,8 +2,8 @@
 ``simplefsdp._torch_compat`` once that module exists)."""
 
 from torch._dynamo import reset as dynamo_reset
-from torch._functorch import config as functorch_config
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -68,7 +68,8 @@ def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if isinstance(val, torch.Tensor) and (tuple(int(d) for d in val.shape), val.dtype) in shards:
+            if isinstance(val, torch.Tensor) and (
+                    tuple(int(d) for d in val.shape), val.dtype) in shards:
                 found.add(node)
         elif node.op == "call_function":
             if node.target == REDUCE_SCATTER:
