@@ -111,3 +111,36 @@ def test_cli_bad_input_is_named():
     run = subprocess.run([sys.executable, "-m", "simplefsdp.plan", "--gpus", "8",
                           "--gpu", "h100"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "h100-sxm" in run.stderr
+
+
+def _rescaled_vs_traced(overrides):
+    from simplefsdp.plan.memory import graph_memory
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, overrides)
+    two = trace(trace_key(cfg, "full", 2, 4, 1, 2))
+    four = trace(trace_key(cfg, "full", 2, 4, 1, 4))
+    return vars(graph_memory(two, 4)), vars(graph_memory(four, 4))
+
+
+@pytest.mark.parametrize("compiled", ["false", "true"])
+def test_shard_rescaling_matches_a_trace_at_that_size(compiled):
+    import multiprocessing
+
+    overrides = ["--compile.enable", compiled, "--compile.bucketing", "manual",
+                 "--training.seq_len", "64", "--training.batch_size", "4"]
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        rescaled, traced = pool.apply(_rescaled_vs_traced, (overrides,))
+    assert rescaled == traced  # exact: shard sizes divide evenly here
+
+
+def test_layouts_cover_the_gpus():
+    from simplefsdp.plan.search import layouts
+
+    cfg = load_config(None, [])
+    seen = set()
+    for c in layouts(cfg, 16, 8):
+        p = c.parallel
+        assert p.dp_replicate * p.dp_shard * p.tp * p.pp == 16 and p.tp <= 8
+        seen.add((p.dp_replicate, p.dp_shard, p.tp, p.pp))
+    assert {(1, 16, 1, 1), (1, 2, 8, 1), (2, 8, 1, 1), (1, 1, 4, 4)} <= seen

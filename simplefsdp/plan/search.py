@@ -4,8 +4,9 @@ Layouts: ``tp`` (a power-of-two divisor of N, at most one node), ``pp`` (divides
 is left, at most the number of blocks), ``dp_replicate x dp_shard`` for the rest
 (``fully_shard`` when ``dp_replicate = 1``, ``hybrid_shard`` with shards of at least one
 node otherwise), each AC mode, and local batch sizes 1 and 2 (under PP: as many
-microbatches of one sequence as 1x and 2x the stages). Layouts whose model states alone
-exceed the GPU, or whose smaller batch already does not fit, are skipped untraced.
+microbatches of one sequence as 1x and 2x the stages). Skipped untraced: layouts whose
+model states alone exceed the GPU; a batch whose smaller batch did not fit with the
+same AC mode; AC modes recomputing more than one that already fits (never faster).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig
             for rep in _divisors(dp):
                 if rep > 1 and dp // rep < min(gpus_per_node, dp):
                     continue
-                for ac in AC_MODES:
-                    batches = [1, 2] if pp == 1 else [pp, 2 * pp]
-                    for batch in batches:
+                for batch in [1, 2] if pp == 1 else [pp, 2 * pp]:
+                    for ac in AC_MODES:
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.pp = tp, pp
                         c.parallel.dp_replicate, c.parallel.dp_shard = rep, dp // rep
@@ -56,10 +56,12 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     dev = device(gpu)
     results: list[Prediction] = []
     too_big: set[tuple] = set()  # (layout, ac): this batch did not fit, larger won't
+    fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
     for c in layouts(cfg, gpus, gpus_per_node):
         p = c.parallel
-        shape = (p.tp, p.pp, p.dp_replicate, p.dp_shard, c.activation_checkpoint.mode)
-        if shape in too_big:
+        layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard)
+        shape = layout + (c.activation_checkpoint.mode,)
+        if shape in too_big or layout + (c.training.batch_size,) in fitted:
             continue
         try:
             c.validate()
@@ -83,4 +85,6 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
             progress(r)
         if not r.fits:
             too_big.add(shape)
+        else:  # more recomputation only costs time: never faster, not worth tracing
+            fitted.add(layout + (c.training.batch_size,))
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
