@@ -144,3 +144,16 @@ def test_layouts_cover_the_gpus():
         assert p.dp_replicate * p.dp_shard * p.tp * p.pp == 16 and p.tp <= 8
         seen.add((p.dp_replicate, p.dp_shard, p.tp, p.pp))
     assert {(1, 16, 1, 1), (1, 2, 8, 1), (2, 8, 1, 1), (1, 1, 4, 4)} <= seen
+
+
+def test_bench_variants_map_to_trainer_jobs():
+    from simplefsdp.plan.bench import bench_job
+
+    model = load_config(None, []).model
+    eager = bench_job("simplefsdp-eager", model, 4, 64)
+    ordered = bench_job("simplefsdp-reordering", model, 4, 64)
+    assert not eager.compile.enable and eager.activation_checkpoint.mode == "none"
+    assert (ordered.compile.enable, ordered.compile.bucketing, ordered.compile.reordering) \
+        == (True, "manual", True)
+    assert (ordered.training.batch_size, ordered.training.seq_len) == (4, 64)
+    assert bench_job("fsdp2-eager", model, 4, 64) is None
