@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.model.name} on {args.gpus} x {args.gpu} ({dev.note}), "
           f"{args.gpus_per_node} per node; {time.perf_counter() - started:.1f} s")
     print(report.table(rows, args.top if args.search else None))
+    if cfg.compile.enable and cfg.compile.bucketing == "auto":
+        print("note: compile.bucketing = 'auto' is planned as 'manual' (one bucket per block)")
     for failure in failures:
         print(f"could not trace: {failure}")
     print("memory: 16 B/param model states (fp32 shard, grad, AdamW) + liveness of the "
