@@ -81,14 +81,20 @@ def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
     return found
 
 
+def roots(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the allocating nodes whose memory it is (itself if it allocates)."""
+    root: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        bases = _alias_of(n)
+        root[n] = [n] if bases is None else [r for b in bases for r in root.get(b, [b])]
+    return root
+
+
 def liveness(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
     """Live bytes at each node, in graph order. ``skip``: tensors not counted."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    root: dict[fx.Node, list[fx.Node]] = {}
-    for n in nodes:
-        bases = _alias_of(n)
-        root[n] = [n] if bases is None else [r for b in bases for r in root.get(b, [b])]
+    root = roots(graph)
     end = dict(index)
     for n in nodes:
         for user in n.users:
@@ -126,9 +132,14 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
     outputs = next(n for n in fw.nodes if n.op == "output").args[0]
     user = [a for a in outputs[:tr.n_forward_outputs] if isinstance(a, fx.Node)]
     saved = [a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)]
-    user_bytes = sum(sizes[0].get(a, 0) for a in user)
-    saved_bytes = sum(sizes[0].get(a, 0) for a in dict.fromkeys(saved)
-                      if a not in skips[0] and _alias_of(a) is None)
+    root = roots(fw)
+
+    def held(nodes: list[fx.Node]) -> int:  # each allocation once, model states left out
+        allocs = dict.fromkeys(r for a in nodes for r in root[a])
+        return sum(sizes[0].get(r, 0) for r in allocs if r not in skips[0])
+
+    user_bytes = held(user)
+    saved_bytes = held(saved)
     bw_live = liveness(bw, sizes[1], skips[1])
     return GraphMemory(max(fw_live, default=0), saved_bytes, user_bytes, max(bw_live, default=0))
 
