@@ -50,18 +50,19 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig
 def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
            progress=None, failures: list[str] | None = None) -> list[Prediction]:
     """Predictions for every layout that was worth tracing, best tokens/s first among
-    those that fit. Layouts that fail to trace (the library cannot compile them) are
-    described in ``failures``."""
+    those that fit. A layout that fails to trace (the library cannot compile it) is
+    described in ``failures``, and the other layouts with its ``tp`` are skipped."""
     failures = [] if failures is None else failures
     dev = device(gpu)
     results: list[Prediction] = []
     too_big: set[tuple] = set()  # (layout, ac): this batch did not fit, larger won't
     fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
+    broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
     for c in layouts(cfg, gpus, gpus_per_node):
         p = c.parallel
         layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard)
         shape = layout + (c.activation_checkpoint.mode,)
-        if shape in too_big or layout + (c.training.batch_size,) in fitted:
+        if shape in too_big or layout + (c.training.batch_size,) in fitted or p.tp in broken_tp:
             continue
         try:
             c.validate()
@@ -78,7 +79,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
         except Exception as e:  # noqa: BLE001 - a layout the library cannot compile
             failures.append(f"tp={p.tp} pp={p.pp} ac={c.activation_checkpoint.mode}: "
                             f"{type(e).__name__}: {str(e).splitlines()[-1][:120]}")
-            too_big.add(shape)
+            broken_tp.add(p.tp)  # the failures seen are TP-wide: skip its other layouts
             continue
         results.append(r)
         if progress is not None:
