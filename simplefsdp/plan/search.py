@@ -26,6 +26,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cause(e: Exception) -> str:
+    """The line of an error that names its cause (dynamo wraps backend errors)."""
+    lines = [x for x in str(e).splitlines() if "Error" in x and "TORCHDYNAMO" not in x]
+    return (lines[-1] if lines else f"{type(e).__name__}: {e}")[:160]
+
+
 def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig]:
     """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set)."""
     n_layers = cfg.model.model_args().n_layers
@@ -78,7 +84,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
             r = predict(c, gpus, gpu, gpus_per_node)
         except Exception as e:  # noqa: BLE001 - a layout the library cannot compile
             failures.append(f"tp={p.tp} pp={p.pp} ac={c.activation_checkpoint.mode}: "
-                            f"{type(e).__name__}: {str(e).splitlines()[-1][:120]}")
+                            f"{_cause(e)}")
             broken_tp.add(p.tp)  # the failures seen are TP-wide: skip its other layouts
             continue
         results.append(r)
