@@ -12,9 +12,9 @@ import argparse
 import sys
 import time
 
+from ..hardware import GPU_PROFILES, GiB, gpu_profile
 from ..train.config import ConfigError, load_config
 from . import report
-from .devices import DEVICES, GiB, device
 from .predict import predict
 from .search import search
 
@@ -34,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="the trainer's TOML config")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(DEVICES)}")
+    parser.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPU_PROFILES)}")
     parser.add_argument("--search", action="store_true", help="rank every layout")
     parser.add_argument("--json", help="write one object per configuration here")
     parser.add_argument("--png", help="write memory vs tokens/s here")
     parser.add_argument("--top", type=int, default=20, help="rows of the search table")
     args, overrides = parser.parse_known_args(argv)
     try:
-        dev = device(args.gpu)
+        dev = gpu_profile(args.gpu)
         cfg = load_config(args.config, overrides)
         started = time.perf_counter()
         failures: list[str] = []

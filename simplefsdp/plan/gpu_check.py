@@ -26,10 +26,10 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
     import simplefsdp
     from simplefsdp.train.trainer import build_model, build_optimizer, token_loss_sum
 
-    from ._compat import FakeStore
+    from .._torch_compat import fake_store
 
     torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
     p = cfg.parallel.resolve(gpus)
     cfg = dataclasses.replace(cfg, parallel=p)
     mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, dp_replicate=p.dp_replicate, tp=p.tp,

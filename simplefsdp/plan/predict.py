@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..hardware import GiB, gpu_profile
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
 from . import memory, timing
-from .devices import GiB, device
 from .trace import trace, trace_key
 
 ALLOC_OVERHEAD = 0.10  # caching-allocator reserve over the active peak (fragmentation)
@@ -79,7 +79,7 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
 def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
             gpus_per_node: int = 8) -> Prediction:
     """Predicted per-GPU memory and speed of ``cfg`` on ``gpus`` GPUs of kind ``gpu``."""
-    dev = device(gpu)
+    dev = gpu_profile(gpu)
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
     if cfg.parallel.tp > gpus_per_node:
@@ -125,5 +125,5 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
-        tps, flops_per_token(args, t.seq_len) * tps / dev.bf16_flops,
+        tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
         reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 
+from ..hardware import gpu_profile
 from ..train.config import ConfigError, JobConfig
 from . import memory
-from .devices import device
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 AC_MODES = ("none", "selective", "full")
@@ -59,7 +59,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     those that fit. A layout that fails to trace (the library cannot compile it) is
     described in ``failures``, and the other layouts with its ``tp`` are skipped."""
     failures = [] if failures is None else failures
-    dev = device(gpu)
+    dev = gpu_profile(gpu)
     results: list[Prediction] = []
     too_big: set[tuple] = set()  # (layout, ac): this batch did not fit, larger won't
     fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already

@@ -21,8 +21,9 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from .._torch_compat import OpOverload
 from ..compiler.collectives import KINDS, WAIT
-from .devices import Device
+from ..hardware import KNOWN_FABRICS, GpuProfile
 from .memory import _tensor_bytes
 
 # Fractions of the datasheet peak that real kernels reach (H100 figures from cuBLAS,
@@ -32,7 +33,6 @@ ATTENTION_EFF = 0.40  # flash attention, forward and backward, causal half count
 MEM_EFF = 0.70  # memory-bound kernels: fraction of HBM bandwidth
 KERNEL_FLOOR_S = {False: 6e-6, True: 3e-6}  # per kernel: eager launch / compiled
 FUSED_MEMORY = 0.4  # compiled: memory-bound traffic left after Inductor's fusion
-COMM_EFF = 0.80  # achievable bus bandwidth / link bandwidth (nccl-tests busbw)
 RING_STEP_S = {"nvlink": 1e-6, "ib": 4e-6}  # per ring step latency
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -46,7 +46,7 @@ class Fabric:
     The mesh is ``(pp, dp_replicate, dp_shard, tp)`` over consecutive ranks, so a dim's
     group strides by the product of the sizes to its right."""
 
-    def __init__(self, dev: Device, sizes: dict[str, int], gpus_per_node: int):
+    def __init__(self, dev: GpuProfile, sizes: dict[str, int], gpus_per_node: int):
         self.dev, self.sizes, self.gpn = dev, sizes, gpus_per_node
 
     def link(self, dim: str) -> str:
@@ -63,8 +63,8 @@ class Fabric:
         if n <= 1:
             return 0.0
         link = self.link(dim)
-        bw = (self.dev.nvlink_Bps if link == "nvlink" else self.dev.ib_Bps) * COMM_EFF
-        alpha = self.dev.nvlink_latency_s if link == "nvlink" else self.dev.ib_latency_s
+        fabric = KNOWN_FABRICS[self.dev.intra_node if link == "nvlink" else self.dev.inter_node]
+        bw, alpha = fabric.bus_bandwidth_Bps, fabric.alpha_s  # busbw: achievable already
         ring = (n - 1) / n
         if kind == "all_reduce":  # NCCL picks tree at scale: log latency growth
             steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
@@ -93,11 +93,11 @@ def _zero_cost(node: fx.Node) -> bool:
         return True
     t = node.target
     return (t is operator.getitem or getattr(t, "is_view", False)
-            or not isinstance(t, torch._ops.OpOverload)
+            or not isinstance(t, OpOverload)
             or t.name().startswith(("_c10d_functional", "c10d")))
 
 
-def node_seconds(node: fx.Node, dev: Device, compiled: bool, scale: float = 1.0) -> float:
+def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 1.0) -> float:
     """Roofline time of one compute node (``scale`` multiplies shard-sized bytes)."""
     if _zero_cost(node):
         return 0.0
@@ -106,15 +106,16 @@ def node_seconds(node: fx.Node, dev: Device, compiled: bool, scale: float = 1.0)
         _tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     dtype = next((a.meta["val"].dtype for a in node.all_input_nodes
                   if isinstance(a.meta.get("val"), torch.Tensor)), torch.float32)
-    peak = dev.bf16_flops if dtype in (torch.bfloat16, torch.float16) else dev.fp32_flops
+    peak = dev.spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) \
+        else dev.spec.fp32_flops
     if kind == "memory" and compiled:
         nbytes *= FUSED_MEMORY
     eff = {"matmul": MATMUL_EFF, "attention": ATTENTION_EFF, "memory": 1.0}[kind]
-    return max(flops / (peak * eff), nbytes / (dev.hbm_Bps * MEM_EFF)) \
+    return max(flops / (peak * eff), nbytes / (dev.spec.mem_bandwidth_Bps * MEM_EFF)) \
         + KERNEL_FLOOR_S[compiled]
 
 
-def simulate(gm: fx.GraphModule, dev: Device, fabric: Fabric, groups: dict[str, str],
+def simulate(gm: fx.GraphModule, dev: GpuProfile, fabric: Fabric, groups: dict[str, str],
              compiled: bool, shard_scale: float, shard: set) -> tuple[float, float]:
     """(seconds, exposed communication seconds) of one graph on a compute stream and
     one communication stream per process group."""
@@ -142,16 +143,16 @@ def simulate(gm: fx.GraphModule, dev: Device, fabric: Fabric, groups: dict[str, 
     return now, exposed
 
 
-def loss_seconds(tokens: int, vocab: int, dev: Device) -> float:
+def loss_seconds(tokens: int, vocab: int, dev: GpuProfile) -> float:
     """The eager cross-entropy on (tokens, vocab) logits: about 28 bytes per logit move
     through HBM (cast, log_softmax, its backward, the cast back)."""
-    return 28 * tokens * vocab / (dev.hbm_Bps * MEM_EFF) + 10 * KERNEL_FLOOR_S[False]
+    return 28 * tokens * vocab / (dev.spec.mem_bandwidth_Bps * MEM_EFF) + 10 * KERNEL_FLOOR_S[False]
 
 
-def optimizer_seconds(params_per_rank: float, dev: Device) -> float:
+def optimizer_seconds(params_per_rank: float, dev: GpuProfile) -> float:
     """AdamW + gradient clipping on the float32 shards: ~36 bytes per parameter
     (read param, grad, 2 moments; write 3; the norm and the clip scale reread grads)."""
-    return 36 * params_per_rank / (dev.hbm_Bps * MEM_EFF)
+    return 36 * params_per_rank / (dev.spec.mem_bandwidth_Bps * MEM_EFF)
 
 
 def pp_step_seconds(stage_seconds: float, pp: int, microbatches: int) -> float:

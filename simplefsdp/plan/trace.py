@@ -93,15 +93,20 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
 def trace(key: TraceKey) -> Trace:
     """Capture ``key``'s forward and backward graphs (cached: identical per-rank shapes
     are traced once per process)."""
-    from ._compat import FakeStore, FakeTensorMode, dynamo_reset, eager_backward
+    from .._torch_compat import (
+        FakeTensorMode,
+        dynamo_reset,
+        eager_backward_compile,
+        fake_store,
+    )
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=FAKE_WORLD)
     elif dist.get_backend() != "fake":
         raise RuntimeError("the planner traces under its own fake process group; call it "
                            "before init_process_group, or in a separate process")
     try:
-        with eager_backward():
+        with eager_backward_compile():
             return _trace(key, FakeTensorMode)
     finally:
         dynamo_reset()
@@ -152,7 +157,7 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     def capture(gm, example_inputs):
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-        from ._compat import aot_autograd
+        from .._torch_compat import aot_autograd
 
         def compiler(graph_module, _inputs):
             passes.run_passes(graph_module.graph)

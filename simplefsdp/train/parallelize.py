@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
+from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper
 from simplefsdp.mesh import stage_group
 
 from ..models.llama import Transformer
@@ -67,7 +68,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
 # Activation checkpointing.
 # ---------------------------------------------------------------------------------------
 def _saved_ops() -> set:
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    aten, c10d = torch.ops.aten, c10d_functional
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"),
              (aten, "_scaled_dot_product_flash_attention"),
              (aten, "_scaled_dot_product_flash_attention_for_cpu"),
@@ -95,13 +96,17 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     """
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpointed(block, mode)
 
-    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+
+def checkpointed(block: nn.Module, mode: str) -> nn.Module:
+    """``block`` wrapped for ``full`` or ``selective`` activation checkpointing (the one
+    place the wrapper is built: our Llama's blocks and Hugging Face decoder layers)."""
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+    return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,15 +125,13 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    from simplefsdp import compile_backend  # written alongside; imported only when used
-
     c = cfg.compile
     # Auto wrapping agrees its measurements across the ranks compiling the same graph:
     # under PP, those of this stage.
     group = None
     if c.bucketing == "auto":
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
-    backend = compile_backend(backend=c.backend, bucketing=c.bucketing,
+    backend = simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                               reordering=c.reordering, module_plan=None,
                               memory_limit_gb=c.memory_limit_gb, group=group)
     return torch.compile(model, fullgraph=True, backend=backend)

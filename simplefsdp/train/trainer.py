@@ -4,11 +4,13 @@ Entry points: ``python -m simplefsdp.train --config configs/debug.toml [--sectio
 (see ``__main__.py``), or ``main(argv)`` / ``train(cfg)`` from Python; both return a
 ``TrainResult``. If a process group already exists (tests) it is used and left alone.
 
-The loss is normalized by the number of valid target tokens of the *global* step:
-every data-parallel rank and every gradient-accumulation microstep contributes
-``sum(token losses) / global_tokens``, and ``data_parallel(reduce_op="sum")`` adds up the
-gradients. The result is the mean over all tokens of the step, whatever the split
-across ranks, microsteps or pipeline microbatches.
+One optimizer step (token-normalized loss, clipping, the non-finite guard) lives in
+``step.py``; this module builds what a run needs (``setup``) and runs the loop.
+
+Before step 1 the run checks what would fail late (``preflight.py``: packages, writable
+folders, free space, no overwritten metrics; the dataset's size). A step whose loss or
+gradient norm is not finite is not applied and stops the run; SIGTERM/SIGINT finish the
+step, save and stop (``guard.py``).
 
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
@@ -29,28 +31,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..hf import hooks as hf_hooks
 from ..models.llama import Transformer, flops_per_token, num_params
+from . import preflight
 from .checkpoint import (
     CheckpointManager,
     TrainerState,
     checkpoint_dir,
+    checkpoint_step,
+    config_fingerprint,
     export_safetensors,
+    remove_partial,
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
-from .data import TextDataset, Tokenizer, build_tokenizer
+from .data import TextDataset, Tokenizer
+from .guard import Preempted, StopOnSignal
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
-
-IGNORE_INDEX = -100
+from .step import token_loss_sum, train_step
 
 
 @dataclass
@@ -136,17 +142,15 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
 # ---------------------------------------------------------------------------------------
 # Optimizer, schedule, clipping.
 # ---------------------------------------------------------------------------------------
-def lr_lambda(step: int, warmup: int, total: int, decay: str = "cosine",
-              min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine (or linear) decay
-    to ``min_ratio`` at ``total``."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
+    ``min_ratio`` at ``total``."""
     import math
 
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-    return min_ratio + (1 - min_ratio) * shape
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig):
@@ -164,50 +168,9 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     return optimizer, scheduler
 
 
-@torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
-
-    Squared norms of the local pieces are summed over the mesh dims a gradient is
-    sharded on (not over replicas: those hold the same values), one all-reduce per
-    (mesh, placements) group and dim; this also covers TP and non-TP parameters that
-    live on different meshes. Pipeline stages hold different parameters, so their
-    squared norms are summed over ``pp_group``.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
-    device = grads[0].device if grads else torch.device("cpu")
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for key, local in groups.items():
-        sq = torch.nn.utils.get_total_norm(local, 2.0).float() ** 2
-        if key is not None:
-            mesh, placements = key
-            for dim, placement in enumerate(placements):
-                if not placement.is_replicate() and mesh.size(dim) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(dim))
-        total_sq += sq
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for local in (x for group in groups.values() for x in group):
-        local.mul_(scale.to(local.dtype))
-    return total
-
-
 # ---------------------------------------------------------------------------------------
 # The loop.
 # ---------------------------------------------------------------------------------------
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the next-token cross-entropies, in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           reduction="sum", ignore_index=IGNORE_INDEX)
-
-
 class _Coords:
     """This rank's place in the ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
 
@@ -243,9 +206,34 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
-           tokenizer: Tokenizer | None) -> TrainResult:
-    started = time.perf_counter()
+@dataclass
+class Setup:
+    """Everything the loop needs, built once by :func:`setup`."""
+
+    cfg: JobConfig  # with parallel sizes resolved
+    device: torch.device
+    mesh: Any
+    at: _Coords
+    loader: Any
+    tokenizer: Tokenizer
+    runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
+    model: nn.Module  # the underlying Transformer (or stage)
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    schedule: Any  # the pipeline schedule, None without PP
+    ckpt: CheckpointManager | None
+    metrics: MetricsLogger
+    start_step: int
+    n_params: int
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
+
+
+def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
+    """Mesh, data, model, optimizer, checkpoint (resumed if asked), metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
     p = cfg.parallel.resolve(world)
@@ -256,26 +244,22 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     at = _Coords(mesh)
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+    args = cfg.model.model_args()
+    model_facts = dataclasses.asdict(args)  # a Hugging Face model: its folder names it
+    if cfg.model.hf_path is not None:
+        model_facts = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
+    fingerprint = config_fingerprint(model_facts)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
-        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
+        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
+    _check_before_build(cfg, ckpt_folder, rank)
+    if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
+        raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
+                          f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
+                          f"nothing to do; raise --training.steps above it to train on")
 
-    if tokenizer is None:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-    elif not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
-                        f"simplefsdp.train.data.Tokenizer protocol), got "
-                        f"{type(tokenizer).__name__}")
-    args = cfg.model.model_args()
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
-                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
-                          f"{args.vocab_size}; raise model.vocab_size")
-    dataset = TextDataset(cfg.data.dataset, tokenizer)
-    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                            dp_world=at.dp_size, seed=t.seed)
-
-    runnable, model = build_model(cfg, mesh, device)
+    loader, tokenizer = _build_loader(cfg, tokenizer, at)
+    runnable, model = hf_hooks.build_model(cfg, mesh, device, default=build_model)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     state = TrainerState(scheduler, loader)
@@ -283,26 +267,27 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
+        space = _space_problem(params, ckpt_folder, rank)
+        preflight.agree([space] if space else [])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
-                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest)
+                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest,
+                                 fingerprint)
         if resume_from is not None:
             start_step = ckpt.load(resume_from)
             if rank == 0:
                 print(f"[simplefsdp] resumed from {resume_from} (step {start_step})",
                       flush=True)
 
-    step_loss = torch.zeros((), device=device)  # this rank's share of the step's loss
     schedule = None
-    if p.pp > 1:
-        def pp_loss(logits, targets):  # sum over microbatches: scale_grads=False
-            return token_loss_sum(logits, targets) / pp_loss.global_tokens
-        pp_loss.global_tokens = torch.ones((), device=device)
-        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches, pp_loss)
+    if p.pp > 1:  # the loss is a token sum; the loop divides the gradients afterwards
+        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches,
+                                     token_loss_sum)
 
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
-                            flops_per_token=flops_per_token(args, t.seq_len),
+                            flops_per_token=hf_hooks.flops_per_token(cfg, model, t.seq_len)
+                            or flops_per_token(args, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard)
     if rank == 0:
@@ -312,81 +297,131 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
               f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
               f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
               f"({metrics.peak_source})", flush=True)
+    return Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
+                  scheduler, schedule, ckpt, metrics, start_step, n_params)
 
-    # Which ranks' numbers are summed into global values: one per data-parallel rank
-    # (TP ranks and PP stages see the same tokens; only the last stage has the loss).
-    counts_tokens = at.first and at.tp == 0
-    counts_loss = at.last and at.tp == 0
-    result = TrainResult(start_step=start_step, steps=t.steps, num_params=n_params,
+
+def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
+    """This data-parallel rank's training batches and the tokenizer; refuses a corpus
+    smaller than one global batch and a tokenizer that does not fit the model."""
+    t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
+    if tokenizer is None:
+        tokenizer = hf_hooks.choose_tokenizer(cfg)
+    elif not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
+                        f"simplefsdp.train.data.Tokenizer protocol), got "
+                        f"{type(tokenizer).__name__}")
+    hf_hooks.check_vocab(cfg, tokenizer)
+    if cfg.model.hf_path is None and tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
+                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
+                          f"{vocab_size}; raise model.vocab_size")
+    dataset = hf_hooks.build_dataset(cfg, tokenizer) or TextDataset(cfg.data.dataset, tokenizer)
+    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
+                            dp_world=at.dp_size, seed=t.seed,
+                            min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
+    return loader, tokenizer
+
+
+def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
+    """Packages, writable folders, no overwritten metrics; leftover ``.tmp`` saves go."""
+    problems = preflight.missing_packages(cfg)
+    if rank == 0:
+        problems += [p for p in (
+            preflight.unwritable(Path(cfg.metrics.output_dir), "metrics.output_dir",
+                                 ".write-probe"),
+            preflight.overwrites_metrics(cfg)) if p]
+    if cfg.checkpoint.enable:  # every rank writes its own shards there
+        problem = preflight.unwritable(ckpt_folder, "checkpoint.folder",
+                                       f".write-probe-rank{rank}")
+        problems += [problem] if problem else []
+    preflight.agree(problems)
+    if cfg.checkpoint.enable and rank == 0:
+        for path in remove_partial(ckpt_folder):
+            print(f"[simplefsdp] removed {path}, left by a save that did not finish",
+                  flush=True)
+
+
+def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
+    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
+    local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
+                for q in params)
+    total = torch.tensor(3.0 * local, dtype=torch.float64)
+    dist.all_reduce(total)
+    return preflight.too_little_space(folder, float(total)) if rank == 0 else None
+
+
+def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
+           tokenizer: Tokenizer | None) -> TrainResult:
+    started = time.perf_counter()
+    s = setup(cfg, tokenizer)
+    cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
+    t = cfg.training
+    result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last report
     window_start, window_steps = time.perf_counter(), 0
 
-    for step in range(start_step + 1, t.steps + 1):
-        batches = [next(loader) for _ in range(t.grad_accum_steps)]
-        if batch_transform is not None:
-            batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-        local_tokens = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
-        global_tokens = torch.tensor(float(local_tokens if counts_tokens else 0), device=device)
-        dist.all_reduce(global_tokens)
-        global_tokens.clamp_(min=1)
-        step_loss.zero_()
-        for inputs, targets in batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            if schedule is None:
-                loss = token_loss_sum(runnable(inputs), targets) / global_tokens
-                loss.backward()
-                step_loss += loss.detach()
-            else:
-                pp_loss.global_tokens = global_tokens
-                losses: list[torch.Tensor] = []
-                schedule.step(*((inputs,) if at.first else ()),
-                              target=targets if at.last else None, losses=losses)
-                for mb_loss in losses:
-                    step_loss += mb_loss.detach()
-        grad_norm = clip_grad_norm_(params, t.max_norm,
-                                    mesh["pp"].get_group() if p.pp > 1 else None)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        contribution = step_loss.clone() if counts_loss else torch.zeros_like(step_loss)
-        pending.append((step, contribution, grad_norm.detach(),
-                        scheduler.get_last_lr()[0]))
-        window_steps += 1
-        metrics.advance()
+    with StopOnSignal() as signal_:
+        try:
+            for step in range(s.start_step + 1, t.steps + 1):
+                batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
+                if batch_transform is not None:
+                    batches = [batch_transform(inputs, targets) for inputs, targets in batches]
+                contribution, grad_norm, stop = train_step(s, step, batches, signal_.requested)
+                pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
+                window_steps += 1
+                metrics.advance()
 
-        is_last = step == t.steps
-        if step % cfg.metrics.log_every == 0 or is_last or (ckpt and ckpt.due(step)):
-            # One all-reduce for every step since the last report.
-            stacked = torch.stack([c for _, c, _, _ in pending])
-            dist.all_reduce(stacked)
-            values = stacked.tolist()
-            result.losses.extend(values)
-            result.grad_norms.extend(float(g) for _, _, g, _ in pending)
-            if step % cfg.metrics.log_every == 0 or is_last:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
-                            pending[-1][3], window_steps, elapsed)
-                window_start, window_steps = time.perf_counter(), 0
-            pending.clear()
-        if ckpt is not None and (ckpt.due(step) or is_last):
-            ckpt.save(step)
+                is_last = step == t.steps or stop
+                logs = step % cfg.metrics.log_every == 0 or is_last
+                if logs or (ckpt and ckpt.due(step)):
+                    # One all-reduce for every step since the last report.
+                    stacked = torch.stack([c for c, _, _ in pending])
+                    dist.all_reduce(stacked)
+                    values = stacked.tolist()
+                    result.losses.extend(values)
+                    result.grad_norms.extend(float(g) for _, g, _ in pending)
+                    if logs:
+                        if s.device.type == "cuda":
+                            torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - window_start
+                        metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
+                                    pending[-1][2], window_steps, elapsed)
+                        window_start, window_steps = time.perf_counter(), 0
+                    pending.clear()
+                if ckpt is not None and (ckpt.due(step) or is_last):
+                    ckpt.save(step)
+                if stop:
+                    raise _preempted(s, step, signal_.signum)
+        finally:
+            metrics.close()
 
-    metrics.close()
     if cfg.checkpoint.export_safetensors:
-        export_safetensors(model, Path(cfg.metrics.output_dir) / "model.safetensors",
-                           mesh["pp"].get_group() if p.pp > 1 else None)
+        export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
+                           s.pp_group)
+    hf_hooks.export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
-    if rank == 0 and result.losses:
+    if dist.get_rank() == 0 and result.losses:
         rows = result.metrics["rows"]
         tps = rows[-1]["tokens_per_s"] if rows else float("nan")
-        print(f"[simplefsdp] done: steps {start_step}->{t.steps}, final loss "
+        print(f"[simplefsdp] done: steps {s.start_step}->{t.steps}, final loss "
               f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
               f"{result.wall_time_s:.1f}s", flush=True)
     return result
+
+
+def _preempted(s: Setup, step: int, signum: int | None) -> Preempted:
+    """The error a signalled run stops with: where it saved, how to continue."""
+    import signal
+
+    name = signal.Signals(signum).name if signum else "a signal on another rank"
+    where = (f"saved checkpoint step-{step} in {s.ckpt.folder}; repeat the command with "
+             f"--resume to continue" if s.ckpt is not None else
+             "checkpoints are off (checkpoint.enable = false), so nothing was saved")
+    return Preempted(f"stopped by {name} after step {step}: {where}",
+                     signum or signal.SIGTERM)
 
 
 def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
