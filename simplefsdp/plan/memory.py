@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from .._torch_compat import op_schema
 from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from .trace import Trace
 
@@ -54,7 +55,7 @@ def _alias_of(node: fx.Node) -> list[fx.Node] | None:
     inputs = [a for a in node.all_input_nodes if "val" in a.meta]
     if target is operator.getitem or target == WAIT or getattr(target, "is_view", False):
         return inputs[:1] or None
-    schema = getattr(target, "_schema", None)
+    schema = op_schema(target)
     if schema is not None and schema.returns and all(
             r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         return inputs[:1] or None  # in-place / out= variants
