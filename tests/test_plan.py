@@ -27,7 +27,8 @@ def _measured_peak(rank, world, overrides):
 
     import simplefsdp
     from simplefsdp.bench.measure import held_bytes, profiled_step
-    from simplefsdp.train.trainer import build_model, build_optimizer, token_loss_sum
+    from simplefsdp.train.step import token_loss_sum
+    from simplefsdp.train.trainer import build_model, build_optimizer
 
     cfg = load_config(None, overrides)
     p = cfg.parallel.resolve(world)
