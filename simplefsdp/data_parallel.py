@@ -51,6 +51,15 @@ from .mesh import data_parallel_mesh
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
 MODES = ("fully_shard", "replicate", "hybrid_shard")
 _CLASS_PREFIX = "SimpleFSDP"
+# Process group names of every data-parallel mesh dim ``data_parallel`` has sharded over
+# in this process: the compiler's passes touch only collectives on these groups, never
+# tensor/sequence-parallel, pipeline or user collectives (which run on other groups).
+_DP_GROUP_NAMES: set[str] = set()
+
+
+def data_parallel_group_names() -> frozenset[str]:
+    """Names of the process groups our parametrization communicates on (all modes)."""
+    return frozenset(_DP_GROUP_NAMES)
 
 
 @dataclass(frozen=True)
@@ -128,17 +137,45 @@ def _gather_policy_contexts():
     return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
+class _ReduceOverReplicas(torch.autograd.Function):
+    """Identity in forward; in backward, all-reduce the gradient over the HSDP replica
+    group (in ``dtype``). Placed on the parameter's shard, so that backward first
+    reduce-scatters over the shard group and then all-reduces only the reduced shard, as
+    HSDP should (DTensor alone would all-reduce the full gradient first)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group_name: str, reduce_op: str,
+                dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.group_name, ctx.reduce_op, ctx.dtype = group_name, reduce_op, dtype
+        return shard.view_as(shard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        c10d = torch.ops._c10d_functional
+        reduced = grad.to(ctx.dtype) if ctx.dtype is not None else grad
+        reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
+                                                   ctx.group_name))
+        return reduced.to(grad.dtype), None, None, None
+
+
 class _ReplicateComputation:
     """Turns a sharded DTensor parameter into the full tensor used by the computation.
 
     For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
     shard shape)) only the data-parallel dims are gathered: the result is the TP shard,
     returned as a DTensor on the TP mesh, ready for the TP module's computation.
+    ``hybrid_shard`` gathers over the shard dim only and reduces gradients as
+    reduce-scatter (shard dim) then all-reduce of the shard (replicate dim).
     """
 
     def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                  tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
+        self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
+        if self.hybrid:
+            self.replica_group = dp_mesh.get_group(0).group_name
+            dp_mesh, dp_placements = _shard_dim_mesh(dp_mesh), dp_placements[1:]
+        self.reduce_op = reduce_op
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
@@ -149,11 +186,15 @@ class _ReplicateComputation:
         self.tp = tp
 
     def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
-        if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
-            tp_mesh, tp_placements, tp_shape = self.tp
-            sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
-                                         run_check=False, shape=tp_shape,
-                                         stride=_contiguous_stride(tp_shape))
+        if self.tp is not None or self.hybrid:  # our piece as a DTensor on the DP mesh alone
+            shape = self.tp[2] if self.tp is not None else sharded.shape
+            local = sharded.to_local()
+            if self.hybrid:
+                local = _ReduceOverReplicas.apply(local, self.replica_group, self.reduce_op,
+                                                  self.reduce_dtype)
+            sharded = DTensor.from_local(local, self.dp_mesh, self.dp_placements,
+                                         run_check=False, shape=shape,
+                                         stride=_contiguous_stride(shape))
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
@@ -162,6 +203,7 @@ class _ReplicateComputation:
         local = gathered.to_local(grad_placements=self.grad_placements)
         if self.tp is None:
             return local
+        tp_mesh, tp_placements, _ = self.tp
         return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False)
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
@@ -179,6 +221,14 @@ class _ReplicateComputation:
         eager_reshard.note_gathered(full.to_local() if isinstance(full, DTensor) else full,
                                     sharded, self.regather)
         return full
+
+
+def _shard_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D shard (second) dim of a 2-D HSDP mesh."""
+    if mesh.mesh_dim_names:
+        return _root_mesh(mesh)[mesh.mesh_dim_names[1]]
+    raise ValueError("mode='hybrid_shard' needs a mesh with named dims, e.g. "
+                     "simplefsdp.make_mesh(dp_replicate=R, dp_shard=S)")
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -319,6 +369,7 @@ def data_parallel(
                         f"got {type(mesh).__name__}")
     mesh = data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
+    _DP_GROUP_NAMES.update(mesh.get_group(d).group_name for d in range(mesh.ndim))
     from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
 
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight

@@ -28,7 +28,12 @@ from torch import fx
 
 from . import auto_wrap, cost_model, manual_wrap
 from .bucketing import bucket_collectives, single
-from .collectives import find_collectives, is_backward, stable_topological_sort
+from .collectives import (
+    find_collectives,
+    is_backward,
+    other_collectives,
+    stable_topological_sort,
+)
 from .reordering import reorder
 
 log = logging.getLogger("simplefsdp.compiler")
@@ -43,6 +48,7 @@ class GraphReport:
     graph: str  # "forward" or "backward"
     collectives_before: dict[str, int]
     collectives_after: dict[str, int] = field(default_factory=dict)
+    other_collectives: int = 0  # not data-parallel (TP/SP, user): left in place
     buckets: list[dict] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -77,7 +83,8 @@ class SimpleFSDPBackend:
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
                  comm_model: cost_model.CommModel | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None,
+                 all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
@@ -93,6 +100,7 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
+        self.all_reduce_bucket_mb = manual_wrap.check_bucket_mb(all_reduce_bucket_mb)
         # bucketing="auto" agrees on measurements across the ranks compiling these graphs
         self._agreement = auto_wrap.Agreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
@@ -131,7 +139,8 @@ class SimpleFSDPBackend:
         started = time.perf_counter()
         backward = is_backward(graph)
         collectives = find_collectives(graph)
-        report = GraphReport("backward" if backward else "forward", _count(collectives))
+        report = GraphReport("backward" if backward else "forward", _count(collectives),
+                             other_collectives=other_collectives(graph))
         if self.bucketing == "manual":
             plan = self.module_plan
             if plan is None:  # derived from this graph's own collectives
@@ -139,6 +148,8 @@ class SimpleFSDPBackend:
             assignment, unused = manual_wrap.assign(collectives, plan)
             if unused and not backward:
                 report.notes.append(f"plan entries matching no collective: {unused}")
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
@@ -151,7 +162,10 @@ class SimpleFSDPBackend:
             report.estimated_exposed_s = plan.estimated_exposed_s
             report.notes.append(f"auto: {len(plan.steps)} steps -> {len(plan.buckets)} "
                                 f"buckets; compute measured in {plan.profile_s:.2f} s")
-            buckets = bucket_collectives(graph, collectives, plan.assignment)
+            assignment = dict(plan.assignment)
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
+            buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         else:
             buckets = [single(c, i) for i, c in enumerate(collectives)]
@@ -183,7 +197,9 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
                     reordering: bool = True, module_plan: Sequence | None = None,
                     memory_limit_gb: float | None = None,
                     comm_model: cost_model.CommModel | None = None,
-                    group: dist.ProcessGroup | None = None) -> SimpleFSDPBackend:
+                    group: dist.ProcessGroup | None = None,
+                    all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB
+                    ) -> SimpleFSDPBackend:
     """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
     bucketing and reordering passes on the forward and backward graphs.
 
@@ -193,9 +209,15 @@ def compile_backend(backend: str = "inductor", bucketing: str = "none",
     the backend is built (cached on disk, see ``cost_model.get_comm_model``; collective:
     build the backend on every rank). Its measurements are agreed across ``group``: every
     rank that compiles the same model (None: all ranks; under pipeline parallelism, the
-    ranks of one stage)."""
+    ranks of one stage).
+
+    Only data-parallel collectives are bucketed and moved (those on the groups
+    ``data_parallel`` shards over); TP/SP and user collectives stay as traced. With
+    ``bucketing`` manual or auto, ``mode="replicate"`` gradient all-reduces are merged in
+    backward order into buckets of about ``all_reduce_bucket_mb`` MB (DDP's rule), and
+    each HSDP reduce-scatter bucket is followed by one all-reduce of its shards."""
     return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model, group)
+                             comm_model, group, all_reduce_bucket_mb)
 
 
 def _calibrated_comm_model() -> cost_model.CommModel | None:
@@ -271,6 +293,7 @@ class _InductorPass(_inductor_pass_base()):
         o = self.owner
         if o.bucketing == "auto":
             return None  # not cacheable: the pass measures and talks to the other ranks
-        settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+        settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}|"
+                    f"{o.all_reduce_bucket_mb}")
         return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 

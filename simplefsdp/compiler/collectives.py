@@ -1,8 +1,12 @@
-"""Find the FSDP collectives in an AOTAutograd FX graph and the module each came from.
+"""Find the data-parallel collectives in an AOTAutograd FX graph and the module each
+came from.
 
-A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor``)
-plus the ``wait_tensor`` that consumes it. Forward and recomputed (backward) all-gathers
-carry ``nn_module_stack``; backward reduce-scatters carry ``fwd_nn_module_stack``.
+A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+``all_reduce``) plus the ``wait_tensor`` that consumes it. Only collectives on a process
+group that ``data_parallel`` shards over are ours (its group names are recorded when it
+runs): tensor/sequence-parallel collectives (on the TP group), pipeline sends and user
+collectives on other groups are never touched. Forward and recomputed (backward)
+all-gathers carry ``nn_module_stack``; backward reductions carry ``fwd_nn_module_stack``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..data_parallel import data_parallel_group_names
 
 c10d = torch.ops._c10d_functional
 ALL_GATHER = c10d.all_gather_into_tensor.default
@@ -40,11 +46,17 @@ class Collective:
         args = self.start.args
         if self.kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
             return (self.kind, args[2], args[3], args[1], self.start.meta["val"].dtype)
+        # all_gather: (input, group_size, group_name); all_reduce: (input, op, group_name)
         return (self.kind, args[1], args[2], self.start.meta["val"].dtype)
 
     @property
+    def group_name(self) -> str:
+        return group_name(self.start)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter input."""
+        """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter or
+        all-reduce input."""
         full = self.start.meta["val"] if self.kind == "all_gather" else \
             self.start.args[0].meta["val"]
         return full.numel() * full.element_size()
@@ -61,11 +73,28 @@ def module_fqn(node: fx.Node) -> str:
     return _WRAPPERS.sub("", path).replace("._modules.", ".")
 
 
+def group_name(start: fx.Node) -> str:
+    """The process group name argument of a collective start node (always the last)."""
+    return start.args[-1]
+
+
+def is_data_parallel(node: fx.Node) -> bool:
+    """A collective start on one of the groups ``data_parallel`` shards over."""
+    return node.op == "call_function" and node.target in KINDS and \
+        group_name(node) in data_parallel_group_names()
+
+
+def other_collectives(graph: fx.Graph) -> int:
+    """Collectives that are not ours (TP/SP, user): left alone, counted for reports."""
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in KINDS
+               and not is_data_parallel(n))
+
+
 def find_collectives(graph: fx.Graph) -> list[Collective]:
-    """Every collective start node with exactly one wait, in graph order."""
+    """Every data-parallel collective start node with exactly one wait, in graph order."""
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in KINDS:
+        if not is_data_parallel(node):
             continue
         waits = [u for u in node.users if u.target == WAIT]
         if len(waits) != 1 or len(node.users) != 1:
