@@ -186,6 +186,10 @@ class _ReplicateComputation:
         self.tp = tp
 
     def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
+        return self._as_tp(self._gather(sharded))
+
+    def _gather(self, sharded: DTensor) -> torch.Tensor:
+        """The gathered (local, for TP: the TP shard) tensor; differentiable."""
         if self.tp is not None or self.hybrid:  # our piece as a DTensor on the DP mesh alone
             shape = self.tp[2] if self.tp is not None else sharded.shape
             local = sharded.to_local()
@@ -200,7 +204,9 @@ class _ReplicateComputation:
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
-        local = gathered.to_local(grad_placements=self.grad_placements)
+        return gathered.to_local(grad_placements=self.grad_placements)
+
+    def _as_tp(self, local: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return local
         tp_mesh, tp_placements, _ = self.tp
@@ -208,19 +214,20 @@ class _ReplicateComputation:
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered value again, without autograd (eager backward)."""
-        full = self.replicate_compute(sharded)
-        return full.to_local() if isinstance(full, DTensor) else full
+        return self._gather(sharded)
 
     def __call__(self, sharded: DTensor) -> torch.Tensor:
         if not self.reshard_after_forward:
             return self.replicate_compute(sharded)
         if torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
-            return checkpoint(self.replicate_compute, sharded, use_reentrant=False,
-                              context_fn=_gather_policy_contexts)
-        full = self.replicate_compute(sharded)  # eager: saved-tensor hooks re-gather it
-        eager_reshard.note_gathered(full.to_local() if isinstance(full, DTensor) else full,
-                                    sharded, self.regather)
-        return full
+            # Only plain tensors cross the checkpoint boundary: a DTensor output (TP) would
+            # make AOTAutograd save its DeviceMesh under an enclosing activation checkpoint.
+            local = checkpoint(self._gather, sharded, use_reentrant=False,
+                               context_fn=_gather_policy_contexts)
+            return self._as_tp(local)
+        local = self._gather(sharded)  # eager: saved-tensor hooks re-gather it
+        eager_reshard.note_gathered(local, sharded, self.regather)
+        return self._as_tp(local)
 
 
 def _shard_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -301,7 +308,9 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     root = _root_mesh(mesh)
-    if (root is not _root_mesh(tp_mesh) or not mesh.mesh_dim_names
+    # Equal, not identical: torch caches sub-meshes by layout, so a second mesh of the
+    # same shape may hand back slices whose root is the first one.
+    if (root != _root_mesh(tp_mesh) or not mesh.mesh_dim_names
             or not tp_mesh.mesh_dim_names):
         raise ValueError(f"parameter {fqn!r} is a DTensor on a mesh unrelated to the "
                          f"data-parallel mesh; slice both from one mesh, e.g. "

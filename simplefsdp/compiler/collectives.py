@@ -103,6 +103,20 @@ def find_collectives(graph: fx.Graph) -> list[Collective]:
     return found
 
 
+def feeding_reduce_scatter(node: fx.Node, depth: int = 16) -> fx.Node | None:
+    """The reduce-scatter start whose result ``node`` (a collective start) reduces, seen
+    through casts and views; None if its input does not come from a reduce-scatter."""
+    arg = node.args[0]
+    for _ in range(depth):
+        if not isinstance(arg, fx.Node) or arg.op != "call_function" or not arg.args:
+            return None
+        if arg.target == WAIT:
+            source = arg.args[0]
+            return source if source.target == REDUCE_SCATTER else None
+        arg = arg.args[0]
+    return None
+
+
 def is_backward(graph: fx.Graph) -> bool:
     """AOTAutograd names the incoming gradients of a backward graph `tangents_*`."""
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)

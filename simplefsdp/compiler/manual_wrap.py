@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch import fx
 
-from .collectives import REDUCE_SCATTER, WAIT, Collective
+from .collectives import Collective, feeding_reduce_scatter
 
 DEFAULT_ALL_REDUCE_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
 
@@ -82,20 +82,6 @@ def assign(collectives: list[Collective], plan: Sequence[PlanEntry]
             used.add(best)
     unused = [name for name, _ in buckets if name not in used]
     return assignment, unused
-
-
-def feeding_reduce_scatter(node: fx.Node, depth: int = 16) -> fx.Node | None:
-    """The reduce-scatter start whose result ``node`` (a collective start) reduces, seen
-    through casts and views; None if its input does not come from a reduce-scatter."""
-    arg = node.args[0]
-    for _ in range(depth):
-        if not isinstance(arg, fx.Node) or arg.op != "call_function" or not arg.args:
-            return None
-        if arg.target == WAIT:
-            source = arg.args[0]
-            return source if source.target == REDUCE_SCATTER else None
-        arg = arg.args[0]
-    return None
 
 
 def assign_all_reduces(collectives: list[Collective], assignment: dict[fx.Node, str],

@@ -35,7 +35,7 @@ def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]
     if backward:
         for kind in ("reduce_scatter", "all_reduce"):
             moves += _defer_waits(graph, [b for b in buckets if b.kind == kind])
-            stable_topological_sort(graph)  # users of a deferred wait follow it  # users of a deferred wait follow it
+            stable_topological_sort(graph)  # users of a deferred wait follow it
     _check_collective_order_kept(graph, buckets)
     return moves
 
