@@ -138,24 +138,31 @@ def _gather_policy_contexts():
 
 
 class _ReduceOverReplicas(torch.autograd.Function):
-    """Identity in forward; in backward, all-reduce the gradient over the HSDP replica
-    group (in ``dtype``). Placed on the parameter's shard, so that backward first
-    reduce-scatters over the shard group and then all-reduces only the reduced shard, as
-    HSDP should (DTensor alone would all-reduce the full gradient first)."""
+    """Identity in forward on the sharded (Replicate, Shard) parameter; in backward,
+    all-reduce its gradient's local shard over the HSDP replica group (in ``dtype``).
+
+    With the gather's gradient labelled (Replicate, Partial), backward first
+    reduce-scatters over the shard group and then all-reduces only the reduced shard,
+    as HSDP should (DTensor alone would all-reduce the full gradient first). Kept on
+    the DTensor (no ``from_local`` in forward), which activation checkpointing under
+    compile cannot save."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, group_name: str, reduce_op: str,
-                dtype: torch.dtype | None) -> torch.Tensor:
+    def forward(ctx, shard: DTensor, group_name: str, reduce_op: str,
+                dtype: torch.dtype | None) -> DTensor:
         ctx.group_name, ctx.reduce_op, ctx.dtype = group_name, reduce_op, dtype
         return shard.view_as(shard)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: DTensor):
         c10d = torch.ops._c10d_functional
-        reduced = grad.to(ctx.dtype) if ctx.dtype is not None else grad
+        local = grad.to_local()
+        reduced = local.to(ctx.dtype) if ctx.dtype is not None else local
         reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
-                                                   ctx.group_name))
-        return reduced.to(grad.dtype), None, None, None
+                                                   ctx.group_name)).to(local.dtype)
+        out = DTensor.from_local(reduced, grad.device_mesh, grad.placements, run_check=False,
+                                 shape=grad.shape, stride=grad.stride())
+        return out, None, None, None
 
 
 class _ReplicateComputation:
@@ -172,14 +179,14 @@ class _ReplicateComputation:
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                  tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
         self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
-        if self.hybrid:
-            self.replica_group = dp_mesh.get_group(0).group_name
-            dp_mesh, dp_placements = _shard_dim_mesh(dp_mesh), dp_placements[1:]
+        self.replica_group = dp_mesh.get_group(0).group_name if self.hybrid else None
         self.reduce_op = reduce_op
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
         self.grad_placements = (Partial(reduce_op),) * dp_mesh.ndim
+        if self.hybrid:  # replicas: reduced by _ReduceOverReplicas, after the shard dim
+            self.grad_placements = (Replicate(), Partial(reduce_op))
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -190,15 +197,14 @@ class _ReplicateComputation:
 
     def _gather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered (local, for TP: the TP shard) tensor; differentiable."""
-        if self.tp is not None or self.hybrid:  # our piece as a DTensor on the DP mesh alone
-            shape = self.tp[2] if self.tp is not None else sharded.shape
-            local = sharded.to_local()
-            if self.hybrid:
-                local = _ReduceOverReplicas.apply(local, self.replica_group, self.reduce_op,
-                                                  self.reduce_dtype)
-            sharded = DTensor.from_local(local, self.dp_mesh, self.dp_placements,
+        if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
+            shape = self.tp[2]
+            sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
                                          run_check=False, shape=shape,
                                          stride=_contiguous_stride(shape))
+        if self.hybrid:
+            sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
+                                                self.reduce_dtype)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
@@ -228,14 +234,6 @@ class _ReplicateComputation:
         local = self._gather(sharded)  # eager: saved-tensor hooks re-gather it
         eager_reshard.note_gathered(local, sharded, self.regather)
         return self._as_tp(local)
-
-
-def _shard_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D shard (second) dim of a 2-D HSDP mesh."""
-    if mesh.mesh_dim_names:
-        return _root_mesh(mesh)[mesh.mesh_dim_names[1]]
-    raise ValueError("mode='hybrid_shard' needs a mesh with named dims, e.g. "
-                     "simplefsdp.make_mesh(dp_replicate=R, dp_shard=S)")
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -177,20 +177,20 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Modu
     return torch.compile(model, fullgraph=True, backend=backend)
 
 
-def check_composition(tp: int, ac_mode: str, compiled: bool) -> None:
+def check_composition(ac_mode: str, compiled: bool) -> None:
     """Refuse, before any work, the combinations this torch cannot compile."""
-    if compiled and tp > 1 and ac_mode == "full":
+    if compiled and ac_mode == "full":
         raise ConfigError(
-            "parallel.tp > 1 with activation_checkpoint.mode = 'full' and compile.enable = "
-            "true is not supported: AOTAutograd saves the TP DeviceMesh as a tensor of the "
-            "recomputed block and fails; use activation_checkpoint.mode = 'selective' "
-            "(or 'none'), or compile.enable = false")
+            "activation_checkpoint.mode = 'full' with compile.enable = true is not "
+            f"supported on torch {torch.__version__}: AOTAutograd saves a DTensor's "
+            "DeviceMesh as a tensor of the recomputed block and fails; use "
+            "activation_checkpoint.mode = 'selective' (or 'none'), or compile.enable = false")
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     """TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on)."""
-    check_composition(cfg.parallel.tp, cfg.activation_checkpoint.mode, cfg.compile.enable)
+    check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len)
     apply_ac(model, cfg.activation_checkpoint.mode)
