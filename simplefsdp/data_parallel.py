@@ -287,13 +287,13 @@ def _check_mesh(mesh: DeviceMesh, mode: Mode) -> None:
 
 
 def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh,
-                 placements: tuple[Placement, ...]):
+                 placements: tuple[Placement, ...], given: DeviceMesh | None = None):
     """Return (sharded parameter, TP info for the gather or None)."""
     if param.dim() == 0 and any(isinstance(p, Shard) for p in placements):
         raise ValueError(f"parameter {fqn!r} is a 0-dim scalar and cannot be sharded on dim 0; "
                          f"give it shape (1,) or use mode='replicate'")
     if isinstance(param, DTensor):
-        new, tp = _add_dp_dims(param, fqn, mesh, placements)
+        new, tp = _add_dp_dims(param, fqn, mesh, placements, given or mesh)
     else:
         # Rank 0's values win so every rank starts from the same model; a meta tensor has
         # no values, so each rank just takes its own (meta) shard.
@@ -302,14 +302,19 @@ def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh,
     return nn.Parameter(new, requires_grad=param.requires_grad), tp
 
 
-def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[Placement, ...]):
-    """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh."""
+def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                 given: DeviceMesh):
+    """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh, sliced
+    from ``given`` (the mesh passed to ``data_parallel``) when it names every dim."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    root = _root_mesh(mesh)
-    # Equal, not identical: torch caches sub-meshes by layout, so a second mesh of the
-    # same shape may hand back slices whose root is the first one.
-    if (root != _root_mesh(tp_mesh) or not mesh.mesh_dim_names
-            or not tp_mesh.mesh_dim_names):
+    wanted = set(mesh.mesh_dim_names or ()) | set(tp_mesh.mesh_dim_names or ())
+    root = given if wanted <= set(given.mesh_dim_names or ()) else _root_mesh(mesh)
+    # Same ranks under the same names, not the same root object: torch caches sub-meshes
+    # by layout, so a slice of a second mesh may report an earlier mesh as its root.
+    names = tuple(tp_mesh.mesh_dim_names or ())
+    if (not mesh.mesh_dim_names or not names
+            or not set(names) <= set(root.mesh_dim_names or ())
+            or root[names].mesh.tolist() != tp_mesh.mesh.tolist()):
         raise ValueError(f"parameter {fqn!r} is a DTensor on a mesh unrelated to the "
                          f"data-parallel mesh; slice both from one mesh, e.g. "
                          f"simplefsdp.make_mesh(dp_shard=.., tp=..)")
@@ -374,7 +379,7 @@ def data_parallel(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
                         f"got {type(mesh).__name__}")
-    mesh = data_parallel_mesh(mesh, mode)
+    given, mesh = mesh, data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
     _DP_GROUP_NAMES.update(mesh.get_group(d).group_name for d in range(mesh.ndim))
     from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
@@ -398,7 +403,7 @@ def data_parallel(
             param = module._parameters[name]
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
-                new, tp = _shard_param(param, fqn, mesh, placements)
+                new, tp = _shard_param(param, fqn, mesh, placements, given)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, mp_policy,
                                                reshard_after_forward, tp)
                 sharded[id(param)] = (new, gather)
