@@ -38,7 +38,6 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -46,6 +45,9 @@ from torch.utils.checkpoint import (
 )
 
 from . import eager_reshard
+from ._torch_compat import StridedShard, c10d_functional, root_mesh
+from .checks import check_model
+from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import data_parallel_mesh
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
@@ -123,8 +125,8 @@ def _exit_forward(module: nn.Module, args: object, output: object) -> None:
 # The parametrization: gather on read, reduce on backward.
 # ---------------------------------------------------------------------------------------
 _GATHER_OPS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.wait_tensor.default,
+    c10d_functional.all_gather_into_tensor.default,
+    c10d_functional.wait_tensor.default,
 }
 
 
@@ -155,7 +157,7 @@ class _ReduceOverReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        c10d = torch.ops._c10d_functional
+        c10d = c10d_functional
         local = grad.to_local()
         reduced = local.to(ctx.dtype) if ctx.dtype is not None else local
         reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
@@ -308,7 +310,7 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     from ``given`` (the mesh passed to ``data_parallel``) when it names every dim."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
     wanted = set(mesh.mesh_dim_names or ()) | set(tp_mesh.mesh_dim_names or ())
-    root = given if wanted <= set(given.mesh_dim_names or ()) else _root_mesh(mesh)
+    root = given if wanted <= set(given.mesh_dim_names or ()) else root_mesh(mesh)
     # Same ranks under the same names, not the same root object: torch caches sub-meshes
     # by layout, so a slice of a second mesh may report an earlier mesh as its root.
     names = tuple(tp_mesh.mesh_dim_names or ())
@@ -323,25 +325,18 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
+            # An empty TP shard (TP gave this rank no rows) has nothing to split: it is
+            # this rank's DP shard as it is, whatever torch.chunk would make of 0 rows.
             local = torch.chunk(local, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)] \
                 if local.shape[0] else local
             tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
             # DP slices *within* the TP shard: DTensor calls that a strided shard.
-            placement = _StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
+            placement = StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
                 else Shard(0)
         dp_placements.append(placement)
     new = DTensor.from_local(local.contiguous(), full_mesh, tuple(dp_placements) + tp_placements,
                              run_check=False, shape=param.shape, stride=param.stride())
     return new, (tp_mesh, tp_placements, tp_local.shape)
-
-
-def _root_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is not None:
-        return get_root()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.12
-
-    return _mesh_resources.get_root_mesh(mesh)
 
 
 def data_parallel(
@@ -367,6 +362,14 @@ def data_parallel(
             them (for losses already normalized by the global token count).
     Returns:
         ``model`` itself, with its parameters sharded.
+
+    Process-wide effect on gloo: when ``mesh`` runs CPU collectives on gloo, this
+    registers simplefsdp's CPU kernel for ``_c10d_functional.all_gather_into_tensor``
+    for the whole process (:mod:`simplefsdp.gloo_kernel`). Torch's own kernel takes
+    gloo's *coalesced* all-gather, which was seen to abort the process with several
+    all-gathers in flight, and prefetching keeps several in flight on purpose; the
+    replacement takes the plain all-gather (same results). CUDA/NCCL and other backends
+    keep torch's kernel; ``simplefsdp.gloo_kernel.uninstall_gloo_collectives`` undoes it.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -381,9 +384,8 @@ def data_parallel(
                         f"got {type(mesh).__name__}")
     given, mesh = mesh, data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
+    check_model(model, mesh)  # not wrapped already; the same parameters on every rank
     _DP_GROUP_NAMES.update(mesh.get_group(d).group_name for d in range(mesh.ndim))
-    from .compiler.gloo_collectives import install_gloo_collectives, uses_gloo
-
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
         install_gloo_collectives()
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._torch_compat import current_graph_task_id
+
 # storage pointer of a live gathered copy -> (sharded parameter, re-gather function)
 _gathered: dict[int, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
 _hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -76,7 +78,7 @@ def _unpack(saved):
 def start_forward() -> None:
     """Called when the outermost data_parallel forward starts (not in backward)."""
     global _hooks
-    if _hooks is None and torch._C._current_graph_task_id() == -1:
+    if _hooks is None and current_graph_task_id() == -1:
         _hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         _hooks.__enter__()
 

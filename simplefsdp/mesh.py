@@ -9,38 +9,84 @@ from __future__ import annotations
 
 import datetime
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+def check_mesh_sizes(pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
+                     prefix: str = "") -> None:
+    """Raise a ValueError unless every size is a positive integer (``dp_shard`` may be -1,
+    the rest of the world size). Needs no world size, so a config can check it at load.
+
+    ``prefix`` is how the caller's settings spell the sizes: ``"parallel."`` for the
+    trainer's ``[parallel]`` section, empty for keyword arguments."""
+    for name, size in (("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
+                       ("tp", tp)):
+        rest = name == "dp_shard" and size == -1
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and not rest):
+            extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
+            raise ValueError(f"{prefix}{name} = {size!r} is out of range: it must be a "
+                             f"positive integer{extra}")
+
+
+def mesh_sizes(world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1,
+               tp: int = 1, prefix: str = "") -> dict[str, int]:
+    """The checked sizes ``{"pp", "dp_replicate", "dp_shard", "tp"}`` of a mesh over
+    ``world_size`` ranks, ``dp_shard = -1`` filled in with the rest. A pure function: the
+    ValueError (named with ``prefix``, see ``check_mesh_sizes``) says what to change."""
+    check_mesh_sizes(pp, dp_replicate, dp_shard, tp, prefix)
+    rest = pp * dp_replicate * tp
+    if dp_shard == -1:
+        if world_size % rest:
+            raise ValueError(
+                f"world size {world_size} is not divisible by {prefix}pp * {prefix}dp_replicate"
+                f" * {prefix}tp = {pp} * {dp_replicate} * {tp} = {rest}; change those sizes "
+                f"or the number of processes")
+        dp_shard = world_size // rest
+    if rest * dp_shard != world_size:
+        raise ValueError(
+            f"{prefix}pp * {prefix}dp_replicate * {prefix}dp_shard * {prefix}tp = {pp} * "
+            f"{dp_replicate} * {dp_shard} * {tp} = {rest * dp_shard}, but the world size is "
+            f"{world_size}; set {prefix}dp_shard = -1 to use the rest, or change the sizes")
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+
+
+def check_dp_mode(mode: str, dp_replicate: int, dp_shard: int, prefix: str = "") -> None:
+    """Raise a ValueError if data-parallel ``mode`` cannot run on these sizes:
+    ``fully_shard`` shards over ``dp_shard`` alone (``dp_replicate`` must be 1),
+    ``replicate`` replicates over ``dp_replicate`` alone (``dp_shard`` must be 1; not
+    checked while it is still -1), ``hybrid_shard`` uses both. ``prefix`` as in
+    ``check_mesh_sizes``; the mode is ``{prefix}dp_mode``, or ``mode`` without one."""
+    mode_key = f"{prefix}dp_mode" if prefix else "mode"
+    if mode == "fully_shard" and dp_replicate > 1:
+        raise ValueError(f"{mode_key}='fully_shard' shards over {prefix}dp_shard only, but "
+                         f"{prefix}dp_replicate = {dp_replicate}; use {mode_key}='hybrid_shard' "
+                         f"or set {prefix}dp_replicate = 1")
+    if mode == "replicate" and dp_shard > 1:
+        raise ValueError(f"{mode_key}='replicate' replicates over {prefix}dp_replicate only, "
+                         f"but {prefix}dp_shard = {dp_shard}; set {prefix}dp_shard = 1 and "
+                         f"{prefix}dp_replicate = {dp_replicate * dp_shard}, or use "
+                         f"{mode_key}='fully_shard' / 'hybrid_shard'")
+
+
 def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 1,
               device_type: str = "cpu") -> DeviceMesh:
     """Build the ``(pp, dp_replicate, dp_shard, tp)`` mesh over all ranks.
 
-    ``dp_shard=-1`` takes whatever the other sizes leave of the world size. The process
-    group must already be initialized (``torchrun`` + ``dist.init_process_group``).
+    ``dp_shard=-1`` takes whatever the other sizes leave of the world size (see
+    ``mesh_sizes``). The process group must already be initialized (``torchrun`` +
+    ``dist.init_process_group``).
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs an initialized process group: call "
                            "torch.distributed.init_process_group first (torchrun sets it up)")
-    world = dist.get_world_size()
-    sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or (size < 1 and not (name == "dp_shard" and size == -1)):
-            raise ValueError(f"{name} must be a positive integer (dp_shard may be -1), "
-                             f"got {size!r}")
-    if dp_shard == -1:
-        rest = pp * dp_replicate * tp
-        if world % rest:
-            raise ValueError(f"world size {world} is not divisible by pp*dp_replicate*tp = {rest}")
-        sizes["dp_shard"] = world // rest
-    product = sizes["pp"] * sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
-    if product != world:
-        detail = " x ".join(f"{n}={s}" for n, s in sizes.items())
-        raise ValueError(f"mesh {detail} = {product} ranks, but the world size is {world}; "
-                         f"make the product equal the number of processes")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("make_mesh(device_type='cuda'), but CUDA is not available here "
+                           "(no GPU, or a CPU-only torch build); use device_type='cpu'")
+    sizes = mesh_sizes(dist.get_world_size(), pp, dp_replicate, dp_shard, tp)
     return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)
 
@@ -68,15 +114,7 @@ def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     if not {"dp_replicate", "dp_shard"} <= set(names):
         return mesh
-    replicate, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    check_dp_mode(mode, mesh["dp_replicate"].size(), mesh["dp_shard"].size())
     if mode == "hybrid_shard":
         return mesh["dp_replicate", "dp_shard"]
-    if mode == "fully_shard":
-        if replicate > 1:
-            raise ValueError(f"mode='fully_shard' shards over dp_shard, but dp_replicate="
-                             f"{replicate}; use mode='hybrid_shard' or set dp_replicate=1")
-        return mesh["dp_shard"]
-    if shard > 1:  # replicate
-        raise ValueError(f"mode='replicate' replicates over dp_replicate, but dp_shard={shard}; "
-                         f"build the mesh with dp_replicate=N, dp_shard=1")
-    return mesh["dp_replicate"]
+    return mesh["dp_shard"] if mode == "fully_shard" else mesh["dp_replicate"]

@@ -79,10 +79,15 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / _COMPLETE_MARK).is_file()
 
 
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
 def unwrapped_name(name: str) -> str:
-    """``name`` without the prefixes torch.compile (``_orig_mod.``) and activation
-    checkpointing (``_checkpoint_wrapped_module.``) add: the model's own name."""
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    """``name`` (a parameter or module FQN) without the components wrappers add:
+    torch.compile's ``_orig_mod``, activation checkpointing's
+    ``_checkpoint_wrapped_module`` and FSDP1's ``_fsdp_wrapped_module``. The model's own
+    name, the same however it is wrapped."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
 @torch.no_grad()

@@ -14,20 +14,15 @@ import datetime
 import multiprocessing as mp
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from simplefsdp.bench.launch import free_port
+
 COLLECTIVE_TIMEOUT_S = 120  # one collective; a deadlock turns into an error after this
 TEST_TIMEOUT_S = 600  # the whole group of processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, args, queue):
@@ -60,7 +55,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -22,7 +22,7 @@ from toy import Toy
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
-from simplefsdp.compiler.cost_model import CommModel
+from simplefsdp.compiler.cost import CommModel
 
 MS = 1e-3
 
@@ -32,8 +32,8 @@ def _model(alpha_ms: float, ns_per_byte: float) -> CommModel:
     return CommModel(pair, pair, pair, world_size=2, source="test")
 
 
-def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, overlap=0) -> list[aw.Step]:
-    return [aw.Step(f"s{i}", nbytes, c * MS, memory, overlap) for i, c in enumerate(compute_ms)]
+def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, scatter=0) -> list[aw.Step]:
+    return [aw.Step(f"s{i}", nbytes, c * MS, memory, scatter) for i, c in enumerate(compute_ms)]
 
 
 # ------------------------------------------------------------------ the greedy, pure
@@ -63,15 +63,15 @@ def test_no_overlap_means_fewest_buckets_under_memory():
     # The first test's timeline, but compute hides nothing (gloo sharing the cores):
     # every split adds an exposed alpha, so one bucket; a memory limit still splits it.
     steps = _steps([10] * 8)
-    comm = dataclasses.replace(_model(1.0, 1.0), overlap=0.0)
+    comm = dataclasses.replace(_model(1.0, 1.0), hidden_fraction=0.0)
     buckets, decisions = aw.greedy_buckets(steps, comm)
     assert buckets == [list(range(8))]
-    assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x overlap
+    assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x hidden_fraction
     assert aw.greedy_buckets(steps, comm, memory_limit_bytes=3e6)[0] == \
         [[0, 1, 2], [3, 4, 5], [6, 7]]
-    # Half overlap: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
+    # Half hidden: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
     # (1 + 4 ms fits, 1 + 5 ms exposes 1 ms, more than a new collective would).
-    half = dataclasses.replace(comm, overlap=0.5)
+    half = dataclasses.replace(comm, hidden_fraction=0.5)
     assert aw.greedy_buckets(steps, half)[0][:2] == [[0], [1, 2, 3, 4]]
 
 
@@ -101,13 +101,13 @@ def test_backward_reduce_scatter_shares_the_window():
     forward, _ = aw.greedy_buckets(_steps(compute, nbytes=500_000), comm)
     # Forward: step 1 (0.6 ms) hides behind step 0 alone; {1, 2} (1.1 ms) would not.
     assert forward == [[0], [1], [2], [3, 4]]
-    steps = _steps(compute, nbytes=500_000, overlap=500_000)
+    steps = _steps(compute, nbytes=500_000, scatter=500_000)
     backward, decisions = aw.greedy_buckets(steps, comm)
     # Backward: behind step 1's compute, step 2 alone would share it with bucket {0}'s
     # 0.6 ms reduce-scatter (0.2 ms exposed); merged into {1, 2} only 0.1 ms is exposed.
     assert backward == [[0], [1, 2], [3, 4]]
     last = decisions[-1]  # step 4 joins {3}: behind {1, 2}'s 11 ms with {0}'s RS
-    assert last.merged and last.overlap_s == pytest.approx(0.6 * MS)
+    assert last.merged and last.scatter_s == pytest.approx(0.6 * MS)
     assert last.compute_s == pytest.approx(11 * MS)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from simplefsdp.bench.__main__ import build_config, parse_args
-from simplefsdp.bench.config import BenchConfig, BenchConfigError, load_config
+from simplefsdp.bench.config import bench_help, load_config, parse_args
+from simplefsdp.train.config_reader import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_VARIANTS = ["simplefsdp-eager", "simplefsdp-reordering", "simplefsdp-auto",
@@ -29,14 +29,14 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):  # never look like torchrun
         env.pop(var, None)
     return subprocess.run(
-        [sys.executable, "-m", "simplefsdp.bench", "--output-dir", str(tmp_path), *flags],
+        [sys.executable, "-m", "simplefsdp.bench", "--bench.output_dir", str(tmp_path), *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_smoke_two_ranks(tmp_path):
-    proc = _bench(tmp_path, "--world-size", "2", "--model-arg", "n_layers=1",
-                  "--model-arg", "dim=32", "--seq-len", "16", "--batch-size", "2",
-                  "--warmup", "3", "--steps", "2", "--compile-backend", "aot_eager",
+    proc = _bench(tmp_path, "--world-size", "2", "--model.n_layers", "1",
+                  "--model.dim", "32", "--training.seq_len", "16", "--training.batch_size", "2",
+                  "--bench.warmup", "3", "--bench.steps", "2", "--compile.backend", "aot_eager",
                   "--variants", ",".join(SMOKE_VARIANTS))
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = list(tmp_path.iterdir())
@@ -96,22 +96,57 @@ def test_unknown_variant_is_a_clear_error(tmp_path):
 
 
 def test_config_validation(tmp_path):
-    with pytest.raises(BenchConfigError, match="warmup"):
-        BenchConfig(warmup=2).validate()
-    with pytest.raises(BenchConfigError, match="max_seq_len"):
-        BenchConfig(seq_len=10_000).validate()
-    with pytest.raises(BenchConfigError, match="unknown \\[model\\] keys"):
-        BenchConfig(model_overrides={"width": 3}).validate()
+    with pytest.raises(ConfigError, match="bench.warmup"):
+        load_config(None, ["--bench.warmup", "2"])
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        load_config(None, ["--training.seq_len", "10000"])
+    with pytest.raises(ConfigError, match="unknown key model.width"):
+        load_config(None, ["--model.width", "3"])
+    with pytest.raises(ConfigError, match="bench.variants lists a variant twice"):
+        parse_args(["--variants", "fsdp2-eager,fsdp2-eager"])
+    with pytest.raises(ConfigError, match="job.device"):
+        parse_args(["--device", "tpu"])
+
+
+def test_config_file_and_overrides(tmp_path):
+    """The trainer's reader: TOML sections, then --section.key overrides and the short
+    flags the README documents; an unset world size is the caller's default."""
     path = tmp_path / "bench.toml"
-    path.write_text('world_size = 3\nsteps = 4\n[model]\npreset = "debug"\nn_layers = 1\n')
-    cfg = load_config(path)
-    assert (cfg.world_size, cfg.steps, cfg.model_overrides) == (3, 4, {"n_layers": 1})
-    cfg, explicit = build_config(parse_args(["--config", str(path), "--steps", "7",
-                                             "--model-arg", "dim=64"]))
-    assert explicit and cfg.steps == 7 and cfg.model_overrides == {"n_layers": 1, "dim": 64}
-    path.write_text("wold_size = 3\n")
-    with pytest.raises(BenchConfigError, match="unknown keys"):
-        load_config(path)
+    path.write_text('[bench]\nworld_size = 3\nsteps = 4\nvariants = ["fsdp2-eager"]\n'
+                    '[model]\nname = "debug"\nn_layers = 1\n')
+    cfg = load_config(str(path))
+    assert (cfg.bench.world_size, cfg.bench.steps, cfg.model.n_layers) == (3, 4, 1)
+    assert cfg.selected_variants() == ["fsdp2-eager"]
+    cfg = parse_args(["--config", str(path), "--bench.steps", "7", "--model.dim", "64",
+                      "--variants", "simplefsdp-eager, compute-only", "--fake-pg",
+                      "--device", "cpu", "--world-size", "4"])
+    assert cfg.bench.steps == 7 and cfg.model_args().dim == 64 and cfg.model.n_layers == 1
+    assert cfg.bench.variants == ["simplefsdp-eager", "compute-only"]
+    assert cfg.bench.fake_pg and cfg.bench.world_size == 4
+    assert parse_args([], default_world_size=8).bench.world_size == 8
+    assert parse_args(["--config", str(path)], default_world_size=8).bench.world_size == 3
+    assert load_config(None).selected_variants()[0] == "simplefsdp-eager"  # empty: all
+    path.write_text("[bench]\nwold_size = 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'world_size'"):
+        load_config(str(path))
+    path.write_text('[bench]\nvariants = "fsdp2-eager"\n')
+    with pytest.raises(ConfigError, match="bench.variants .* expected a list"):
+        load_config(str(path))
+
+
+def test_shipped_config_and_help():
+    """configs/bench_debug.toml is the defaults at 2 ranks; --help lists every key."""
+    shipped = load_config(str(ROOT / "configs" / "bench_debug.toml"), default_world_size=5)
+    assert shipped == load_config(None, ["--bench.world_size", "2"])
+    text = bench_help()
+    for section in ("model", "training", "compile", "job", "bench"):
+        assert f"[{section}]" in text
+    for flag in ("--model.n_layers", "--training.batch_size", "--compile.backend",
+                 "--job.device", "--bench.variants", "--bench.output_dir", "--world-size"):
+        assert flag in text, flag
+    proc = subprocess.run([sys.executable, "-m", "simplefsdp.bench", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == text
 
 
 def test_world_size_mismatch_under_torchrun(monkeypatch):
@@ -119,8 +154,8 @@ def test_world_size_mismatch_under_torchrun(monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(BenchConfigError, match="torchrun started 4"):
-        run_torchrun(BenchConfig(world_size=2))
+    with pytest.raises(ConfigError, match="torchrun started 4"):
+        run_torchrun(parse_args(["--world-size", "2"]))
 
 
 class _FailsOnRank1(nn.Module):
@@ -146,9 +181,10 @@ def _run_with_broken_variant(rank, world):
         "broken", "fails on one rank mid-run",
         lambda ctx: variants.Built(_FailsOnRank1(variants.plain_model(ctx))))
     variants.VARIANTS["broken"] = spec
-    cfg = BenchConfig(model_overrides={"n_layers": 1, "dim": 32}, seq_len=16, batch_size=2,
-                      warmup=3, steps=2, world_size=world,
-                      variants=["simplefsdp-eager", "broken", "fsdp2-eager"])
+    cfg = parse_args(["--model.n_layers", "1", "--model.dim", "32", "--training.seq_len", "16",
+                      "--training.batch_size", "2", "--bench.steps", "2",
+                      "--world-size", str(world), "--variants", "simplefsdp-eager,fsdp2-eager"])
+    cfg.bench.variants.insert(1, "broken")  # registered here, after validation
     return runner.run_benchmark(cfg, rank, world, fake=False, local_world=world)
 
 
@@ -165,9 +201,9 @@ def test_a_variant_failing_on_one_rank_is_dropped_on_all():
 def test_fake_process_group_mode(tmp_path):
     """One process as 4 ranks (the single-GPU mode, here on CPU): sharding shows in the
     held memory; timings are flagged as not real and losses are not compared."""
-    proc = _bench(tmp_path, "--fake-pg", "--world-size", "4", "--model-arg", "n_layers=1",
-                  "--model-arg", "dim=32", "--seq-len", "16", "--batch-size", "2",
-                  "--steps", "2", "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
+    proc = _bench(tmp_path, "--fake-pg", "--world-size", "4", "--model.n_layers", "1",
+                  "--model.dim", "32", "--training.seq_len", "16", "--training.batch_size", "2",
+                  "--bench.steps", "2", "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(next(tmp_path.glob("*/results.json")).read_text())
     meta = results["meta"]

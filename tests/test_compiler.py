@@ -52,10 +52,10 @@ def _check_schedule(report) -> None:
         # previous reduce-scatter's wait deferred until just before the next one
         assert pos["wait reduce_scatter", prev] < pos["reduce_scatter", nxt]
         # ... so computation runs while it is in flight
-        assert report.overlap[f"reduce_scatter {prev}"] > 0, report.overlap
+        assert report.nodes_in_flight[f"reduce_scatter {prev}"] > 0, report.nodes_in_flight
     if report.graph == "forward":  # every prefetched gather overlaps computation
         for name in starts[1:]:
-            assert report.overlap[f"all_gather {name}"] > 0, report.overlap
+            assert report.nodes_in_flight[f"all_gather {name}"] > 0, report.nodes_in_flight
 
 
 def _compiled_variants(rank: int, world: int) -> dict:
@@ -148,3 +148,15 @@ def test_bad_backend_arguments():
         sf.compile_backend(module_plan=["layers.0"])
     with pytest.raises(ValueError, match="module_plan entries"):
         sf.compile_backend(bucketing="manual", module_plan=[3])
+
+
+def test_wrapper_names_are_stripped_alike():
+    """State dict keys and the module names the passes bucket by drop the same wrapper
+    components (compile, activation checkpointing, FSDP1), wherever they stand."""
+    from simplefsdp.state_dict import unwrapped_name
+
+    assert unwrapped_name("_orig_mod.layers.0._checkpoint_wrapped_module.w.weight") == \
+        "layers.0.w.weight"
+    assert unwrapped_name("layers.1._fsdp_wrapped_module") == "layers.1"
+    assert unwrapped_name("layers.2.attention") == "layers.2.attention"
+    assert unwrapped_name("") == ""

@@ -60,29 +60,32 @@ def test_cli_overrides_file(tmp_path: Path):
     assert cfg.training.steps == 4 and cfg.training.lr == 1.0  # TOML int accepted as float
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["--training.stepz", "3"], "training.stepz"),
-    (["--trainin.steps", "3"], "[trainin]"),
-    (["--training.steps", "three"], "training.steps"),
-    (["--training.steps", "1.5"], "training.steps"),
-    (["--compile.enable", "yes"], "compile.enable"),
-    (["--parallel.dp_mode", "zero3"], "parallel.dp_mode"),
-    (["--compile.backend", "eager"], "compile.backend"),
-    (["--training.mixed_precision_param", "fp16"], "training.mixed_precision_param"),
-    (["--training.lr", "0"], "training.lr"),
-    (["--parallel.dp_shard", "0"], "parallel.dp_shard"),
-    (["--model.name", "gpt2"], "model.name"),
-    (["--training.seq_len", "4096"], "training.seq_len"),
-    (["--data.dataset", "/no/such/file.txt"], "data.dataset"),
-    (["--training.steps"], "training.steps"),
-    (["steps", "3"], "steps"),
-    (["--checkpoint.resume", "true"], "checkpoint.enable"),
-    (["--parallel.tp", "3"], "parallel.tp = 3 does not divide model.n_heads"),
-    (["--parallel.tp", "4"], "parallel.tp = 4 does not divide model.n_kv_heads"),
-    (["--parallel.pp", "8"], "model.n_layers = 4"),
-    (["--parallel.pp", "2", "--model.tie_embeddings", "true"], "model.tie_embeddings"),
+# "command-line override(s) => text the error must contain"
+@pytest.mark.parametrize("case", [
+    "--training.stepz 3 => training.stepz",
+    "--trainin.steps 3 => [trainin]",
+    "--training.steps three => training.steps",
+    "--training.steps 1.5 => training.steps",
+    "--compile.enable yes => compile.enable",
+    "--parallel.dp_mode zero3 => parallel.dp_mode",
+    "--compile.backend eager => compile.backend",
+    "--training.mixed_precision_param fp16 => training.mixed_precision_param",
+    "--training.lr 0 => training.lr",
+    "--parallel.dp_shard 0 => parallel.dp_shard",
+    "--model.name gpt2 => model.name",
+    "--training.seq_len 4096 => training.seq_len",
+    "--data.dataset /no/such/file.txt => data.dataset",
+    "--training.steps => training.steps",
+    "steps 3 => steps",
+    "--checkpoint.resume true => checkpoint.enable",
+    "--parallel.tp 3 => parallel.tp = 3 does not divide model.n_heads",
+    "--parallel.tp 4 => parallel.tp = 4 does not divide model.n_kv_heads",
+    "--parallel.pp 8 => model.n_layers = 4",
+    "--parallel.pp 2 --model.tie_embeddings true => model.tie_embeddings",
 ])
-def test_bad_cli_input_names_the_key(overrides: list[str], named: str):
+def test_bad_cli_input_names_the_key(case: str):
+    flags, named = case.split(" => ")
+    overrides = flags.split()
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert named in str(info.value)
@@ -140,3 +143,43 @@ def test_resume_flag_is_shorthand():
 def test_missing_config_file_is_a_config_error(tmp_path: Path):
     with pytest.raises(ConfigError, match="no such file"):
         parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_mesh_rules_have_one_owner():
+    """``simplefsdp.mesh`` owns the size and mode rules: the config's resolve gives the
+    same sizes, and the same errors in the config's key names."""
+    from simplefsdp.mesh import check_dp_mode, mesh_sizes
+
+    assert mesh_sizes(8, pp=2, tp=2) == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    for world, flags in [(8, ["--parallel.tp", "2"]), (12, ["--parallel.pp", "2"]),
+                         (4, ["--parallel.dp_replicate", "2", "--parallel.dp_mode",
+                              "hybrid_shard"])]:
+        par = load_config(None, flags).parallel
+        sizes = mesh_sizes(world, par.pp, par.dp_replicate, par.dp_shard, par.tp)
+        assert par.resolve(world).dp_shard == sizes["dp_shard"]
+    with pytest.raises(ValueError, match=r"^world size 6 is not divisible by pp \* "):
+        mesh_sizes(6, pp=4)
+    with pytest.raises(ConfigError, match=r"^world size 6 is not divisible by parallel.pp"):
+        load_config(None, ["--parallel.pp", "4"]).parallel.resolve(6)
+    with pytest.raises(ValueError, match=r"^tp = 0 is out of range"):
+        mesh_sizes(4, tp=0)
+    with pytest.raises(ConfigError, match=r"^parallel.tp = 0 is out of range"):
+        load_config(None, ["--parallel.tp", "0"])
+    with pytest.raises(ValueError, match="use mode='hybrid_shard'"):
+        check_dp_mode("fully_shard", 2, 2)
+    check_dp_mode("replicate", 4, -1)  # dp_shard not resolved yet: checked at resolve
+
+
+def test_pipeline_rules_have_one_owner():
+    """``split_stage`` refuses what the config refuses, with the same message."""
+    from simplefsdp.models.llama import Transformer
+    from simplefsdp.train.pipeline import split_stage, stage_layers
+
+    for pp, model_flags in ((8, []), (2, ["--model.tie_embeddings"])):
+        with pytest.raises(ConfigError) as at_load:
+            load_config(None, ["--parallel.pp", str(pp), *model_flags])
+        args = load_config(None, model_flags).model.model_args()
+        with pytest.raises(ConfigError) as at_split:
+            split_stage(Transformer(args), pp, 0)
+        assert str(at_split.value) == str(at_load.value)
+    assert [stage_layers(5, 2, s) for s in (0, 1)] == [[0, 1, 2], [3, 4]]

@@ -1,4 +1,4 @@
-"""Tests for simplefsdp.compiler.cost_model: communication calibration and its cache,
+"""Tests for simplefsdp.compiler.cost: communication calibration and its cache,
 compute-time estimates of FX nodes, and the liveness-based memory estimate."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from rank_runner import run_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from simplefsdp.compiler import cost_model as cm
+from simplefsdp import agreement
+from simplefsdp.compiler.collectives import collective_kind
+from simplefsdp.compiler.cost import comm, compute, memory
+from simplefsdp.hardware import gpu_peak_flops, gpu_spec
 
 # ---------------------------------------------------------------------------- comm model
 
@@ -32,12 +35,12 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
     attempts = 0
     for _ in range(_ATTEMPTS):
         attempts += 1
-        model = cm.calibrate(repeats=7)
-        fresh = cm.measure_collectives([(kind, n) for kind in cm.COLLECTIVE_KINDS
+        model = comm.calibrate(repeats=7)
+        fresh = comm.measure_collectives([(kind, n) for kind in comm.COLLECTIVE_KINDS
                                         for n in _CHECK_SIZES], repeats=7)
-        fresh = cm.agree_across_ranks(fresh)
+        fresh = agreement.agree_across_ranks(fresh)
         ratios = {}
-        for i, kind in enumerate(cm.COLLECTIVE_KINDS):
+        for i, kind in enumerate(comm.COLLECTIVE_KINDS):
             for j, n in enumerate(_CHECK_SIZES):
                 ratios[f"{kind}@{n}"] = model.predict(kind, n) / fresh[i * len(_CHECK_SIZES) + j]
         if all(1 / _TOLERANCE <= r <= _TOLERANCE for r in ratios.values()):
@@ -45,34 +48,41 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
     # agree_across_ranks: MAX, identical everywhere; lengths must match. Compiler passes
     # run inside the compiler's FakeTensorMode: the collective must still be real.
     with FakeTensorMode():
-        agreed = cm.agree_across_ranks([float(rank), 10.0 - rank])
+        agreed = agreement.agree_across_ranks([float(rank), 10.0 - rank])
     try:
-        cm.agree_across_ranks([1.0] * (rank + 1))
+        agreement.agree_across_ranks([1.0] * (rank + 1))
         mismatch = "no error"
     except ValueError as e:
         mismatch = str(e)
-    return {"model": model.to_dict(), "params": {k: model.params(k) for k in cm.COLLECTIVE_KINDS},
+    return {"model": model.to_dict(), "params": {k: model.params(k) for k in comm.COLLECTIVE_KINDS},
             "ratios": ratios, "attempts": attempts, "agreed": agreed,
             "mismatch": mismatch}
 
 
 def _cache_roundtrip(rank: int, world_size: int, dirs: list[str]) -> dict:
     os.environ["SIMPLEFSDP_CACHE_DIR"] = dirs[rank]  # rank 1's folder stays empty
-    key = cm.cache_key()
-    no_cache = cm.get_comm_model(calibrate=False, cache=False)
-    first = cm.get_comm_model(sizes=[4096, 65536], repeats=2)
+    key = comm.cache_key()
+    no_cache = comm.get_comm_model(calibrate_on_miss=False, cache=False)
+    first = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("a cached run must not time collectives")
 
-    measure, cm.measure_collective = cm.measure_collective, no_timing
+    # what calibrate() times with: replaced, so a calibration now would fail the test
+    measure, comm.measure_collectives = comm.measure_collectives, no_timing
     try:
-        second = cm.get_comm_model(sizes=[4096, 65536], repeats=2)
+        second = comm.get_comm_model(sizes=[4096, 65536], repeats=2)
         with FakeTensorMode():  # as inside a torch.compile backend
-            third = cm.get_comm_model(calibrate=False)  # a cache hit beats the defaults
+            # a cache hit beats the defaults
+            third = comm.get_comm_model(calibrate_on_miss=False)
+        try:  # the guard is live: a calibration does reach the replaced function
+            comm.calibrate(sizes=[4096], repeats=1)
+            guarded = False
+        except AssertionError:
+            guarded = True
     finally:
-        cm.measure_collective = measure
-    return {"key": key, "first": first, "second": second, "third": third,
+        comm.measure_collectives = measure
+    return {"key": key, "first": first, "second": second, "third": third, "guarded": guarded,
             "second_source": second.source, "no_cache": no_cache,
             "files": sorted(os.listdir(dirs[rank]))}
 
@@ -102,8 +112,8 @@ def test_calibration_fits_agrees_and_predicts(rank_results):
         assert alpha >= 0 and beta >= 0
         assert alpha > 0 or beta > 0
     assert r0["model"]["source"] == "calibrated" and r0["model"]["world_size"] == 2
-    # the measured overlap fraction is agreed (MIN) across ranks too
-    assert r0["model"]["overlap"] == r1["model"]["overlap"]
+    # the measured hidden fraction is agreed (MIN) across ranks too
+    assert r0["model"]["hidden_fraction"] == r1["model"]["hidden_fraction"]
     for name, ratio in r0["ratios"].items():
         assert 1 / _TOLERANCE <= ratio <= _TOLERANCE, (name, r0["ratios"], r0["params"])
     assert r0["agreed"] == r1["agreed"] == [1.0, 10.0]
@@ -116,13 +126,15 @@ def test_cache_roundtrip_and_broadcast(rank_results):
     assert r0["key"]["world_size"] == 2 and r0["key"]["backend"] == "gloo"
     assert r0["key"]["device_type"] == "cpu"
     assert r0["key"]["torch_version"] == torch.__version__
-    assert r0["no_cache"] == cm.default_comm_model(2, "gloo_cpu_loopback")
+    assert r0["no_cache"] == comm.default_comm_model(2, "gloo_cpu_loopback")
     assert r0["no_cache"].source == "default:gloo_cpu_loopback"
     # only rank 0 wrote, one file, no leftover tmp file
-    assert r0["files"] == [cm.cache_path(r0["key"]).name] and r1["files"] == []
-    # the second call timed nothing (measure_collective raised if called) and rank 1,
-    # whose cache folder is empty, got rank 0's figures
+    assert r0["files"] == [comm.cache_path(r0["key"]).name] and r1["files"] == []
+    # the second call timed nothing (measure_collectives raised if called; "guarded":
+    # calibrate() does call it) and rank 1, whose cache folder is empty, got rank 0's
+    # figures
     for r in (r0, r1):
+        assert r["guarded"]
         assert r["second"] == r0["first"] and r["third"] == r0["first"]
         assert r["second_source"] == "cache"
     stored = json.loads((root / "rank0" / r0["files"][0]).read_text())
@@ -131,41 +143,41 @@ def test_cache_roundtrip_and_broadcast(rank_results):
 
 def test_cache_is_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv("SIMPLEFSDP_CACHE_DIR", str(tmp_path))
-    assert cm.cache_dir() == tmp_path
+    assert comm.cache_dir() == tmp_path
     key = {"world_size": 2, "local_world_size": 2, "backend": "gloo", "device_type": "cpu",
            "device_name": "x86_64", "torch_version": torch.__version__}
-    model = cm.CommModel((1e-4, 1e-9), (2e-4, 2e-9), (3e-4, 3e-9), world_size=2)
-    cm._store_cached(key, model)
-    assert cm._load_cached(key) == model
+    model = comm.CommModel((1e-4, 1e-9), (2e-4, 2e-9), (3e-4, 3e-9), world_size=2)
+    comm._store_cached(key, model)
+    assert comm._load_cached(key) == model
     for field, other in [("world_size", 4), ("backend", "nccl"), ("device_type", "cuda"),
                          ("device_name", "H100"), ("torch_version", "0.0")]:
         changed = dict(key, **{field: other})
-        assert cm.cache_path(changed) != cm.cache_path(key)
-        assert cm._load_cached(changed) is None
+        assert comm.cache_path(changed) != comm.cache_path(key)
+        assert comm._load_cached(changed) is None
     # a file whose stored key does not match (e.g. a hash collision) is ignored
-    cm.cache_path(key).write_text(json.dumps({"key": dict(key, world_size=8),
+    comm.cache_path(key).write_text(json.dumps({"key": dict(key, world_size=8),
                                               "model": model.to_dict()}))
-    assert cm._load_cached(key) is None
-    cm.cache_path(key).write_text("{not json")
-    assert cm._load_cached(key) is None
+    assert comm._load_cached(key) is None
+    comm.cache_path(key).write_text("{not json")
+    assert comm._load_cached(key) is None
 
 
 def test_fit_and_defaults():
     sizes = [4096 * 4 ** i for i in range(6)]
-    alpha, beta = cm.fit_alpha_beta(sizes, [5e-5 + 2e-10 * n for n in sizes])
+    alpha, beta = comm.fit_alpha_beta(sizes, [5e-5 + 2e-10 * n for n in sizes])
     assert alpha == pytest.approx(5e-5, rel=1e-9) and beta == pytest.approx(2e-10, rel=1e-9)
     # clamping: a negative intercept is refitted through the origin, a negative slope flat
-    assert cm.fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.5])[0] == 0.0
-    assert cm.fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])[1] == 0.0
-    nv = cm.default_comm_model(8, "nvlink_h100")
+    assert comm.fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.5])[0] == 0.0
+    assert comm.fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])[1] == 0.0
+    nv = comm.default_comm_model(8, "nvlink_h100")
     # 1 GiB all-gather over 8 H100s: 7/8 GiB at 360 GB/s ~ 2.6 ms
     assert 2e-3 < nv.predict("all_gather_into_tensor", 2 ** 30) < 3.5e-3
     assert nv.predict("all_reduce", 2 ** 30) > 1.9 * nv.predict("reduce_scatter", 2 ** 30)
-    ib = cm.default_comm_model(16, "infiniband_ndr")
+    ib = comm.default_comm_model(16, "infiniband_ndr")
     assert ib.predict("all_gather", 2 ** 30) > 5 * nv.predict("all_gather", 2 ** 30)
     with pytest.raises(ValueError):
         nv.predict("broadcast", 1)
-    assert cm.get_comm_model() == cm.default_comm_model(1)  # no process group here
+    assert comm.get_comm_model() == comm.default_comm_model(1)  # no process group here
 
 
 # ------------------------------------------------------------------------- compute model
@@ -196,24 +208,24 @@ def test_estimate_node_time(one_thread):
     nodes = _nodes(gm)
     mm, add = nodes["mm"], nodes["add"]
     cache: dict = {}
-    t_mm = cm.estimate_node_time(mm, cache=cache)
-    t_add = cm.estimate_node_time(add, cache=cache)
+    t_mm = compute.estimate_node_time(mm, cache=cache)
+    t_add = compute.estimate_node_time(add, cache=cache)
     assert t_mm > 0 and t_add > 0
     assert t_mm > t_add  # 33.5 MFLOP vs 65 K additions
     assert len(cache) == 2
-    assert cm.estimate_node_time(mm, cache=cache) == t_mm  # cached: not timed again
+    assert compute.estimate_node_time(mm, cache=cache) == t_mm  # cached: not timed again
     assert len(cache) == 2
 
     # roofline fallback: asked for, or because running fails (inputs over the budget)
-    f_mm = cm.estimate_node_time(mm, measure=False)
-    f_add = cm.estimate_node_time(add, measure=False)
+    f_mm = compute.estimate_node_time(mm, measure=False)
+    f_add = compute.estimate_node_time(add, measure=False)
     assert f_mm > f_add > 0
-    assert cm.estimate_node_time(mm, max_input_bytes=0) == f_mm
-    spec = cm.ComputeSpec({torch.float32: 1e12}, 1e11)
+    assert compute.estimate_node_time(mm, max_input_bytes=0) == f_mm
+    spec = compute.ComputeSpec({torch.float32: 1e12}, 1e11)
     expected = 2 * n ** 3 / 1e12 + 3 * n * n * 4 / 1e11  # flops + (2 inputs + output) bytes
-    assert cm.estimate_node_time(mm, measure=False, spec=spec) == pytest.approx(expected)
+    assert compute.estimate_node_time(mm, measure=False, spec=spec) == pytest.approx(expected)
 
-    times = cm.estimate_graph_compute(gm)
+    times = compute.estimate_graph_compute(gm)
     assert len(times) == len(gm.graph.nodes)
     by_name = dict(zip(nodes, times, strict=True))
     assert by_name["a_1"] == by_name["output"] == 0.0
@@ -221,7 +233,7 @@ def test_estimate_node_time(one_thread):
 
     # an active fake mode (as inside the compiler) does not stop the measurement
     with FakeTensorMode():
-        assert cm.estimate_node_time(mm) > 0
+        assert compute.estimate_node_time(mm) > 0
 
 
 def test_zero_cost_nodes():
@@ -229,7 +241,7 @@ def test_zero_cost_nodes():
         y = x.view(4, 4).t()
         return y.sum(), y[0]
     gm = make_fx(f, tracing_mode="fake")(torch.randn(16))
-    times = dict(zip(_nodes(gm), cm.estimate_graph_compute(gm), strict=True))
+    times = dict(zip(_nodes(gm), compute.estimate_graph_compute(gm), strict=True))
     assert times["view"] == times["t"] == times["select"] == times["x_1"] == 0.0
     assert times["sum_1"] > 0
 
@@ -249,14 +261,14 @@ def test_peak_memory_estimate():
     names = [n.name for n in gm.graph.nodes]
     assert names == ["x_1", "w_1", "mm", "slice_1", "relu", "mul", "output"]
     nodes = _nodes(gm)
-    assert [cm.tensor_bytes(nodes[k]) for k in names] == [512, 2048, 1024, 128, 128, 128, 0]
-    peak, live = cm.peak_memory_estimate(gm)
+    assert [memory.tensor_bytes(nodes[k]) for k in names] == [512, 2048, 1024, 128, 128, 128, 0]
+    peak, live = memory.peak_memory_estimate(gm)
     # By hand: the inputs (512 + 2048 = 2560 B) are live throughout; mm (1024) from its
     # definition to relu, which reads it through the slice; relu (128) until mul; mul
     # (128) until the output.
     assert live == [2560, 2560, 3584, 3584, 2560 + 1024 + 128, 2560 + 128 + 128, 2560 + 128]
     assert peak == 3712
-    assert cm.peak_memory_estimate(gm.graph) == (peak, live)
+    assert memory.peak_memory_estimate(gm.graph) == (peak, live)
 
 
 def test_tensor_bytes_tuple_and_inplace():
@@ -266,6 +278,29 @@ def test_tensor_bytes_tuple_and_inplace():
         return v, i
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8))
     nodes = _nodes(gm)
-    assert cm.tensor_bytes(nodes["max_1"]) == 4 * 4 + 4 * 8
-    peak, live = cm.peak_memory_estimate(gm)
+    assert memory.tensor_bytes(nodes["max_1"]) == 4 * 4 + 4 * 8
+    peak, live = memory.peak_memory_estimate(gm)
     assert peak == 4 * 8 * 4 + 4 * 4 + 4 * 8  # x + the (values, indices) tuple
+
+
+# ------------------------------------------------------------------------ hardware table
+
+
+def test_gpu_table_and_collective_names():
+    # the more specific names win: an H20 is not an H100 (148 vs 989 TFLOP/s bf16), an
+    # H200 is not an H20, the H100 PCIe card is slower than the SXM one
+    assert gpu_peak_flops("NVIDIA H20") == 148e12
+    assert gpu_peak_flops("NVIDIA H200") == 989e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert gpu_peak_flops("Tesla T4") is None
+    assert gpu_spec("NVIDIA H20").mem_bandwidth_Bps == 4.0e12
+    # one normalization for graph, c10d and profiler names
+    for name, kind in [("all_gather_into_tensor", "all_gather"),
+                       ("c10d::_allgather_base_", "all_gather"),
+                       ("_c10d_functional::reduce_scatter_tensor", "reduce_scatter"),
+                       ("c10d::_reduce_scatter_base_", "reduce_scatter"),
+                       ("allreduce_coalesced", "all_reduce"), ("all_reduce", "all_reduce"),
+                       ("_c10d_functional::wait_tensor", None), ("aten::mm", None)]:
+        assert collective_kind(name) == kind, name

@@ -113,3 +113,29 @@ def test_val_is_deterministic_and_separate(dataset: TextDataset):
     torch.testing.assert_close(a[0], dataset.val_tokens[:32].long())
     with pytest.raises(ValueError, match="split"):
         dataset.loader("test", 2, 32)
+
+
+def test_bad_corpus_files_name_the_key_and_the_size_needed(tmp_path: Path):
+    """Empty, tiny and binary files used to give a raw ValueError / UnicodeDecodeError, and
+    a file smaller than one global batch was repeated within the batch."""
+    from simplefsdp.train.config import ConfigError
+
+    empty, tiny, binary = tmp_path / "empty.txt", tmp_path / "tiny.txt", tmp_path / "x.bin"
+    empty.write_text("")
+    tiny.write_text("to be or not")
+    binary.write_bytes(bytes(range(256)) * 4)
+    for path in (empty, tiny):
+        with pytest.raises(ConfigError, match=rf"data.dataset = '{path}' is too small.*needs 1 "
+                                              rf"windows, about 33 tokens"):
+            TextDataset(str(path)).loader("train", batch_size=1, seq_len=32)
+    with pytest.raises(ConfigError, match=r"data.dataset = .*x.bin' is not UTF-8 text"):
+        TextDataset(str(binary))
+    # 100 windows of 17 tokens, but one global batch (4 ranks x 8 x 4 microsteps) needs 128.
+    small = tmp_path / "small.txt"
+    small.write_text("a" * (100 * 16 + 1))
+    data = TextDataset(str(small), val_fraction=0)
+    assert (len(data.train_tokens) - 1) // 16 == 100
+    with pytest.raises(ConfigError, match="its train split has .* but one global batch "
+                                          "needs 128 windows, about 2049 tokens"):
+        data.loader("train", 8, 16, dp_rank=0, dp_world=4, min_windows=128)
+    data.loader("train", 8, 16, dp_rank=0, dp_world=4, min_windows=100)  # exactly enough

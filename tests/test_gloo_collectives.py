@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from torch.profiler import profile
 
 import simplefsdp as sf
-from simplefsdp.compiler.gloo_collectives import (
+from simplefsdp.gloo_kernel import (
     install_gloo_collectives,
     installed,
     uninstall_gloo_collectives,
@@ -93,7 +93,7 @@ def test_without_kernel_torch_takes_the_coalesced_path():
 
     (The reported abort with several of these in flight did not reproduce on this
     machine, so this test pins the dispatch rather than a crash; see the module doc of
-    simplefsdp/compiler/gloo_collectives.py.)"""
+    simplefsdp/gloo_kernel.py.)"""
     results = run_ranks(_gather_in_flight, 2, False)
     for result in results:
         assert result["wrong"] == []

@@ -1,119 +1,154 @@
-"""Benchmark settings: one dataclass, read from a TOML file and overridden by CLI flags.
+"""Benchmark settings: the trainer's TOML schema and override syntax, plus ``[bench]``.
 
-A config file holds the fields of :class:`BenchConfig` at top level and a ``[model]``
-table: ``preset`` names one of ``LLAMA3_PRESETS``, any other key overrides a
-``ModelArgs`` field of it. Example (``configs/bench_debug.toml``)::
+A benchmark config is read by the trainer's reader (``train.config_reader``): the same
+file format and the same ``--section.key value`` overrides. Keys that mean the same
+thing as in a training job keep the trainer's section and name (``[model]``,
+``[training] batch_size``, ``[compile] backend``, ``[job] device``); settings only a
+benchmark has are in ``[bench]``. ``python -m simplefsdp.bench --help`` lists every key.
+Example (``configs/bench_debug.toml``)::
 
-    world_size = 2
-    batch_size = 4
-    seq_len = 128
     [model]
-    preset = "debug"
+    name = "debug"
+    [training]
+    batch_size = 4
+    [bench]
+    world_size = 2
+    variants = ["simplefsdp-eager", "fsdp2-eager"]
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
+import copy
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from ..models.llama import LLAMA3_PRESETS, ModelArgs
+from ..models.llama import ModelArgs
+from ..train.config import CompileBackend, Device, ModelConfig, check_seq_len
+from ..train.config_reader import ConfigError, config_help, read_config, require, split_argv
 
 
-class BenchConfigError(ValueError):
-    """A benchmark setting is unknown or out of range."""
+@dataclass
+class BenchTraining:
+    """``[training]``: the trainer's keys the benchmark uses, with the same meaning."""
+
+    batch_size: int = 4  # sequences per rank and step
+    seq_len: int = 128
+    lr: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class BenchCompile:
+    """``[compile]``: backend of our compiled variants and of FSDP2's per-block compile."""
+
+    backend: CompileBackend = "inductor"
+
+
+@dataclass
+class BenchJob:
+    """``[job]``: cpu (gloo) or cuda (NCCL, one GPU per rank)."""
+
+    device: Device = "cpu"
+
+
+@dataclass
+class BenchSection:
+    """``[bench]``: settings only a benchmark has."""
+
+    world_size: int | None = None  # ranks; none: torchrun's world size, or 2
+    # Unmeasured steps per variant: the first compiles (FSDP2 and DDP initialize lazily),
+    # the second settles (DDP rebuilds its buckets), the last one runs under the profiler.
+    warmup: int = 3
+    steps: int = 10  # measured steps per variant
+    variants: list[str] = field(default_factory=list)  # empty: all of them (see --list)
+    fake_pg: bool = False  # one process pretends to be world_size ranks (compile/memory only)
+    compile_cache: bool = False  # False: Inductor/AOT caches off, so compile time is cold
+    threads: int = 0  # torch threads per rank; 0: CPU cores / local ranks
+    loss_tolerance: float = 1e-4  # max |loss - reference loss| over all steps
+    timeout_s: float = 900.0  # one collective; a stuck rank raises instead of hanging
+    output_dir: str = "bench_results"  # results go to <output_dir>/<timestamp>/
 
 
 @dataclass
 class BenchConfig:
     """Everything one benchmark invocation needs; every rank gets the same copy."""
 
-    model: str = "debug"  # a preset of LLAMA3_PRESETS
-    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelArgs fields
-    world_size: int = 2
-    batch_size: int = 4  # sequences per rank and step
-    seq_len: int = 128
-    # Unmeasured steps per variant: the first compiles (FSDP2 and DDP initialize lazily),
-    # the second settles (DDP rebuilds its buckets), the last one runs under the profiler.
-    warmup: int = 3
-    steps: int = 10  # measured steps per variant
-    variants: list[str] = field(default_factory=list)  # empty: all of them
-    device: str = "cpu"  # cpu (gloo) or cuda (nccl)
-    fake_pg: bool = False  # one process pretends to be world_size ranks (compile/memory only)
-    compile_backend: str = "inductor"  # for our compiled variants and FSDP2 per-block
-    compile_cache: bool = False  # False: Inductor/AOT caches off, so compile time is cold
-    lr: float = 1e-3
-    seed: int = 0
-    threads: int = 0  # torch threads per rank; 0: CPU cores / local ranks
-    loss_tolerance: float = 1e-4  # max |loss - reference loss| over all steps
-    timeout_s: float = 900.0  # one collective; a stuck rank raises instead of hanging
-    output_dir: str = "bench_results"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: BenchTraining = field(default_factory=BenchTraining)
+    compile: BenchCompile = field(default_factory=BenchCompile)
+    job: BenchJob = field(default_factory=BenchJob)
+    bench: BenchSection = field(default_factory=BenchSection)
 
     def model_args(self) -> ModelArgs:
         """The preset with the overrides applied."""
-        if self.model not in LLAMA3_PRESETS:
-            raise BenchConfigError(f"unknown model preset {self.model!r}; choose one of "
-                                   f"{', '.join(LLAMA3_PRESETS)}")
-        names = {f.name for f in dataclasses.fields(ModelArgs)}
-        unknown = sorted(set(self.model_overrides) - names)
-        if unknown:
-            raise BenchConfigError(f"unknown [model] keys {unknown}; ModelArgs has "
-                                   f"{sorted(names)}")
-        try:
-            return dataclasses.replace(LLAMA3_PRESETS[self.model], **self.model_overrides)
-        except ValueError as e:
-            raise BenchConfigError(f"[model]: {e}") from e
+        return self.model.model_args()
 
     def validate(self) -> None:
-        """Raise :class:`BenchConfigError` for settings the benchmark cannot run."""
+        """Raise a ConfigError for settings the benchmark cannot run."""
         from .variants import VARIANTS
 
-        for name in ("world_size", "batch_size", "seq_len", "steps"):
-            if getattr(self, name) < 1:
-                raise BenchConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 3:
-            raise BenchConfigError(f"warmup must be >= 3 (step 1 compiles, step 2 settles, "
-                                   f"the last warm-up step is profiled), got {self.warmup}")
-        if self.device not in ("cpu", "cuda"):
-            raise BenchConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.compile_backend not in ("inductor", "aot_eager"):
-            raise BenchConfigError(f"compile_backend must be 'inductor' or 'aot_eager', "
-                                   f"got {self.compile_backend!r}")
-        unknown = [v for v in self.variants if v not in VARIANTS]
+        t, b = self.training, self.bench
+        require(b.world_size is None or b.world_size >= 1, "bench.world_size", b.world_size,
+                ">= 1 (or none: torchrun's world size, or 2)")
+        for key in ("batch_size", "seq_len"):
+            require(getattr(t, key) >= 1, f"training.{key}", getattr(t, key), ">= 1")
+        require(t.lr > 0, "training.lr", t.lr, "> 0")
+        require(b.steps >= 1, "bench.steps", b.steps, ">= 1")
+        require(b.warmup >= 3, "bench.warmup", b.warmup,
+                ">= 3 (step 1 compiles, step 2 settles, the last warm-up step is profiled)")
+        require(b.threads >= 0, "bench.threads", b.threads, ">= 0 (0: cores / ranks)")
+        require(b.loss_tolerance >= 0, "bench.loss_tolerance", b.loss_tolerance, ">= 0")
+        require(b.timeout_s > 0, "bench.timeout_s", b.timeout_s, "> 0")
+        unknown = [v for v in b.variants if v not in VARIANTS]
         if unknown:
-            raise BenchConfigError(f"unknown variant(s) {unknown}; choose from "
-                                   f"{', '.join(VARIANTS)}")
-        if len(set(self.variants)) != len(self.variants):
-            raise BenchConfigError(f"variants listed twice: {self.variants}")
+            raise ConfigError(f"bench.variants: unknown variant(s) {unknown}; choose from "
+                              f"{', '.join(VARIANTS)} (see --list)")
+        if len(set(b.variants)) != len(b.variants):
+            raise ConfigError(f"bench.variants lists a variant twice: {b.variants}")
         args = self.model_args()
         if args.vocab_size < 256:
-            raise BenchConfigError(f"model vocab_size {args.vocab_size} < 256: the benchmark "
-                                   f"feeds byte-level tokens")
-        if self.seq_len > args.max_seq_len:
-            raise BenchConfigError(f"seq_len {self.seq_len} > model max_seq_len "
-                                   f"{args.max_seq_len}")
+            raise ConfigError(f"model.vocab_size = {args.vocab_size} is below 256: the "
+                              f"benchmark feeds byte-level tokens")
+        check_seq_len(t.seq_len, args)
 
     def selected_variants(self) -> list[str]:
         from .variants import VARIANTS
 
-        return list(self.variants) if self.variants else list(VARIANTS)
+        return list(self.bench.variants) if self.bench.variants else list(VARIANTS)
+
+    def at_world(self, world_size: int, fake_pg: bool | None = None) -> BenchConfig:
+        """A copy for ``world_size`` ranks (and, if given, with ``bench.fake_pg`` set)."""
+        cfg = copy.deepcopy(self)
+        cfg.bench.world_size = world_size
+        if fake_pg is not None:
+            cfg.bench.fake_pg = fake_pg
+        return cfg
 
 
-def load_config(path: str | Path | None) -> BenchConfig:
-    """A :class:`BenchConfig` from a TOML file (or the defaults for ``None``)."""
-    if path is None:
-        return BenchConfig()
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
-    model = dict(raw.pop("model", {}))
-    fields = {f.name for f in dataclasses.fields(BenchConfig)} - {"model", "model_overrides"}
-    unknown = sorted(set(raw) - fields)
-    if unknown:
-        raise BenchConfigError(f"{path}: unknown keys {unknown}; known: {sorted(fields)} "
-                               f"and a [model] table")
-    cfg = BenchConfig(**raw)
-    cfg.model = model.pop("preset", cfg.model)
-    cfg.model_overrides = model
+# Short flags the README documents, kept as aliases of the keys.
+ALIASES = {"--device": "--job.device", "--world-size": "--bench.world_size",
+           "--fake-pg": "--bench.fake_pg=true", "--variants": "--bench.variants"}
+USAGE = ("python -m simplefsdp.bench [--config FILE.toml] [--list] [--section.key value ...]\n"
+         "  --list lists the variants and exits")
+
+
+def load_config(path: str | None, overrides: list[str] | None = None,
+                default_world_size: int = 2) -> BenchConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; an unset
+    ``bench.world_size`` becomes ``default_world_size``; validated."""
+    cfg = read_config(BenchConfig(), path, overrides)
+    if cfg.bench.world_size is None:
+        cfg.bench.world_size = default_world_size
+    cfg.validate()
     return cfg
+
+
+def parse_args(argv: list[str], default_world_size: int = 2) -> BenchConfig:
+    """Command line -> config: ``[--config FILE] [--section.key value ...]`` and the
+    short flags of ``ALIASES``."""
+    path, overrides = split_argv(argv, ALIASES)
+    return load_config(path, overrides, default_world_size)
+
+
+def bench_help() -> str:
+    """Every key with its type and default, for ``--help``."""
+    return config_help(BenchConfig(), USAGE, ALIASES)

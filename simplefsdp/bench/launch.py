@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import BenchConfig, BenchConfigError
+from .._torch_compat import fake_store
+from ..train.config_reader import ConfigError
+from .config import BenchConfig
 
 
 def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
@@ -38,7 +40,7 @@ def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
     if raw is None:
         return None
     results = summarize(cfg, raw, backend)
-    out = write_outputs(results, cfg.output_dir)
+    out = write_outputs(results, cfg.bench.output_dir)
     late = [r["name"] for r in results["variants"] if r.get("compiles_in_measured_steps")]
     warning = [f"WARNING: compiled during measured steps: {', '.join(late)}"] if late else []
     print("\n".join(["", *header_lines(results), "", format_table(results), "",
@@ -48,11 +50,11 @@ def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
 
 def _init(cfg: BenchConfig, rank: int, world: int, local_rank: int) -> str:
     backend = "gloo"
-    if cfg.device == "cuda":
+    if cfg.job.device == "cuda":
         torch.cuda.set_device(local_rank)
         backend = "nccl"
     dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                            timeout=datetime.timedelta(seconds=cfg.bench.timeout_s))
     return backend
 
 
@@ -61,8 +63,8 @@ def run_torchrun(cfg: BenchConfig) -> Path | None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world != cfg.world_size:
-        raise BenchConfigError(f"world size {cfg.world_size} configured but torchrun started "
+    if world != cfg.bench.world_size:
+        raise ConfigError(f"world size {cfg.bench.world_size} configured but torchrun started "
                                f"{world} processes; make them equal (or leave --world-size out "
                                f"of the command and the config)")
     backend = _init(cfg, rank, world, local_rank)
@@ -73,32 +75,34 @@ def run_torchrun(cfg: BenchConfig) -> Path | None:
 
 
 def run_fake(cfg: BenchConfig) -> Path | None:
-    """One process in a fake process group of ``cfg.world_size`` ranks."""
+    """One process in a fake process group of ``cfg.bench.world_size`` ranks."""
     try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+        store = fake_store()
     except ImportError as e:
-        raise BenchConfigError(f"--fake-pg is unavailable on this torch: {e}") from e
-    if cfg.device == "cuda":
+        raise ConfigError(f"--fake-pg is unavailable on this torch: {e}") from e
+    if cfg.job.device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.world_size)
+    dist.init_process_group("fake", store=store, rank=0, world_size=cfg.bench.world_size)
     try:
-        return main_for_rank(cfg, 0, cfg.world_size, 1, "fake")
+        return main_for_rank(cfg, 0, cfg.bench.world_size, 1, "fake")
     finally:
         dist.destroy_process_group()
 
 
 def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(cfg.world_size))
-    backend = _init(cfg, rank, cfg.world_size, rank)
+                      WORLD_SIZE=str(cfg.bench.world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(cfg.bench.world_size))
+    backend = _init(cfg, rank, cfg.bench.world_size, rank)
     try:
-        main_for_rank(cfg, rank, cfg.world_size, cfg.world_size, backend)
+        main_for_rank(cfg, rank, cfg.bench.world_size, cfg.bench.world_size, backend)
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a local rendezvous (the benchmark's
+    spawned ranks, the tests' rank runner)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -106,16 +110,16 @@ def _free_port() -> int:
 
 def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
     """Start ``world_size`` local ranks and wait; returns the exit status (0: all ok)."""
-    if cfg.device == "cuda" and torch.cuda.device_count() < cfg.world_size:
-        raise BenchConfigError(
-            f"world size {cfg.world_size} needs {cfg.world_size} GPUs, found "
+    if cfg.job.device == "cuda" and torch.cuda.device_count() < cfg.bench.world_size:
+        raise ConfigError(
+            f"world size {cfg.bench.world_size} needs {cfg.bench.world_size} GPUs, found "
             f"{torch.cuda.device_count()}: run --world-size {max(torch.cuda.device_count(), 1)} "
             f"for real timings, or --fake-pg for compile/memory figures at world size "
-            f"{cfg.world_size}")
+            f"{cfg.bench.world_size}")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned, args=(cfg, r, port), name=f"bench-rank{r}")
-             for r in range(cfg.world_size)]
+             for r in range(cfg.bench.world_size)]
     for p in procs:
         p.start()
     status = 0

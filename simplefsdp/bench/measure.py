@@ -26,6 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
+from .._torch_compat import profiler_events
+from ..compiler.collectives import collective_kind
+
 CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "
                       "CPU allocations during one profiled step (profiler memory events); "
                       "excludes the process baseline; approximate")
@@ -75,11 +78,13 @@ def _collective_kind(name: str) -> str | None:
     op = name[len("c10d::"):].lower().replace("_", "")
     if "barrier" in op or "wait" in op or "monitored" in op:
         return None
-    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
-                      ("allreduce", "all_reduce"), ("broadcast", "broadcast"),
-                      ("alltoall", "all_to_all"), ("send", "send"), ("recv", "recv")):
+    kind = collective_kind(name)
+    if kind is not None:
+        return kind
+    for key, other in (("broadcast", "broadcast"), ("alltoall", "all_to_all"),
+                       ("send", "send"), ("recv", "recv")):
         if key in op:
-            return kind
+            return other
     return op
 
 
@@ -126,7 +131,7 @@ def profiled_step(step: Callable[[], float], device: torch.device
     counts: Counter[str] = Counter()
     memory: list[tuple[int, int]] = []
     blocked: list[tuple[int, int]] = []
-    for event in prof.profiler.kineto_results.events():
+    for event in profiler_events(prof):
         name = event.name()
         if name == "[memory]":
             if event.device_type() == torch.autograd.DeviceType.CPU:

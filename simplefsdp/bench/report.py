@@ -44,10 +44,10 @@ def machine_info(cfg: BenchConfig, backend: str) -> dict:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "device": cfg.device,
+        "device": cfg.job.device,
         "process_group": backend,
     }
-    if cfg.device == "cuda" and torch.cuda.is_available():
+    if cfg.job.device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_count"] = torch.cuda.device_count()
     return info
@@ -56,7 +56,7 @@ def machine_info(cfg: BenchConfig, backend: str) -> dict:
 def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
     """The full results document (what ``results.json`` holds)."""
     args = cfg.model_args()
-    tokens = cfg.world_size * cfg.batch_size * cfg.seq_len
+    tokens = cfg.bench.world_size * cfg.training.batch_size * cfg.training.seq_len
     measured = raw["variants"]
     compute = measured.get("compute-only")
     baseline = measured.get(BASELINE)
@@ -93,31 +93,31 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
         row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
-        same_data = spec.communicates or cfg.world_size == 1
-        if same_data and reference is not None and not cfg.fake_pg:
+        same_data = spec.communicates or cfg.bench.world_size == 1
+        if same_data and reference is not None and not cfg.bench.fake_pg:
             diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
-            row.update(max_loss_diff=diff, loss_match=diff <= cfg.loss_tolerance)
+            row.update(max_loss_diff=diff, loss_match=diff <= cfg.bench.loss_tolerance)
         else:  # compute-only trains on rank 0's data alone; a fake group returns garbage
             row.update(max_loss_diff=None, loss_match=None)
         rows.append(row)
-    real_timing = not cfg.fake_pg
+    real_timing = not cfg.bench.fake_pg
     return {
         "meta": {
             "timestamp": datetime.now().isoformat(timespec="seconds"),
             **machine_info(cfg, backend),
-            "world_size": cfg.world_size, "fake_pg": cfg.fake_pg,
+            "world_size": cfg.bench.world_size, "fake_pg": cfg.bench.fake_pg,
             "real_figures": ("all" if real_timing else
                              "compile time, memory and collective counts only: timings, "
                              "tokens/s, ratios and losses come from a fake process group"),
-            "model": cfg.model, "model_args": vars(args), "n_params": raw["n_params"],
-            "batch_size_per_rank": cfg.batch_size, "seq_len": cfg.seq_len,
-            "tokens_per_step": tokens, "warmup": cfg.warmup, "steps": cfg.steps,
-            "compile_backend": cfg.compile_backend, "compile_cache": cfg.compile_cache,
-            "lr": cfg.lr, "seed": cfg.seed,
+            "model": cfg.model.name, "model_args": vars(args), "n_params": raw["n_params"],
+            "batch_size_per_rank": cfg.training.batch_size, "seq_len": cfg.training.seq_len,
+            "tokens_per_step": tokens, "warmup": cfg.bench.warmup, "steps": cfg.bench.steps,
+            "compile_backend": cfg.compile.backend, "compile_cache": cfg.bench.compile_cache,
+            "lr": cfg.training.lr, "seed": cfg.training.seed,
             "threads_per_rank": torch.get_num_threads(),
-            "memory_measure": CUDA_MEMORY_MEASURE if cfg.device == "cuda"
+            "memory_measure": CUDA_MEMORY_MEASURE if cfg.job.device == "cuda"
             else CPU_MEMORY_MEASURE,
-            "loss_reference": reference_name, "loss_tolerance": cfg.loss_tolerance,
+            "loss_reference": reference_name, "loss_tolerance": cfg.bench.loss_tolerance,
             "baseline": BASELINE,
         },
         "variants": rows,

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import simplefsdp as sf
 
+from .._torch_compat import disable_compile_caches, dynamo_counters, raise_recompile_limits
 from ..models.llama import Transformer, num_params
 from ..train.data import TextDataset
 from . import measure
@@ -93,30 +94,20 @@ def _error_text(e: BaseException) -> str:
 def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
     import os
 
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
+    threads = cfg.bench.threads or max(1, (os.cpu_count() or 1) // max(local_world, 1))
     torch.set_num_threads(threads)
-    if not cfg.compile_cache:  # a cold compile every run: comparable compile times
-        from torch._functorch import config as functorch_config
-        from torch._inductor import config as inductor_config
-
-        for module, name in ((inductor_config, "fx_graph_cache"),
-                             (inductor_config, "fx_graph_remote_cache"),
-                             (functorch_config, "enable_autograd_cache")):
-            if hasattr(module, name):
-                setattr(module, name, False)
-    dynamo = torch._dynamo.config
+    if not cfg.bench.compile_cache:  # a cold compile every run: comparable compile times
+        disable_compile_caches()
     # One compiled code object (Transformer.forward, TransformerBlock.forward) per variant
     # and block: stay far from the recompile limit.
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                 "accumulated_cache_size_limit"):
-        if hasattr(dynamo, name):
-            setattr(dynamo, name, max(getattr(dynamo, name), 256))
+    raise_recompile_limits(256)
 
 
 def _batches(cfg: BenchConfig, rank: int, world: int, device: torch.device):
-    total = cfg.warmup + cfg.steps
-    loader = TextDataset().loader("train", cfg.batch_size, cfg.seq_len, dp_rank=rank,
-                                  dp_world=world, seed=cfg.seed)
+    total = cfg.bench.warmup + cfg.bench.steps
+    t = cfg.training
+    loader = TextDataset().loader("train", t.batch_size, t.seq_len, dp_rank=rank,
+                                  dp_world=world, seed=t.seed)
     return [tuple(t.to(device) for t in next(loader)) for _ in range(total)]
 
 
@@ -134,17 +125,17 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
     """Build, run and measure every selected variant; rank 0 returns the raw results
     (see ``report.summarize``), the other ranks None."""
     _setup_torch(cfg, local_world)
-    device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" \
+    device = torch.device(cfg.job.device, torch.cuda.current_device()) if cfg.job.device == "cuda" \
         else torch.device("cpu")
-    control = Control(fake, cfg.timeout_s)
+    control = Control(fake, cfg.bench.timeout_s)
     args = cfg.model_args()
-    fsdp_mesh = sf.make_mesh(dp_shard=world, device_type=cfg.device)["dp_shard"]
-    replicate_mesh = sf.make_mesh(dp_replicate=world, dp_shard=1, device_type=cfg.device)
-    torch.manual_seed(cfg.seed)
+    fsdp_mesh = sf.make_mesh(dp_shard=world, device_type=cfg.job.device)["dp_shard"]
+    replicate_mesh = sf.make_mesh(dp_replicate=world, dp_shard=1, device_type=cfg.job.device)
+    torch.manual_seed(cfg.training.seed)
     reference = Transformer(args)
     reference.init_weights()
     ctx = BuildContext(args, {k: v.detach().clone() for k, v in reference.state_dict().items()},
-                       fsdp_mesh, replicate_mesh, device, cfg.compile_backend)
+                       fsdp_mesh, replicate_mesh, device, cfg.compile.backend)
     n_params = num_params(reference)
     del reference
     batches = _batches(cfg, rank, world, device)
@@ -156,7 +147,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
         error = None
         try:
             built = spec.build(ctx)
-            optimizer = torch.optim.AdamW(built.model.parameters(), lr=cfg.lr)
+            optimizer = torch.optim.AdamW(built.model.parameters(), lr=cfg.training.lr)
         except Exception as e:  # noqa: BLE001 - recorded, the others go on
             error = _error_text(e)
             expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting
@@ -166,8 +157,8 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
             continue
         live.append(_Live(spec, built, optimizer))
 
-    profile_step = cfg.warmup - 1
-    for i in range(cfg.warmup + cfg.steps):
+    profile_step = cfg.bench.warmup - 1
+    for i in range(cfg.bench.warmup + cfg.bench.steps):
         shift = i % max(len(live), 1)
         for v in live[shift:] + live[:shift]:
             error = None
@@ -176,7 +167,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
                 if not v.spec.rank0_only or rank == 0:
                     graphs = _graphs_compiled()
                     _one_step(v, batches[i], i == profile_step, device)
-                    if i >= cfg.warmup:
+                    if i >= cfg.bench.warmup:
                         v.late_compiles += _graphs_compiled() - graphs
             except Exception as e:  # noqa: BLE001
                 error = _error_text(e)
@@ -197,9 +188,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
 
 def _graphs_compiled() -> int:
     """Graphs Dynamo has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
+    return int(dynamo_counters()["stats"].get("unique_graphs", 0))
 
 
 def _agree_failed(control: Control, name: str, error: str | None,
@@ -254,7 +243,7 @@ def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str
             recs = recs[:1]
         times = [max(ts) for ts in zip(*(r["times"] for r in recs), strict=True)]
         losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in recs), strict=True)]
-        measured = times[cfg.warmup:]
+        measured = times[cfg.bench.warmup:]
         out[name] = {
             "first_step_s": times[0],
             "step_times_s": measured,

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import simplefsdp as sf
 
+from .._torch_compat import compile_fx, missing_inductor_options
 from ..models.llama import ModelArgs, Transformer
 
 
@@ -126,10 +127,7 @@ UPSTREAM_OVERLAP_SCHEDULER = {
 
 
 def _check_inductor_options(patches: dict) -> None:
-    from torch._inductor import config
-
-    known = config.get_config_copy()
-    missing = [k for k in patches if k not in known]
+    missing = missing_inductor_options(patches)
     if missing:
         raise VariantUnavailable(f"unavailable on this torch ({torch.__version__}): Inductor "
                                  f"has no config {missing}")
@@ -140,8 +138,6 @@ def _upstream(patches: dict) -> Callable[[BuildContext], Built]:
         _check_inductor_options(patches)
 
         def backend(gm, example_inputs):
-            from torch._inductor.compile_fx import compile_fx
-
             return compile_fx(gm, example_inputs, config_patches=dict(patches))
 
         model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)

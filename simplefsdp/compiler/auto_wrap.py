@@ -14,8 +14,8 @@ closes it:
   issuing the step as its own collective (on a high-latency fabric one more ``alpha``
   costs more than the extra bytes), as long as the memory still fits.
 
-:func:`plan` turns a graph into steps (compute measured by ``cost_model``, agreed across
-ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
+:func:`plan` turns a graph into steps (compute measured by ``cost.compute``, agreed
+across ranks), runs the greedy and returns a ``{collective start node: bucket name}`` map for
 ``bucketing.bucket_collectives``; reduce-scatters follow the bucket of the all-gather of
 the same parameter. Every number a decision reads is agreed across ranks first, so all
 ranks bucket identically.
@@ -24,16 +24,14 @@ ranks bucket identically.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import fx
 
-from . import cost_model
+from ..agreement import StoreAgreement
+from . import cost
 from .collectives import Collective, feeding_reduce_scatter
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
@@ -47,18 +45,18 @@ class Step:
     ``compute_s``: computation that uses what it gathered (T_ci); once in a closed bucket
     it is the window the next bucket's communication hides behind.
     ``memory_bytes``: memory live while that computation runs (M_ci).
-    ``overlap_bytes``: bytes of the reduce-scatters that mirror this step (backward): they
+    ``scatter_bytes``: bytes of the reduce-scatters that mirror this step (backward): they
     share the following step's window (T_mi^RS).
-    ``overlap_all_reduce_bytes``: HSDP: bytes of the all-reduces of those reduce-scatters'
-    shards (over the replicas), which follow them in the same window.
+    ``all_reduce_bytes``: HSDP: bytes of the all-reduces of those reduce-scatters' shards
+    (over the replicas), which follow them in the same window.
     """
 
     name: str
     nbytes: int
     compute_s: float
     memory_bytes: int
-    overlap_bytes: int = 0
-    overlap_all_reduce_bytes: int = 0
+    scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,8 @@ class Decision:
     merged: bool
     reason: str
     comm_s: float  # T_(m+mi): the bucket's communication if the step joined it
-    overlap_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
-    compute_s: float  # T_c: the window the bucket is prefetched behind (x comm.overlap)
+    scatter_s: float  # T_m^RS: the reduce-scatter sharing the window (backward)
+    compute_s: float  # T_c: the window the bucket is prefetched behind (x comm.hidden_fraction)
     memory_bytes: int  # M_c + M_ci
     memory_limit_bytes: float | None
     exposed_if_merged_s: float
@@ -81,7 +79,7 @@ class Decision:
     def __str__(self) -> str:
         limit = "none" if self.memory_limit_bytes is None else f"{self.memory_limit_bytes:.3g}"
         return (f"{'merge' if self.merged else 'close'} before {self.name}: {self.reason} "
-                f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.overlap_s * 1e3:.3f} ms vs "
+                f"(comm {self.comm_s * 1e3:.3f} ms + rs {self.scatter_s * 1e3:.3f} ms vs "
                 f"window {self.compute_s * 1e3:.3f} ms; memory {self.memory_bytes} B, "
                 f"limit {limit}; exposed merged/split {self.exposed_if_merged_s * 1e3:.3f}/"
                 f"{self.exposed_if_split_s * 1e3:.3f} ms)")
@@ -98,22 +96,22 @@ def check_memory_limit(memory_limit_gb: float | None) -> float | None:
     return float(memory_limit_gb) * GB
 
 
-def _comm(model: cost_model.CommModel, kind: str, nbytes: int) -> float:
+def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
     """Time of one collective; no bytes means no collective, hence no latency either."""
     return model.predict(kind, nbytes) if nbytes > 0 else 0.0
 
 
-def _reductions(model: cost_model.CommModel, kind: str, steps: Sequence[Step],
+def _reductions(model: cost.CommModel, kind: str, steps: Sequence[Step],
                 members: Sequence[int]) -> float:
     """The backward reductions of ``members``: one ``kind`` collective (reduce-scatter)
-    over their ``overlap_bytes``, then (HSDP) one all-reduce of the reduced shards."""
-    return _comm(model, kind, int(sum(steps[j].overlap_bytes for j in members))) + _comm(
-        model, "all_reduce", int(sum(steps[j].overlap_all_reduce_bytes for j in members)))
+    over their ``scatter_bytes``, then (HSDP) one all-reduce of the reduced shards."""
+    return _comm(model, kind, int(sum(steps[j].scatter_bytes for j in members))) + _comm(
+        model, "all_reduce", int(sum(steps[j].all_reduce_bytes for j in members)))
 
 
-def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
+def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
                    memory_limit_bytes: float | None = None, kind: str = "all_gather",
-                   overlap_kind: str = "reduce_scatter"
+                   scatter_kind: str = "reduce_scatter"
                    ) -> tuple[list[list[int]], list[Decision]]:
     """Algorithm 1 over ``steps``: buckets as lists of step indices, and one decision per
     step after the first.
@@ -123,7 +121,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
     backward, the reduce-scatter of the bucket before that is also in flight. A step joins
     when the memory fits and merging exposes no more communication than a split would
     (which includes every case where the merged bucket still fits in its window). A
-    window hides only ``comm.overlap`` of its computation's time: where collectives and
+    window hides only ``comm.hidden_fraction`` of its computation's time: where collectives and
     compute share cores (gloo on CPU) prefetching hides little, and fewer, larger buckets
     win. Pure and deterministic: same inputs, same buckets.
     """
@@ -140,7 +138,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
         return sum(getattr(steps[j], field) for j in idx)
 
     def hides(idx: list[int]) -> float:  # what the computation of ``idx`` can hide
-        return comm.overlap * total(idx, "compute_s")
+        return comm.hidden_fraction * total(idx, "compute_s")
 
     for i in range(1, len(steps)):
         step = steps[i]
@@ -168,7 +166,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
             current.append(i)
             continue
         buckets.append(current)
-        rs_before, rs_window = rs_window, _reductions(comm, overlap_kind, steps, current)
+        rs_before, rs_window = rs_window, _reductions(comm, scatter_kind, steps, current)
         window = hides(current)
         current = [i]
     buckets.append(current)
@@ -176,8 +174,8 @@ def greedy_buckets(steps: Sequence[Step], comm: cost_model.CommModel,
 
 
 def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
-                     comm: cost_model.CommModel, kind: str = "all_gather",
-                     overlap_kind: str = "reduce_scatter") -> float:
+                     comm: cost.CommModel, kind: str = "all_gather",
+                     scatter_kind: str = "reduce_scatter") -> float:
     """Seconds of communication left exposed by ``buckets`` under the greedy's model.
 
     Bucket k's collective runs behind bucket k-1's computation together with bucket
@@ -185,9 +183,9 @@ def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
     last bucket its reduce-scatter and the one before it only have the last computation
     (the one before) and nothing (the last) to hide behind.
     """
-    comp = [comm.overlap * sum(steps[j].compute_s for j in b) for b in buckets]
+    comp = [comm.hidden_fraction * sum(steps[j].compute_s for j in b) for b in buckets]
     main = [_comm(comm, kind, sum(steps[j].nbytes for j in b)) for b in buckets]
-    rs = [_reductions(comm, overlap_kind, steps, b) for b in buckets]
+    rs = [_reductions(comm, scatter_kind, steps, b) for b in buckets]
     exposed = 0.0
     for k in range(len(buckets)):
         window = comp[k - 1] if k >= 1 else 0.0
@@ -231,7 +229,7 @@ def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
     return max(0, max(live[j] for j in segment) - live[start])
 
 
-def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective],
+def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective],
                   node_seconds: list[float], owner: dict[fx.Node, int],
                   reverse: bool = False, all_reduces: Sequence[tuple[int, int]] = ()
                   ) -> list[Step]:
@@ -241,14 +239,14 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     when there is no re-gather). A step's computation is what runs between its wait and
     the next step's wait (forward), or between the previous reduce-scatter and its own
     (``reverse``: reduce-scatters hide behind the computation that follows them, so the
-    greedy walks them backwards). ``overlap``: reduce-scatters mirrored onto the
+    greedy walks them backwards). ``mirrored``: reduce-scatters mirrored onto the
     all-gather of the same module (or, failing that, the step whose segment holds them):
     ``owner`` from :func:`owner_steps`. Memory: the gathered (or reduced) bytes plus the
     segment's peak growth in live bytes.
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    _, live = cost_model.peak_memory_estimate(graph)
+    _, live = cost.peak_memory_estimate(graph)
     if reverse:
         anchors = [c.start for c in primary]
         bounds = [-1] + [index[a] for a in anchors]
@@ -257,22 +255,22 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Coll
     else:
         segments = _segments(nodes, [c.wait for c in primary])
         starts = [index[c.wait] for c in primary]
-    overlap_bytes = [0] * len(primary)
-    for c in overlap:
-        overlap_bytes[owner[c.start]] += c.nbytes
+    scatter_bytes = [0] * len(primary)
+    for c in mirrored:
+        scatter_bytes[owner[c.start]] += c.nbytes
     all_reduce_bytes = [0] * len(primary)
     for k, nbytes in all_reduces:
         all_reduce_bytes[k] += nbytes
     steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
                   c.nbytes + _segment_memory(live, seg, s), ob, ab)
-             for c, seg, s, ob, ab in zip(primary, segments, starts, overlap_bytes,
+             for c, seg, s, ob, ab in zip(primary, segments, starts, scatter_bytes,
                                           all_reduce_bytes, strict=True)]
     return steps[::-1] if reverse else steps
 
 
-def owner_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collective]
+def owner_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective]
                 ) -> dict[fx.Node, int]:
-    """For each ``overlap`` collective, the index of the ``primary`` step it follows: the
+    """For each ``mirrored`` collective, the index of the ``primary`` step it follows: the
     first step of the same module, else the last step whose wait precedes it."""
     index = {n: i for i, n in enumerate(graph.nodes)}
     by_module: dict[str, int] = {}
@@ -280,7 +278,7 @@ def owner_steps(graph: fx.Graph, primary: list[Collective], overlap: list[Collec
         by_module.setdefault(c.module, k)
     waits = [index[c.wait] for c in primary]
     owner = {}
-    for c in overlap:
+    for c in mirrored:
         if c.module in by_module:
             owner[c.start] = by_module[c.module]
         else:
@@ -294,50 +292,9 @@ def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
     return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
 
 
-@dataclass
-class Agreement:
-    """The MAX of per-rank numbers over ``ranks``, exchanged through the rendezvous store.
-
-    The pass runs inside the compiler, where gloo collectives were seen to deadlock now
-    and then (one rank stuck issuing an all-reduce); the store is a plain TCP key-value
-    exchange outside every process group. ``ranks`` must be every rank that compiles the
-    same graphs: agreeing only within the FSDP shard group would let HSDP replicas or TP
-    peers choose different buckets. Floats travel as JSON, which round-trips them
-    exactly, so every rank computes the same MAX.
-    """
-
-    ranks: list[int]
-    prefix: str
-    rounds: int = 0
-
-    @classmethod
-    def create(cls, group: dist.ProcessGroup | None = None) -> Agreement | None:
-        """Collective (eager, when the backend is built); None without a process group."""
-        if not dist.is_initialized():
-            return None
-        ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(dist.get_world_size()))
-        nonce = [uuid.uuid4().hex]  # rank 0's, so two backends never share keys
-        dist.broadcast_object_list(nonce, src=ranks[0], group=group)
-        return cls(ranks, f"simplefsdp/auto_wrap/{nonce[0]}")
-
-    def max(self, values: list[float]) -> list[float]:
-        store = dist.distributed_c10d._get_default_store()
-        round_key = f"{self.prefix}/{self.rounds}"
-        self.rounds += 1  # every rank compiles the same graphs in the same order
-        store.set(f"{round_key}/{dist.get_rank()}", json.dumps(values))
-        keys = [f"{round_key}/{r}" for r in self.ranks]
-        store.wait(keys)  # the store's timeout: the process group's
-        everyone = [json.loads(store.get(k)) for k in keys]
-        if any(len(v) != len(values) for v in everyone):
-            raise ValueError(f"ranks disagree on the number of auto-wrap steps: "
-                             f"{[len(v) for v in everyone]} for ranks {self.ranks}")
-        return [max(column) for column in zip(*everyone, strict=True)]
-
-
-def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommModel,
-         memory_limit_bytes: float | None, measure: bool = True,
-         compute_cache: dict | None = None, agreement: Agreement | None = None) -> Plan:
+def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
+         memory_limit_bytes: float | None,
+         compute_cache: dict | None = None, agreement: StoreAgreement | None = None) -> Plan:
     """Bucket assignment for one graph (before bucketing), by Algorithm 1.
 
     Every rank measures its nodes' compute time; with an ``agreement`` the per-step
@@ -347,20 +304,19 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommMo
     gathers = [c for c in collectives if c.kind == "all_gather"]
     scatters = [c for c in collectives if c.kind == "reduce_scatter"]
     if gathers:
-        primary, overlap, kind, reverse = gathers, scatters, "all_gather", False
+        primary, mirrored, kind, reverse = gathers, scatters, "all_gather", False
     else:
-        primary, overlap, kind, reverse = scatters, [], "reduce_scatter", True
+        primary, mirrored, kind, reverse = scatters, [], "reduce_scatter", True
     if not primary:
         return Plan({}, [], [], [], 0.0, kind)
     started = time.perf_counter()
-    seconds = cost_model.estimate_graph_compute(graph, measure=measure, cache=compute_cache,
-                                                agree=False)
+    seconds = cost.estimate_graph_compute(graph, cache=compute_cache)
     profile_s = time.perf_counter() - started
-    owner = owner_steps(graph, primary, overlap)
+    owner = owner_steps(graph, primary, mirrored)
     # HSDP: the all-reduce of a reduce-scattered shard rides on its reduce-scatter's step.
     all_reduces = [(owner[source], c.nbytes) for c in collectives if c.kind == "all_reduce"
                    for source in [feeding_reduce_scatter(c.start)] if source in owner]
-    steps = profile_steps(graph, primary, overlap, seconds, owner, reverse, all_reduces)
+    steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse, all_reduces)
     steps = _agree_steps(steps, agreement)
     buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
     exposed = estimate_exposed(steps, buckets, comm, kind)
@@ -372,12 +328,12 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost_model.CommMo
         for j in members:
             assignment[in_graph_order[j].start] = name
             names[j] = name
-    for c in overlap:
+    for c in mirrored:
         assignment[c.start] = names[owner[c.start]]
     return Plan(assignment, steps, buckets, decisions, exposed, kind, profile_s)
 
 
-def _agree_steps(steps: list[Step], agreement: Agreement | None) -> list[Step]:
+def _agree_steps(steps: list[Step], agreement: StoreAgreement | None) -> list[Step]:
     """Replace each step's measured computation and memory by the MAX over the agreeing
     ranks, so all decide on the same numbers (the bytes come from the graph: equal)."""
     if agreement is None:

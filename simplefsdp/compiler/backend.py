@@ -8,8 +8,10 @@ backward), which the default partitioner would drop.
 Every pass decision depends only on the sequence of collectives and module names, which
 is the same on every rank, so every rank issues the same collectives in the same order.
 ``bucketing="auto"`` also reads measured numbers (communication model, compute times),
-agreed across ranks before use; its pass runs collectives, so Inductor's graph caches
-are bypassed for it (a rank that hit the cache would skip them and hang the others).
+agreed across ranks before use (through the rendezvous store: inside a compiler pass
+only the store is safe, see ``simplefsdp.agreement``); its pass talks to the other
+ranks, so Inductor's graph caches are bypassed for it (a rank that hit the cache would
+skip the exchange and hang the others).
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from . import auto_wrap, cost_model, manual_wrap
-from .bucketing import bucket_collectives, single
+from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
+from ..agreement import StoreAgreement
+from ..gloo_kernel import install_gloo_collectives, uses_gloo
+from . import auto_wrap, cost, manual_wrap
+from .bucketing import bucket_collectives, bucket_of_one
 from .collectives import (
     find_collectives,
     is_backward,
@@ -53,7 +58,8 @@ class GraphReport:
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     schedule: list[tuple[str, str, int]] = field(default_factory=list)  # (event, bucket, B)
-    overlap: dict[str, int] = field(default_factory=dict)  # "kind bucket": nodes in flight
+    # "kind bucket": computation nodes that run while the bucket's collective is in flight
+    nodes_in_flight: dict[str, int] = field(default_factory=dict)
     pass_seconds: float = 0.0
     # bucketing="auto" only: one decision per candidate collective after the first (its
     # inputs: estimated comm, compute window, memory, and the outcome), the comm model
@@ -77,12 +83,32 @@ class GraphReport:
 
 
 class SimpleFSDPBackend:
-    """Callable ``torch.compile`` backend; ``reports`` holds one entry per compiled graph."""
+    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
+    bucketing and reordering passes on the forward and backward graphs; ``reports``
+    holds one :class:`GraphReport` per compiled graph. Public as ``compile_backend``.
+
+    ``backend``: "inductor" or "aot_eager". ``bucketing``: "none", "manual" (one bucket
+    per entry of ``module_plan``; None: derived from the graph) or "auto": Algorithm 1
+    of the paper under ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no
+    limit), from ``comm_model`` or, when None, a model calibrated on the default process
+    group when the backend is built (cached on disk, see ``cost.get_comm_model``;
+    collective: build the backend on every rank). Its measurements are agreed across
+    ``group``: every rank that compiles the same model (None: all ranks; under pipeline
+    parallelism, the ranks of one stage). ``reordering``: prefetch all-gathers and
+    defer reduce-scatter and all-reduce waits.
+
+    Only data-parallel collectives are bucketed and moved (those on the process groups
+    ``data_parallel`` shards over); TP/SP, pipeline and user collectives stay as traced.
+    With bucketing "manual" or "auto", ``mode="replicate"`` gradient all-reduces are
+    merged in backward order into buckets that close once they hold
+    ``all_reduce_bucket_mb`` MB (DDP's rule, default 25), and each HSDP reduce-scatter
+    bucket is followed by one all-reduce of its shards over the replicas.
+    """
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
-                 comm_model: cost_model.CommModel | None = None,
+                 comm_model: cost.CommModel | None = None,
                  group: dist.ProcessGroup | None = None,
                  all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB):
         if backend not in BACKENDS:
@@ -90,8 +116,8 @@ class SimpleFSDPBackend:
         if bucketing not in BUCKETING:
             raise ValueError(f"bucketing must be one of {BUCKETING}, got {bucketing!r}")
         self.memory_limit_bytes = auto_wrap.check_memory_limit(memory_limit_gb)
-        if comm_model is not None and not isinstance(comm_model, cost_model.CommModel):
-            raise ValueError(f"comm_model must be a cost_model.CommModel (or None to "
+        if comm_model is not None and not isinstance(comm_model, cost.CommModel):
+            raise ValueError(f"comm_model must be a cost.CommModel (or None to "
                              f"calibrate on the process group), got {type(comm_model)}")
         if module_plan is not None and bucketing != "manual":
             raise ValueError("module_plan is used only with bucketing='manual'")
@@ -102,10 +128,10 @@ class SimpleFSDPBackend:
         self.memory_limit_gb = memory_limit_gb
         self.all_reduce_bucket_mb = manual_wrap.check_bucket_mb(all_reduce_bucket_mb)
         # bucketing="auto" agrees on measurements across the ranks compiling these graphs
-        self._agreement = auto_wrap.Agreement.create(group) if bucketing == "auto" else None
+        self._agreement = StoreAgreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
         # bucketing="auto": the comm model (given, or calibrated once here, through
-        # cost_model's disk cache) and measured op times, shared by all graphs.
+        # the cost model's disk cache) and measured op times, shared by all graphs.
         self.comm_model = comm_model
         if bucketing == "auto" and comm_model is None:
             self.comm_model = _calibrated_comm_model()
@@ -116,7 +142,6 @@ class SimpleFSDPBackend:
         _install_cpu_collectives()
         if self.backend == "aot_eager":
             from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-            from torch._dynamo.backends.common import aot_autograd
 
             def compile_graph(graph_module, _inputs):
                 self.run_passes(graph_module.graph)
@@ -126,9 +151,7 @@ class SimpleFSDPBackend:
             return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
                                 partition_fn=min_cut_rematerialization_partition)(
                 gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {"post_grad_custom_post_pass": _InductorPass(self)}
+        patches = {"post_grad_custom_post_pass": _inductor_pass(self)}
         if self.bucketing == "auto":  # the pass is collective: every rank must run it
             patches["fx_graph_cache"] = False
         return compile_fx(gm, example_inputs, config_patches=patches)
@@ -153,7 +176,7 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
-            comm = self.comm_model_for()
+            comm = self.resolved_comm_model()
             plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
                                   compute_cache=self._compute_cache,
                                   agreement=self._agreement)
@@ -168,70 +191,44 @@ class SimpleFSDPBackend:
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         else:
-            buckets = [single(c, i) for i, c in enumerate(collectives)]
+            buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
         if self.reordering:
             report.moves = reorder(graph, buckets, backward)
         graph.lint()
         report.buckets = [b.summary() for b in buckets]
         report.schedule = _schedule(graph, buckets)
-        report.overlap = _overlap(graph, buckets)
+        report.nodes_in_flight = _nodes_in_flight(graph, buckets)
         report.collectives_after = _count(find_collectives(graph))
         report.pass_seconds = time.perf_counter() - started
         self.reports.append(report)
         log.info("%s", report)
         return report
 
-    def comm_model_for(self) -> cost_model.CommModel:
+    def resolved_comm_model(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
         disk-cached calibration or the fabric defaults (nothing is timed mid-compile)."""
         if self.comm_model is None:
-            self.comm_model = cost_model.get_comm_model(calibrate=False)
+            self.comm_model = cost.get_comm_model(calibrate_on_miss=False)
         return self.comm_model
 
-    def buckets_of(self, graph: str) -> list[dict]:
-        """Bucket summaries of the latest report for "forward" or "backward"."""
-        return next(r.buckets for r in reversed(self.reports) if r.graph == graph)
+
+# The public name: a backend is built by calling it, and its keyword arguments are the
+# constructor's (one list of parameters, documented once, on the class).
+compile_backend = SimpleFSDPBackend
 
 
-def compile_backend(backend: str = "inductor", bucketing: str = "none",
-                    reordering: bool = True, module_plan: Sequence | None = None,
-                    memory_limit_gb: float | None = None,
-                    comm_model: cost_model.CommModel | None = None,
-                    group: dist.ProcessGroup | None = None,
-                    all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB
-                    ) -> SimpleFSDPBackend:
-    """A backend for ``torch.compile(model, fullgraph=True, backend=...)`` that runs our
-    bucketing and reordering passes on the forward and backward graphs.
-
-    ``bucketing="auto"`` picks buckets by Algorithm 1 of the paper under
-    ``memory_limit_gb`` (GB of prefetched memory per bucket; None: no limit), from
-    ``comm_model`` or, when None, a model calibrated on the default process group when
-    the backend is built (cached on disk, see ``cost_model.get_comm_model``; collective:
-    build the backend on every rank). Its measurements are agreed across ``group``: every
-    rank that compiles the same model (None: all ranks; under pipeline parallelism, the
-    ranks of one stage).
-
-    Only data-parallel collectives are bucketed and moved (those on the groups
-    ``data_parallel`` shards over); TP/SP and user collectives stay as traced. With
-    ``bucketing`` manual or auto, ``mode="replicate"`` gradient all-reduces are merged in
-    backward order into buckets of about ``all_reduce_bucket_mb`` MB (DDP's rule), and
-    each HSDP reduce-scatter bucket is followed by one all-reduce of its shards."""
-    return SimpleFSDPBackend(backend, bucketing, reordering, module_plan, memory_limit_gb,
-                             comm_model, group, all_reduce_bucket_mb)
-
-
-def _calibrated_comm_model() -> cost_model.CommModel | None:
-    """``cost_model.get_comm_model()`` on the default group (disk cache, else calibrated
+def _calibrated_comm_model() -> cost.CommModel | None:
+    """``cost.get_comm_model()`` on the default group (disk cache, else calibrated
     and agreed by all ranks), or None without a process group.
 
     Called when the backend is built, in eager code on every rank: collectives issued
     from inside the compiler (where the passes run) hang on gloo, which is also why the
-    pass agrees on its measurements through the store (``auto_wrap.Agreement``).
+    pass agrees on its measurements through the store (``simplefsdp.agreement``).
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
     _install_cpu_collectives()  # time the all-gather kernel the compiled graphs will use
-    return cost_model.get_comm_model()
+    return cost.get_comm_model()
 
 
 def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
@@ -244,7 +241,7 @@ def _schedule(graph: fx.Graph, buckets) -> list[tuple[str, str, int]]:
     return [events[n] for n in graph.nodes if n in events]
 
 
-def _overlap(graph: fx.Graph, buckets) -> dict[str, int]:
+def _nodes_in_flight(graph: fx.Graph, buckets) -> dict[str, int]:
     """Per bucket, how many computation nodes run between its start and its wait."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     comm = {n for b in buckets for n in (b.start, b.wait)}
@@ -259,8 +256,6 @@ def _count(collectives) -> dict[str, int]:
 
 
 def _install_cpu_collectives() -> None:
-    from .gloo_collectives import install_gloo_collectives, uses_gloo
-
     if dist.is_initialized() and uses_gloo():
         install_gloo_collectives()
 
@@ -269,31 +264,37 @@ def _install_cpu_collectives() -> None:
 def _source_hash() -> str:
     """Our passes' source, so Inductor's cache never reuses a graph from older passes."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def _inductor_pass_base():
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _inductor_pass(owner: SimpleFSDPBackend):
+    """Our passes as Inductor's ``post_grad_custom_post_pass`` for ``owner``."""
+    return _inductor_pass_class()(owner)
 
-    return CustomGraphPass
 
+@functools.cache
+def _inductor_pass_class() -> type:
+    """Defined on first use: its base class lives in Inductor, which ``import
+    simplefsdp`` should not load (about 2 s)."""
 
-class _InductorPass(_inductor_pass_base()):
-    """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
+    class InductorPass(custom_graph_pass_base()):
+        """Adapter: Inductor calls ``pass(graph)`` on each post-grad graph."""
 
-    def __init__(self, owner: SimpleFSDPBackend):
-        self.owner = owner
+        def __init__(self, owner: SimpleFSDPBackend):
+            self.owner = owner
 
-    def __call__(self, graph: fx.Graph) -> None:
-        self.owner.run_passes(graph)
+        def __call__(self, graph: fx.Graph) -> None:
+            self.owner.run_passes(graph)
 
-    def uuid(self) -> str | None:
-        o = self.owner
-        if o.bucketing == "auto":
-            return None  # not cacheable: the pass measures and talks to the other ranks
-        settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}|"
-                    f"{o.all_reduce_bucket_mb}")
-        return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+        def uuid(self) -> str | None:
+            o = self.owner
+            if o.bucketing == "auto":
+                return None  # not cacheable: the pass measures and talks to the other ranks
+            settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|"
+                        f"{o.memory_limit_gb}|{o.all_reduce_bucket_mb}")
+            return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+
+    return InductorPass
 

@@ -42,7 +42,7 @@ class Bucket:
                 "bytes": self.nbytes, "modules": sorted(set(self.members))}
 
 
-def single(c: Collective, index: int | None = None) -> Bucket:
+def bucket_of_one(c: Collective, index: int | None = None) -> Bucket:
     """An unmerged collective seen as a bucket of one (``index`` makes its name unique)."""
     name = c.module if index is None else f"{c.module}#{index}"
     return Bucket(c.kind, name, [c.module], c.nbytes, c.start, c.wait)
@@ -52,8 +52,8 @@ def merge(graph: fx.Graph, name: str | None, members: list[Collective]) -> Bucke
     """Replace ``members`` (same kind and group) by one bucketed collective; a bucket of
     one keeps its collective and takes ``name`` (None: the collective's module)."""
     if len(members) == 1:
-        return single(members[0]) if name is None else \
-            dataclasses.replace(single(members[0]), name=name)
+        return bucket_of_one(members[0]) if name is None else \
+            dataclasses.replace(bucket_of_one(members[0]), name=name)
     nbytes = sum(c.nbytes for c in members)  # before the members' nodes are erased
     if members[0].kind == "all_gather":
         return _merge_all_gathers(graph, name, members, nbytes)
@@ -93,6 +93,10 @@ def _merge_all_gathers(graph: fx.Graph, name: str, members: list[Collective],
 
 def _merge_reduce_scatters(graph: fx.Graph, name: str, members: list[Collective],
                            nbytes: int) -> Bucket:
+    # The merged reduce-scatter reads every member's gradient, and backward produces them
+    # one after another: the last member's position is the first one where all of them
+    # exist, so the bucket goes there and no computation has to move. (An all-gather
+    # bucket goes to its first member instead: its shards are inputs, ready early.)
     last = max(members, key=lambda c: _position(graph, c.start))
     _, reduce_op, group_size, group_name = last.start.args
     with graph.inserting_before(last.start):
@@ -177,7 +181,7 @@ def bucket_collectives(graph: fx.Graph, collectives: list[Collective],
     """
     groups: dict[tuple, list[Collective]] = {}
     for c in collectives:
-        key = (assignment.get(c.start, f"#{c.start.name}"),) + c.group
+        key = (assignment.get(c.start, f"#{c.start.name}"),) + c.merge_key
         groups.setdefault(key, []).append(c)
     buckets = [merge(graph, key[0] if members[0].start in assignment else None, members)
                for key, members in groups.items()]

@@ -14,21 +14,32 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._torch_compat import FakeTensorMode, c10d_functional, detect_fake_mode
 from ..data_parallel import data_parallel_group_names
+from ..state_dict import unwrapped_name
 
-c10d = torch.ops._c10d_functional
+c10d = c10d_functional
 ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
 WAIT = c10d.wait_tensor.default
 KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
-_WRAPPERS = re.compile(r"\.(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
+
+def collective_kind(name: str) -> str | None:
+    """The kind of a collective under any of its names, or None for other ops: FX and
+    c10d op names (``all_gather_into_tensor``, ``c10d::_allgather_base_``,
+    ``_c10d_functional::reduce_scatter_tensor``, ``allreduce_coalesced``) and the kinds
+    themselves. The one place such names are normalized."""
+    op = name.rsplit("::", 1)[-1].lower().replace("_", "")
+    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
+                      ("allreduce", "all_reduce")):
+        if key in op:
+            return kind
+    return None
 
 
 @dataclass
@@ -41,8 +52,9 @@ class Collective:
     module: str  # FQN of the module that owns the parameter, e.g. "layers.0.attention.wq"
 
     @property
-    def group(self) -> tuple:
-        """What must match for two collectives to merge: group, size, dtype, reduce op."""
+    def merge_key(self) -> tuple:
+        """What must match for two collectives to merge: kind, process group (size and
+        name), reduce op, dtype. A key to compare, not a process group."""
         args = self.start.args
         if self.kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
             return (self.kind, args[2], args[3], args[1], self.start.meta["val"].dtype)
@@ -70,7 +82,7 @@ def module_fqn(node: fx.Node) -> str:
     path = list(stack.values())[-1][0]  # e.g. "L['self'].layers.0.up"
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path).lstrip(".")  # ['0'] -> .0
-    return _WRAPPERS.sub("", path).replace("._modules.", ".")
+    return unwrapped_name(path).replace("._modules.", ".")
 
 
 def group_name(start: fx.Node) -> str:

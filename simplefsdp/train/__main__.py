@@ -4,8 +4,10 @@ One process (no torchrun):   python -m simplefsdp.train --config configs/debug.t
 One node, N processes:       torchrun --standalone --nproc_per_node=N \\
                                  -m simplefsdp.train --config configs/debug.toml
 Checkpoints: ``--checkpoint.enable true``; add ``--resume`` to continue from the newest
-complete checkpoint in ``checkpoint.folder`` (without it, a folder that already holds
-one is refused; see ``checkpoint.py``).
+checkpoint in ``checkpoint.folder`` that verifies (without it, a folder that already
+holds one is refused; see ``checkpoint.py``). SIGTERM/SIGINT: the current step
+finishes, a checkpoint is saved (when enabled) and the run exits with 128 + the signal
+number, saying where to resume from; a second signal stops at once.
 
 Multi-node (NCCL), e.g. 2 nodes x 8 GPUs, the same command on every node:
 
@@ -29,12 +31,32 @@ from __future__ import annotations
 
 import sys
 
+from .checkpoint import CheckpointError
 from .config import ConfigError
+from .guard import NonFiniteError, Preempted
 from .trainer import main
 
-if __name__ == "__main__":
+
+def run(argv: list[str]) -> int:
+    """Train; a known failure prints one line on stderr and gives its exit status:
+    2 bad config (nothing was run), 3 non-finite loss/gradients, 4 checkpoint I/O,
+    128 + signal number after a SIGTERM/SIGINT stop (checkpoint saved if enabled)."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except NonFiniteError as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 3
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 4
+    except Preempted as e:
+        print(f"[simplefsdp] {e}", file=sys.stderr)
+        return 128 + e.signum
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

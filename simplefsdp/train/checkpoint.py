@@ -13,17 +13,30 @@ It holds everything a resumed run needs to continue bit for bit:
 * ``rng/rank<r>``: each rank's torch CPU (and CUDA) generator state. Keys are per rank,
   because DCP would otherwise keep one copy of a value that is the same key everywhere.
 
+After the rename the ranks checksum the files (each rank a slice; ``zlib.crc32``,
+streamed: about a second per GB and rank, cheaper than a cryptographic hash and enough
+to catch truncation and overwritten blocks) and rank 0 writes ``manifest.json`` last,
+atomically (tmp + rename): files, sizes, checksums, step and a fingerprint of the model
+config. Only a checkpoint with a manifest counts for rotation, so ``keep_latest`` never
+deletes the newest one that was completely written.
+
 Resuming is explicit (:func:`resume_point`): with ``checkpoint.resume = true``
-(``--resume``) a run continues from the newest complete checkpoint in its folder, or
-starts from step 0 with a note if there is none. Without it, a folder that already
+(``--resume``) a run continues from the newest checkpoint in its folder whose manifest
+verifies (sizes and checksums, read on rank 0; on resume only), saying which newer ones
+it skipped and why; with none it starts from step 0 with a note. Without it, a folder that already
 holds a complete checkpoint is refused at start-up, before anything is built, so two
 runs are never mixed in one folder and no checkpoint is overwritten by accident.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +52,13 @@ from simplefsdp.state_dict import ModelAndOptimizer, is_complete
 from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step-(\d+)\.tmp$")
+MANIFEST = "manifest.json"
+_CHUNK = 4 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the path."""
 
 
 class TrainerState(Stateful):
@@ -102,37 +122,171 @@ def latest_checkpoint(folder: str | Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def resume_point(folder: str | Path, resume: bool) -> Path | None:
-    """The checkpoint to start from: the newest complete one in ``folder`` if ``resume``,
-    else None. A collective: rank 0 looks and broadcasts its choice, so every rank
-    decides alike (and raises alike) even if a checkpoint completes while they look.
+def remove_partial(folder: str | Path) -> list[Path]:
+    """Delete leftover ``step-<N>.tmp`` folders (saves that never finished); returns them.
+    Call on one rank, before any save starts."""
+    folder = Path(folder)
+    removed = []
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if _PARTIAL_DIR.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
-    Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off.
+
+def config_fingerprint(model_args: Any) -> str:
+    """A short hash of the model's shape: a checkpoint only fits a model with the same."""
+    text = json.dumps(model_args, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _checksum(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _data_files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(path: Path, step: int, fingerprint: str) -> None:
+    """Checksum every file of the checkpoint at ``path`` (each rank a slice) and write
+    ``manifest.json`` on rank 0, last and atomically. A collective."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    names = _data_files(path)
+    mine = {name: {"size": (path / name).stat().st_size, "crc32": _checksum(path / name)}
+            for name in names[rank::world]}
+    pieces: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(pieces, mine)
+    else:
+        pieces = [mine]
+    if rank == 0:
+        files = {k: v for piece in pieces for k, v in piece.items()}
+        manifest = {"format": 1, "step": step, "fingerprint": fingerprint,
+                    "checksum": "zlib.crc32", "files": files}
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, path / MANIFEST)
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, or None if its manifest holds
+    and every file has the recorded size and checksum."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        return f"no {MANIFEST} (the save did not finish, or an older simplefsdp wrote it)"
+    manifest = read_manifest(path)
+    if manifest is None or not isinstance(manifest.get("files"), dict):
+        return f"{MANIFEST} is unreadable"
+    for name, want in sorted(manifest["files"].items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the manifest says {want['size']} (truncated?)"
+        if _checksum(file) != want["crc32"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def _choose(folder: str | Path, resume: bool, fingerprint: str | None) -> list[Any]:
+    """Rank 0's part of :func:`resume_point`: [chosen path, newest path, error]."""
+    found = list_checkpoints(folder)
+    newest = str(found[-1][1]) if found else None
+    if not resume:
+        return [None, newest, None]
+    skipped = []
+    for _, path in reversed(found):
+        reason = verify(path)
+        if reason is None:
+            written_for = (read_manifest(path) or {}).get("fingerprint")
+            if fingerprint is not None and written_for != fingerprint:
+                return [None, newest, f"{path} was written for a different model (its model "
+                                      f"config fingerprint differs); resume with the model "
+                                      f"config it was trained with, or start afresh in "
+                                      f"another --checkpoint.folder"]
+            return [str(path), newest, None]
+        print(f"[simplefsdp] --resume: skipping {path}: {reason}", flush=True)
+        skipped.append(f"{path.name}: {reason}")
+    if skipped:
+        return [None, newest, f"--resume: none of the {len(skipped)} checkpoints in {folder} "
+                              f"verifies ({'; '.join(skipped)}); move them away (or choose "
+                              f"another --checkpoint.folder) to start afresh"]
+    return [None, None, None]
+
+
+def _cause(error: BaseException) -> str:
+    """A short account of a failed save: DCP's CheckpointException holds one exception
+    per failed rank (``failures``); anything else is itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        def first(value: Any) -> Any:
+            return value[0] if isinstance(value, tuple) else value
+
+        return "; ".join(f"rank {rank}: {first(value)!r:.300}"
+                         for rank, value in sorted(failures.items())[:4])
+    return f"{error!r:.600}"
+
+
+def checkpoint_step(path: str | Path) -> int:
+    return int(_STEP_DIR.match(Path(path).name).group(1))
+
+
+def resume_point(folder: str | Path, resume: bool,
+                 fingerprint: str | None = None) -> Path | None:
+    """The checkpoint to start from: with ``resume``, the newest one in ``folder`` that
+    verifies (see :func:`verify`; newer ones that do not are named on stdout and
+    skipped), else None. A collective: rank 0 looks and broadcasts its choice, so every
+    rank decides alike (and raises alike) even if a checkpoint completes while they look.
+
+    Raises a ConfigError if ``folder`` holds a complete checkpoint and ``resume`` is off,
+    if ``resume`` is on and complete checkpoints exist but none verifies, or if the one
+    that verifies was written for a model with another ``fingerprint``.
     """
     looks = not dist.is_initialized() or dist.get_rank() == 0
-    found = latest_checkpoint(folder) if looks else None
-    choice = [str(found[1]) if found else None]
+    choice = _choose(folder, resume, fingerprint) if looks else [None, None, None]
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        if resume and (not dist.is_initialized() or dist.get_rank() == 0):
+    chosen, newest, error = choice
+    if error is not None:
+        raise ConfigError(error)
+    if newest is not None and not resume:
+        raise ConfigError(
+            f"{folder} already holds a complete checkpoint ({Path(newest).name}) from an "
+            f"earlier run; pass --resume (checkpoint.resume = true) to continue from it, "
+            f"or choose another --checkpoint.folder (or --metrics.output_dir) to start afresh")
+    if chosen is None:
+        if resume and looks:
             print(f"[simplefsdp] --resume: no complete checkpoint in {folder}; starting "
                   f"from step 0", flush=True)
         return None
-    if not resume:
-        raise ConfigError(
-            f"{folder} already holds a complete checkpoint ({Path(choice[0]).name}) from an "
-            f"earlier run; pass --resume (checkpoint.resume = true) to continue from it, "
-            f"or choose another --checkpoint.folder (or --metrics.output_dir) to start afresh")
-    return Path(choice[0])
+    return Path(chosen)
 
 
 class CheckpointManager:
     """Saves every ``every`` steps, keeps the newest ``keep_latest``, resumes."""
 
     def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 trainer_state: TrainerState, every: int, keep_latest: int):
+                 trainer_state: TrainerState, every: int, keep_latest: int,
+                 fingerprint: str = ""):
         self.folder = Path(folder)
+        self.fingerprint = fingerprint
+        self.params = [p for p in model.parameters()]
         self.every, self.keep_latest = every, keep_latest
         self.trainer_state = trainer_state
         self.app = ModelAndOptimizer(model, optimizer)
@@ -148,27 +302,58 @@ class CheckpointManager:
         return step % self.every == 0
 
     def save(self, step: int) -> Path:
-        """Save after ``step`` completed steps (a collective: every rank calls it)."""
+        """Save after ``step`` completed steps (a collective: every rank calls it).
+
+        Refuses (NonFiniteError) to save parameters that are not finite. A failed write
+        removes its ``.tmp`` folder and raises a CheckpointError naming the path."""
+        from .guard import NonFiniteError, all_finite
+
+        if not all_finite(self.params):
+            raise NonFiniteError(f"the parameters after step {step} are not finite (NaN or "
+                                 f"inf); no checkpoint written, the newest good one stays")
         self.trainer_state.step = step
-        path = simplefsdp.save_checkpoint(self.folder / f"step-{step}", self._state())
+        target = self.folder / f"step-{step}"
+        try:
+            path = simplefsdp.save_checkpoint(target, self._state())
+            write_manifest(path, step, self.fingerprint)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
+            if self.rank == 0:
+                shutil.rmtree(target.with_name(target.name + ".tmp"), ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            cause = _cause(e)
+            full = any(s in cause for s in ("No space left", "unexpected pos",
+                                            f"[Errno {errno.ENOSPC}]"))
+            hint = ("the disk is full: free space or point --checkpoint.folder elsewhere"
+                    if full else "check that the folder is writable and has free space")
+            raise CheckpointError(f"saving checkpoint {target} failed ({hint}); its partial "
+                                  f"files were removed. Cause: {cause}") from e
         if self.rank == 0:
-            self._prune()
+            self._prune(step)
         return path
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        """Keep the newest ``keep_latest`` checkpoints up to ``step`` that have a manifest
+        (the one just written first among them); older ones go. Newer ones (left by a
+        run that went further, when resuming fell back past them) are not counted."""
         if self.keep_latest <= 0:
             return
-        for _, path in list_checkpoints(self.folder)[:-self.keep_latest]:
+        finished = [p for s, p in list_checkpoints(self.folder)
+                    if s <= step and (p / MANIFEST).is_file()]
+        for path in finished[:-self.keep_latest]:
             shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: str | Path) -> int:
         """Load the checkpoint at ``path`` (from :func:`resume_point`, the same on every
         rank) into the model, optimizer, trainer state and RNG; returns its step."""
         path = Path(path)
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        # RNG states are per rank: load ours if this checkpoint has it (same world size).
-        with_rng = any(k.startswith(f"rng/rank{self.rank}.") for k in keys)
-        simplefsdp.load_checkpoint(path, self._state(with_rng))
+        try:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            # RNG states are per rank: load ours if this checkpoint has it (same world size).
+            with_rng = any(k.startswith(f"rng/rank{self.rank}.") for k in keys)
+            simplefsdp.load_checkpoint(path, self._state(with_rng))
+        except Exception as e:
+            raise CheckpointError(f"loading checkpoint {path} failed: {e!r:.600}") from e
         return self.trainer_state.step
 
 

@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .config import ConfigError
+
 SHAKESPEARE = "shakespeare"  # the corpus shipped in simplefsdp/data/
 
 
@@ -61,7 +63,11 @@ def read_corpus(dataset: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"data.dataset = {dataset!r}: no such file (use "
                                 f"'{SHAKESPEARE}' or a path to a .txt file)")
-    return path.read_text("utf-8")
+    try:
+        return path.read_text("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.dataset = {dataset!r} is not UTF-8 text (byte {e.start} "
+                          f"cannot be decoded; a binary file?); give a .txt file") from None
 
 
 class BatchLoader:
@@ -137,16 +143,32 @@ class TextDataset:
                  val_fraction: float = 0.05):
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.name, self.val_fraction = dataset, val_fraction
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         tokens = torch.tensor(self.tokenizer.encode(read_corpus(dataset)), dtype=torch.int32)
         split = len(tokens) - int(len(tokens) * val_fraction)
         self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
 
     def loader(self, split: str, batch_size: int, seq_len: int, dp_rank: int = 0,
-               dp_world: int = 1, seed: int = 0, shuffle: bool | None = None) -> BatchLoader:
-        """Batches of ``split`` ("train" or "val") for one DP rank; val is not shuffled."""
+               dp_world: int = 1, seed: int = 0, shuffle: bool | None = None,
+               min_windows: int = 1) -> BatchLoader:
+        """Batches of ``split`` ("train" or "val") for one DP rank; val is not shuffled.
+
+        Raises a ConfigError naming ``data.dataset`` if the split holds fewer than
+        ``min_windows`` windows of ``seq_len + 1`` tokens (the trainer asks for one
+        global batch: it refuses to repeat a tiny corpus within a step)."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         tokens = self.train_tokens if split == "train" else self.val_tokens
+        windows = max(0, len(tokens) - 1) // seq_len
+        if windows < max(1, min_windows):
+            need = max(1, min_windows) * seq_len + 1
+            raise ConfigError(
+                f"data.dataset = {self.name!r} is too small: its {split} split has "
+                f"{len(tokens)} tokens ({windows} windows of seq_len + 1 = {seq_len + 1}), "
+                f"but one global batch needs {max(1, min_windows)} windows, about {need} "
+                f"tokens ({need / (1 - self.val_fraction):.0f} in the file with the "
+                f"{self.val_fraction:.0%} validation tail); use a larger corpus or lower "
+                f"training.batch_size / training.seq_len")
         shuffle = split == "train" if shuffle is None else shuffle
         return BatchLoader(tokens, batch_size, seq_len, dp_rank, dp_world, seed, shuffle)

@@ -26,30 +26,16 @@ from typing import Any
 
 import torch
 
-# bf16 dense tensor-core peaks (FLOP/s), matched by substring of the device name.
-GPU_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe card is lower (756e12), matched first below
-    "A100": 312e12,
-}
-_H100_PCIE = 756e12
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """Peak bf16 dense FLOP/s of a GPU from its name, or None if not in the table."""
-    if "H100" in name and "PCIe" in name:
-        return _H100_PCIE
-    for key, peak in GPU_PEAK_FLOPS.items():
-        if key in name:
-            return peak
-    return None
+from ..hardware import gpu_peak_flops
 
 
 @functools.cache
 def measured_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a float32 ``n x n`` matmul on this process's threads (best of
-    ``repeats``), measured once per process."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    ``repeats``), measured once per process. Its inputs come from a private generator:
+    the global RNG (restored on resume, used by batch transforms) is left untouched."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     a @ b  # warm up
     best = math.inf
     for _ in range(repeats):
@@ -98,10 +84,21 @@ class MetricsLogger:
         self.csv_path = self.out / "metrics.csv"
         self._tb = None
         self._bar = None
+        self.plots = False
         if not self.active:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         self._prepare_csv(start_step)
+        try:  # imported now, not at the end: a missing package is known before step 1
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot  # noqa: F401
+
+            self.plots = True
+        except ImportError:
+            print("[simplefsdp] matplotlib is not installed: no loss.png / memory.png "
+                  "(metrics.csv is written); pip install matplotlib", file=sys.stderr)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -175,11 +172,9 @@ class MetricsLogger:
         self.plot()
 
     def plot(self) -> list[Path]:
-        if not self.rows:
+        """Draw the plots (if matplotlib imported at start); returns the files written."""
+        if not self.rows or not self.plots:
             return []
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         steps = [r["step"] for r in self.rows]

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
+from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper
 from simplefsdp.mesh import stage_group
 
 from ..models.llama import Transformer
@@ -110,7 +111,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None
 # Activation checkpointing.
 # ---------------------------------------------------------------------------------------
 def _saved_ops() -> set:
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    aten, c10d = torch.ops.aten, c10d_functional
     names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"),
              (aten, "_scaled_dot_product_flash_attention"),
              (aten, "_scaled_dot_product_flash_attention_for_cpu"),
@@ -138,8 +139,6 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     """
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
@@ -163,15 +162,13 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    from simplefsdp import compile_backend  # written alongside; imported only when used
-
     c = cfg.compile
     # Auto wrapping agrees its measurements across the ranks compiling the same graph:
     # under PP, those of this stage.
     group = None
     if c.bucketing == "auto":
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
-    backend = compile_backend(backend=c.backend, bucketing=c.bucketing,
+    backend = simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                               reordering=c.reordering, module_plan=None,
                               memory_limit_gb=c.memory_limit_gb, group=group)
     return torch.compile(model, fullgraph=True, backend=backend)

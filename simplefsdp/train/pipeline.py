@@ -17,26 +17,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..models.llama import Transformer
-from .config import ConfigError
+from .config import check_pipeline
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
-    """Block indices of ``stage``: an even split, the first stages take the remainder."""
-    if n_layers < pp:
-        raise ConfigError(f"parallel.pp = {pp} stages need at least {pp} layers, the model "
-                          f"has model.n_layers = {n_layers}")
+    """Block indices of ``stage``: an even split, the first stages take the remainder.
+    Needs ``n_layers >= pp`` (``config.check_pipeline``)."""
     base, extra = divmod(n_layers, pp)
     start = stage * base + min(stage, extra)
     return list(range(start, start + base + (stage < extra)))
 
 
 def split_stage(model: Transformer, pp: int, stage: int) -> Transformer:
-    """Delete in place what ``stage`` of ``pp`` does not run; returns ``model``."""
+    """Delete in place what ``stage`` of ``pp`` does not run; returns ``model``. Raises a
+    ConfigError if the model cannot be split (``config.check_pipeline``)."""
+    check_pipeline(model.args, pp)
     if pp == 1:
         return model
-    if model.args.tie_embeddings:
-        raise ConfigError("model.tie_embeddings = true cannot be split into pipeline stages "
-                          "(the embedding and the output live on different ranks)")
     keep = {str(i) for i in stage_layers(model.args.n_layers, pp, stage)}
     for name in list(model.layers.keys()):
         if name not in keep:

@@ -10,6 +10,11 @@ every data-parallel rank and every gradient-accumulation microstep contributes
 gradients. The result is the mean over all tokens of the step, whatever the split
 across ranks, microsteps or pipeline microbatches.
 
+Before step 1 the run checks what would fail late (``preflight.py``: packages, writable
+folders, free space, no overwritten metrics; the dataset's size). A step whose loss or
+gradient norm is not finite is not applied and stops the run; SIGTERM/SIGINT finish the
+step, save and stop (``guard.py``).
+
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
 initialized as DTensors, whose random ops use offsets into one stream.
@@ -37,15 +42,20 @@ import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer, flops_per_token, num_params
+from . import preflight
 from .checkpoint import (
     CheckpointManager,
     TrainerState,
     checkpoint_dir,
+    checkpoint_step,
+    config_fingerprint,
     export_safetensors,
+    remove_partial,
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
 from .data import TextDataset, Tokenizer, build_tokenizer
+from .guard import NonFiniteError, Preempted, StopOnSignal, step_flags
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
@@ -136,17 +146,15 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
 # ---------------------------------------------------------------------------------------
 # Optimizer, schedule, clipping.
 # ---------------------------------------------------------------------------------------
-def lr_lambda(step: int, warmup: int, total: int, decay: str = "cosine",
-              min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine (or linear) decay
-    to ``min_ratio`` at ``total``."""
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
+    ``min_ratio`` at ``total``."""
     import math
 
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-    return min_ratio + (1 - min_ratio) * shape
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_optimizer(model: nn.Module, cfg: JobConfig):
@@ -243,9 +251,33 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             dist.destroy_process_group()
 
 
-def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
-           tokenizer: Tokenizer | None) -> TrainResult:
-    started = time.perf_counter()
+@dataclass
+class _Setup:
+    """Everything the loop needs, built once by :func:`_setup`."""
+
+    cfg: JobConfig  # with parallel sizes resolved
+    device: torch.device
+    mesh: Any
+    at: _Coords
+    loader: Any
+    runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
+    model: nn.Module  # the underlying Transformer (or stage)
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    schedule: Any  # the pipeline schedule, None without PP
+    ckpt: CheckpointManager | None
+    metrics: MetricsLogger
+    start_step: int
+    n_params: int
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
+
+
+def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
+    """Mesh, data, model, optimizer, checkpoint (resumed if asked), metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
     p = cfg.parallel.resolve(world)
@@ -256,25 +288,18 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     at = _Coords(mesh)
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+    args = cfg.model.model_args()
+    fingerprint = config_fingerprint(dataclasses.asdict(args))
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
-        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume)
+        resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
+    _check_before_build(cfg, ckpt_folder, rank)
+    if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
+        raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
+                          f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
+                          f"nothing to do; raise --training.steps above it to train on")
 
-    if tokenizer is None:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-    elif not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
-                        f"simplefsdp.train.data.Tokenizer protocol), got "
-                        f"{type(tokenizer).__name__}")
-    args = cfg.model.model_args()
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
-                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
-                          f"{args.vocab_size}; raise model.vocab_size")
-    dataset = TextDataset(cfg.data.dataset, tokenizer)
-    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                            dp_world=at.dp_size, seed=t.seed)
-
+    loader = _build_loader(cfg, tokenizer, at)
     runnable, model = build_model(cfg, mesh, device)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -283,21 +308,21 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
+        space = _space_problem(params, ckpt_folder, rank)
+        preflight.agree([space] if space else [])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
-                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest)
+                                 cfg.checkpoint.every, cfg.checkpoint.keep_latest,
+                                 fingerprint)
         if resume_from is not None:
             start_step = ckpt.load(resume_from)
             if rank == 0:
                 print(f"[simplefsdp] resumed from {resume_from} (step {start_step})",
                       flush=True)
 
-    step_loss = torch.zeros((), device=device)  # this rank's share of the step's loss
     schedule = None
-    if p.pp > 1:
-        def pp_loss(logits, targets):  # sum over microbatches: scale_grads=False
-            return token_loss_sum(logits, targets) / pp_loss.global_tokens
-        pp_loss.global_tokens = torch.ones((), device=device)
-        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches, pp_loss)
+    if p.pp > 1:  # the loss is a token sum; the loop divides the gradients afterwards
+        schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches,
+                                     token_loss_sum)
 
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
@@ -312,81 +337,196 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
               f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
               f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
               f"({metrics.peak_source})", flush=True)
+    return _Setup(cfg, device, mesh, at, loader, runnable, model, params, optimizer,
+                  scheduler, schedule, ckpt, metrics, start_step, n_params)
 
-    # Which ranks' numbers are summed into global values: one per data-parallel rank
-    # (TP ranks and PP stages see the same tokens; only the last stage has the loss).
-    counts_tokens = at.first and at.tp == 0
-    counts_loss = at.last and at.tp == 0
-    result = TrainResult(start_step=start_step, steps=t.steps, num_params=n_params,
+
+def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
+    """This data-parallel rank's training batches; refuses a corpus smaller than one
+    global batch and a tokenizer that does not fit the model."""
+    t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    elif not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
+                        f"simplefsdp.train.data.Tokenizer protocol), got "
+                        f"{type(tokenizer).__name__}")
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
+                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
+                          f"{vocab_size}; raise model.vocab_size")
+    dataset = TextDataset(cfg.data.dataset, tokenizer)
+    return dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
+                          dp_world=at.dp_size, seed=t.seed,
+                          min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
+
+
+def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
+    """Packages, writable folders, no overwritten metrics; leftover ``.tmp`` saves go."""
+    problems = preflight.missing_packages(cfg)
+    if rank == 0:
+        problems += [p for p in (
+            preflight.unwritable(Path(cfg.metrics.output_dir), "metrics.output_dir",
+                                 ".write-probe"),
+            preflight.overwrites_metrics(cfg)) if p]
+    if cfg.checkpoint.enable:  # every rank writes its own shards there
+        problem = preflight.unwritable(ckpt_folder, "checkpoint.folder",
+                                       f".write-probe-rank{rank}")
+        problems += [problem] if problem else []
+    preflight.agree(problems)
+    if cfg.checkpoint.enable and rank == 0:
+        for path in remove_partial(ckpt_folder):
+            print(f"[simplefsdp] removed {path}, left by a save that did not finish",
+                  flush=True)
+
+
+def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
+    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
+    local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
+                for q in params)
+    total = torch.tensor(3.0 * local, dtype=torch.float64)
+    dist.all_reduce(total)
+    return preflight.too_little_space(folder, float(total)) if rank == 0 else None
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _global_tokens(s: _Setup, batches: list[Batch]) -> torch.Tensor:
+    """Valid target tokens of the whole step, over every data-parallel rank (TP ranks
+    and PP stages see the same tokens: only the first stage's TP rank 0 counts)."""
+    counts = s.at.first and s.at.tp == 0
+    local = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
+    total = torch.tensor(float(local if counts else 0), device=s.device)
+    dist.all_reduce(total)
+    return total.clamp_(min=1)
+
+
+def _forward_backward(s: _Setup, batches: list[Batch],
+                      global_tokens: torch.Tensor) -> torch.Tensor:
+    """Forward and backward over the step's microbatches; returns this rank's share of
+    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage)."""
+    step_loss = torch.zeros((), device=s.device)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(s.device), targets.to(s.device)
+        if s.schedule is None:
+            loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
+            loss.backward()
+            step_loss += loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            s.schedule.step(*((inputs,) if s.at.first else ()),
+                            target=targets if s.at.last else None, losses=losses)
+            for mb_loss in losses:
+                step_loss += mb_loss.detach() / global_tokens
+    if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
+        _scale_grads_(s.params, 1 / global_tokens)
+    return step_loss
+
+
+@torch.no_grad()
+def _scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
+    for param in params:
+        if param.grad is not None:
+            grad = param.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+
+
+def _train_step(s: _Setup, step: int, batches: list[Batch],
+                stop_requested: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step; returns (this rank's contribution to the global loss, the
+    gradient norm before clipping, whether some rank was asked to stop).
+
+    A loss or gradient norm that is not finite on any rank: the step is not applied and
+    NonFiniteError is raised on every rank."""
+    step_loss = _forward_backward(s, batches, _global_tokens(s, batches))
+    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
+    if nonfinite:
+        s.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            f"step {step}: the loss or gradient norm is not finite (NaN/inf); the step was "
+            f"not applied and no checkpoint is written from it. Lower training.lr, check "
+            f"the data, or resume from the last checkpoint")
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
+    contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
+    return contribution, grad_norm.detach(), stop
+
+
+def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
+           tokenizer: Tokenizer | None) -> TrainResult:
+    started = time.perf_counter()
+    s = _setup(cfg, tokenizer)
+    cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
+    t = cfg.training
+    result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last report
     window_start, window_steps = time.perf_counter(), 0
 
-    for step in range(start_step + 1, t.steps + 1):
-        batches = [next(loader) for _ in range(t.grad_accum_steps)]
-        if batch_transform is not None:
-            batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-        local_tokens = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
-        global_tokens = torch.tensor(float(local_tokens if counts_tokens else 0), device=device)
-        dist.all_reduce(global_tokens)
-        global_tokens.clamp_(min=1)
-        step_loss.zero_()
-        for inputs, targets in batches:
-            inputs, targets = inputs.to(device), targets.to(device)
-            if schedule is None:
-                loss = token_loss_sum(runnable(inputs), targets) / global_tokens
-                loss.backward()
-                step_loss += loss.detach()
-            else:
-                pp_loss.global_tokens = global_tokens
-                losses: list[torch.Tensor] = []
-                schedule.step(*((inputs,) if at.first else ()),
-                              target=targets if at.last else None, losses=losses)
-                for mb_loss in losses:
-                    step_loss += mb_loss.detach()
-        grad_norm = clip_grad_norm_(params, t.max_norm,
-                                    mesh["pp"].get_group() if p.pp > 1 else None)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        contribution = step_loss.clone() if counts_loss else torch.zeros_like(step_loss)
-        pending.append((step, contribution, grad_norm.detach(),
-                        scheduler.get_last_lr()[0]))
-        window_steps += 1
-        metrics.advance()
+    with StopOnSignal() as signal_:
+        try:
+            for step in range(s.start_step + 1, t.steps + 1):
+                batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
+                if batch_transform is not None:
+                    batches = [batch_transform(inputs, targets) for inputs, targets in batches]
+                contribution, grad_norm, stop = _train_step(s, step, batches,
+                                                            signal_.requested)
+                pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
+                window_steps += 1
+                metrics.advance()
 
-        is_last = step == t.steps
-        if step % cfg.metrics.log_every == 0 or is_last or (ckpt and ckpt.due(step)):
-            # One all-reduce for every step since the last report.
-            stacked = torch.stack([c for _, c, _, _ in pending])
-            dist.all_reduce(stacked)
-            values = stacked.tolist()
-            result.losses.extend(values)
-            result.grad_norms.extend(float(g) for _, _, g, _ in pending)
-            if step % cfg.metrics.log_every == 0 or is_last:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
-                            pending[-1][3], window_steps, elapsed)
-                window_start, window_steps = time.perf_counter(), 0
-            pending.clear()
-        if ckpt is not None and (ckpt.due(step) or is_last):
-            ckpt.save(step)
+                is_last = step == t.steps or stop
+                logs = step % cfg.metrics.log_every == 0 or is_last
+                if logs or (ckpt and ckpt.due(step)):
+                    # One all-reduce for every step since the last report.
+                    stacked = torch.stack([c for c, _, _ in pending])
+                    dist.all_reduce(stacked)
+                    values = stacked.tolist()
+                    result.losses.extend(values)
+                    result.grad_norms.extend(float(g) for _, g, _ in pending)
+                    if logs:
+                        if s.device.type == "cuda":
+                            torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - window_start
+                        metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
+                                    pending[-1][2], window_steps, elapsed)
+                        window_start, window_steps = time.perf_counter(), 0
+                    pending.clear()
+                if ckpt is not None and (ckpt.due(step) or is_last):
+                    ckpt.save(step)
+                if stop:
+                    raise _preempted(s, step, signal_.signum)
+        finally:
+            metrics.close()
 
-    metrics.close()
     if cfg.checkpoint.export_safetensors:
-        export_safetensors(model, Path(cfg.metrics.output_dir) / "model.safetensors",
-                           mesh["pp"].get_group() if p.pp > 1 else None)
+        export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
+                           s.pp_group)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
-    if rank == 0 and result.losses:
+    if dist.get_rank() == 0 and result.losses:
         rows = result.metrics["rows"]
         tps = rows[-1]["tokens_per_s"] if rows else float("nan")
-        print(f"[simplefsdp] done: steps {start_step}->{t.steps}, final loss "
+        print(f"[simplefsdp] done: steps {s.start_step}->{t.steps}, final loss "
               f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
               f"{result.wall_time_s:.1f}s", flush=True)
     return result
+
+
+def _preempted(s: _Setup, step: int, signum: int | None) -> Preempted:
+    """The error a signalled run stops with: where it saved, how to continue."""
+    import signal
+
+    name = signal.Signals(signum).name if signum else "a signal on another rank"
+    where = (f"saved checkpoint step-{step} in {s.ckpt.folder}; repeat the command with "
+             f"--resume to continue" if s.ckpt is not None else
+             "checkpoints are off (checkpoint.enable = false), so nothing was saved")
+    return Preempted(f"stopped by {name} after step {step}: {where}",
+                     signum or signal.SIGTERM)
 
 
 def _count_params(model: nn.Module, mesh, at: _Coords) -> int:

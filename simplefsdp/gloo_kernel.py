@@ -1,5 +1,10 @@
 """A CPU kernel for the functional all-gather that takes gloo's plain all-gather path.
 
+A process-wide runtime change: :func:`simplefsdp.data_parallel` installs it when its mesh
+runs CPU collectives on gloo, and it stays in effect for every later all-gather of the
+process (eager, DTensor and compiled alike) until :func:`uninstall_gloo_collectives`.
+It is an eager kernel, not a compiler pass, so it lives outside ``compiler/``.
+
 ``torch.ops._c10d_functional.all_gather_into_tensor`` (what ``DTensor.redistribute``,
 ``funcol.all_gather_tensor`` and compiled graphs call) has one C++ kernel, registered
 as ``CompositeExplicitAutograd``: it wraps the input in a one-element list and calls
@@ -28,8 +33,17 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_work, _resolve_process_group
 from torch.distributed.device_mesh import DeviceMesh
+
+from ._torch_compat import (
+    allgather_base,
+    backend_name,
+    c10d_functional,
+    default_group,
+    destroy_library,
+    register_work,
+    resolve_process_group,
+)
 
 __all__ = ["install_gloo_collectives", "installed", "uninstall_gloo_collectives", "uses_gloo"]
 
@@ -39,18 +53,9 @@ _CPU = torch.device("cpu")
 _lib: torch.library.Library | None = None
 
 
-def _group(group: dist.ProcessGroup | str) -> dist.ProcessGroup:
-    # The op's ``group_name`` is a name, or the ProcessGroup itself when
-    # ``torch.distributed.config.compile_on_one_rank`` is set (torch >= 2.13).
-    return group if isinstance(group, dist.ProcessGroup) else _resolve_process_group(group)
-
-
 def _is_gloo(pg: dist.ProcessGroup) -> bool:
     """Whether ``pg`` runs CPU tensors on gloo (also for ``cpu:gloo,cuda:nccl`` groups)."""
-    try:
-        return pg._get_backend(_CPU).name() == "gloo"
-    except RuntimeError:  # no CPU backend in this group
-        return False
+    return backend_name(pg, _CPU) == "gloo"
 
 
 def uses_gloo(group_or_mesh: DeviceMesh | dist.ProcessGroup | str | None = None) -> bool:
@@ -62,21 +67,21 @@ def uses_gloo(group_or_mesh: DeviceMesh | dist.ProcessGroup | str | None = None)
     if not dist.is_initialized():
         return False
     if group_or_mesh is None:
-        groups = [dist.distributed_c10d._get_default_group()]
+        groups = [default_group()]
     elif isinstance(group_or_mesh, DeviceMesh):
         groups = group_or_mesh.get_all_groups()
     else:
-        groups = [_group(group_or_mesh)]
+        groups = [resolve_process_group(group_or_mesh)]
     return any(_is_gloo(pg) for pg in groups)
 
 
 def _all_gather_into_tensor_cpu(input: torch.Tensor, group_size: int,
                                 group_name: dist.ProcessGroup | str) -> torch.Tensor:
     """``_c10d_functional::all_gather_into_tensor`` for CPU tensors (see module doc)."""
-    pg = _group(group_name)
+    pg = resolve_process_group(group_name)
     if not _is_gloo(pg):  # exactly what the C++ kernel does
         real = torch.view_as_real(input) if input.is_complex() else input
-        out = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default(
+        out = c10d_functional.all_gather_into_tensor_coalesced.default(
             [real], group_size, group_name)[0]
         return torch.view_as_complex(out) if input.is_complex() else out
     if not input.is_contiguous():  # same contract as the C++ kernel
@@ -85,8 +90,8 @@ def _all_gather_into_tensor_cpu(input: torch.Tensor, group_size: int,
     if real.dim() == 0:  # a scalar gathers into shape [group_size]
         real = real.reshape(1)
     out = real.new_empty((group_size * real.shape[0], *real.shape[1:]))
-    work = pg._allgather_base(out, real)
-    _register_work(out, work)  # wait_tensor(out) pops and waits for it
+    work = allgather_base(pg, out, real)
+    register_work(out, work)  # wait_tensor(out) pops and waits for it
     return torch.view_as_complex(out) if input.is_complex() else out
 
 
@@ -108,7 +113,7 @@ def uninstall_gloo_collectives() -> None:
     """Remove the kernel again (for tests); a no-op when it is not installed."""
     global _lib
     if _lib is not None:
-        _lib._destroy()
+        destroy_library(_lib)
         _lib = None
 
 

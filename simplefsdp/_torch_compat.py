@@ -1,0 +1,262 @@
+"""Every private torch API simplefsdp uses, and every torch-version fallback, in one place.
+
+simplefsdp supports torch 2.11-2.13. Each entry says what it was checked against:
+"checked: 2.13" means imported and exercised by the test suite on torch 2.13.0. None was
+checked on 2.11 or 2.12 yet (neither their wheels nor their sources were at hand); the
+version fallbacks below say which older behaviour they keep working. The rest of the
+package imports these names from here (``tests/test_architecture.py`` keeps it so);
+public torch APIs stay where they are used.
+
+Heavy modules (Inductor, Dynamo, the testing helpers) are imported inside functions, so
+``import simplefsdp`` does not load them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Private names imported as they are; each: checked 2.13.
+from torch._C._distributed_c10d import _register_work as register_work
+from torch._C._distributed_c10d import _resolve_process_group
+from torch._guards import detect_fake_mode
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "FakeTensorMode", "OpOverload", "StridedShard", "aot_autograd", "allgather_base",
+    "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
+    "current_graph_task_id", "custom_graph_pass_base", "default_group", "default_store",
+    "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
+    "dynamo_counters", "fake_store", "missing_inductor_options", "profiler_events",
+    "raise_recompile_limits", "register_work", "resolve_process_group", "root_mesh",
+    "op_schema", "symint_hint", "tree_flatten", "tree_map",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Fake tensors, dispatch modes, op overloads (compiler passes, cost model).
+# --------------------------------------------------------------------------------------
+# The functional collectives' op namespace (what DTensor and compiled graphs call).
+# checked: 2.13.
+c10d_functional = torch.ops._c10d_functional
+
+
+def disable_current_modes():
+    """A context that leaves any active FakeTensorMode / proxy mode: compiler passes run
+    inside one, and measurements and collectives must touch real tensors.
+    checked: 2.13."""
+    return _disable_current_modes()
+
+
+def op_schema(target: Any) -> torch.FunctionSchema | None:
+    """The schema of an ``OpOverload`` (None for other callables).
+    checked: 2.13."""
+    return getattr(target, "_schema", None)
+
+
+def symint_hint(x: torch.SymInt) -> int | None:
+    """The example value behind a symbolic size, without adding a guard where torch
+    offers that; None when there is none (unbacked).
+
+    Version fallback: the helper was renamed over time; checked: 2.13 has
+    ``optimization_hint`` only, older releases ``hint_int`` / ``size_hint``.
+    ``SymNode.hint`` / ``_hint`` are the last resort.
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    for name in ("optimization_hint", "hint_int", "size_hint"):
+        fn = getattr(symbolic_shapes, name, None)
+        if fn is None:
+            continue
+        try:
+            return int(fn(x))
+        except Exception:  # noqa: BLE001 - try the next spelling
+            continue
+    hint = getattr(x.node, "hint", None)
+    hint = getattr(x.node, "_hint", None) if hint is None else hint
+    return None if hint is None else int(hint)
+
+
+# --------------------------------------------------------------------------------------
+# Process groups and the CPU all-gather kernel (agreement.py, gloo_kernel.py).
+# --------------------------------------------------------------------------------------
+# register_work(tensor, work): ``wait_tensor(tensor)`` then waits for ``work``.
+
+
+def resolve_process_group(group: dist.ProcessGroup | str) -> dist.ProcessGroup:
+    """The ProcessGroup a functional collective's ``group_name`` argument names.
+
+    Version fallback: with ``torch.distributed.config.compile_on_one_rank`` (new in 2.13)
+    the argument can be the ProcessGroup itself; before, it is always a name.
+    checked: 2.13.
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    return _resolve_process_group(group)
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (WORLD) process group. checked: 2.13."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def default_store() -> dist.Store:
+    """The default process group's rendezvous store. checked: 2.13."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def backend_name(pg: dist.ProcessGroup, device: torch.device) -> str | None:
+    """The name of ``pg``'s backend for ``device`` (e.g. "gloo"), None if it has none.
+    checked: 2.13."""
+    try:
+        return pg._get_backend(device).name()
+    except RuntimeError:  # no backend for that device type in this group
+        return None
+
+
+def allgather_base(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor):
+    """``ProcessGroup._allgather_base``: the plain all-gather into one flat tensor (the
+    path ``dist.all_gather_into_tensor`` takes); returns its Work.
+    checked: 2.13."""
+    return pg._allgather_base(out, inp)
+
+
+def destroy_library(lib: torch.library.Library) -> None:
+    """Remove the registrations of a ``torch.library.Library``.
+    checked: 2.13."""
+    lib._destroy()
+
+
+# --------------------------------------------------------------------------------------
+# DTensor and DeviceMesh internals (data_parallel.py).
+# --------------------------------------------------------------------------------------
+# StridedShard (imported above): a DP shard *within* a TP shard on the same dim.
+
+
+def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh):
+    """The mesh ``mesh`` was sliced from (itself if it was not sliced).
+
+    Version fallback: ``DeviceMesh._get_root_mesh()`` (checked: 2.13); before 2.12 the
+    ``_mesh_resources`` registry (2.13 still has it too).
+    """
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd (eager_reshard.py).
+# --------------------------------------------------------------------------------------
+def current_graph_task_id() -> int:
+    """-1 outside a backward pass, else the id of the running autograd graph task.
+    checked: 2.13."""
+    return torch._C._current_graph_task_id()
+
+
+# --------------------------------------------------------------------------------------
+# Compilers: Dynamo, AOTAutograd, Inductor (compiler/backend.py, bench/). Lazy imports.
+# --------------------------------------------------------------------------------------
+def aot_autograd(**kwargs: Any):
+    """Dynamo's AOTAutograd backend factory. checked: 2.13."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, **kwargs: Any):
+    """Inductor's entry point. checked: 2.13."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile
+
+    return inductor_compile(gm, example_inputs, **kwargs)
+
+
+def custom_graph_pass_base() -> type:
+    """The base class of an Inductor ``post_grad_custom_post_pass``.
+    checked: 2.13."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def missing_inductor_options(names) -> list[str]:
+    """Which of ``names`` (Inductor config keys, dotted for sub-configs) this torch lacks:
+    torch's own FSDP passes came in over several releases.
+    checked: 2.13 has all the bench uses."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return [k for k in names if k not in known]
+
+
+def disable_compile_caches() -> None:
+    """Turn off Inductor's FX graph caches (local, remote) and AOTAutograd's cache, so
+    every compile is cold. Version fallback: options missing from a version are skipped.
+    checked: 2.13 has all three."""
+    from torch._functorch import config as functorch
+    from torch._inductor import config as inductor
+
+    for module, name in ((inductor, "fx_graph_cache"), (inductor, "fx_graph_remote_cache"),
+                         (functorch, "enable_autograd_cache")):
+        if hasattr(module, name):
+            setattr(module, name, False)
+
+
+def raise_recompile_limits(at_least: int) -> None:
+    """Raise Dynamo's per-code-object recompile limits to ``at_least``.
+
+    Version fallback: the limits were renamed (``cache_size_limit`` ->
+    ``recompile_limit``); whichever spellings exist are set. checked: 2.13 has both
+    spellings."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), at_least))
+
+
+def dynamo_counters():
+    """Dynamo's global counters (e.g. ``["stats"]["unique_graphs"]``).
+    checked: 2.13."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+# --------------------------------------------------------------------------------------
+# Activation checkpointing, profiler, fake process groups (train/, bench/).
+# --------------------------------------------------------------------------------------
+def checkpoint_wrapper(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """torch.distributed's activation-checkpoint wrapper (its prefix
+    ``_checkpoint_wrapped_module`` never reaches state dicts).
+    checked: 2.13."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module, **kwargs)
+
+
+def profiler_events(prof: torch.profiler.profile) -> list:
+    """The raw Kineto events of a finished profile (name, start/duration in ns, bytes of
+    memory events). checked: 2.13."""
+    return prof.profiler.kineto_results.events()
+
+
+def fake_store() -> dist.Store:
+    """A store for ``init_process_group("fake", ...)``: one process stands in for a
+    world of ranks. Raises ImportError where torch ships without its testing helpers.
+    checked: 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

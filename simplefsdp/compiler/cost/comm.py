@@ -1,0 +1,385 @@
+"""Communication model: ``T = alpha + beta * bytes`` per collective kind.
+
+Calibrated on the live process group (:func:`calibrate`), read from a disk cache, or
+taken from a table of known fabrics (:func:`default_comm_model`); :func:`get_comm_model`
+picks among the three. Calibration and the cache lookup are collective and run in
+eager code, when the backend is built, never inside a compiler pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..._torch_compat import c10d_functional, disable_current_modes
+from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device
+from ...hardware import KNOWN_FABRICS
+from ..collectives import COLLECTIVE_KINDS, collective_kind
+from .compute import time_callable
+
+__all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
+           "get_comm_model"]
+
+
+def _normalize_kind(kind: str) -> str:
+    normal = collective_kind(kind)
+    if normal is None:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of "
+                         f"{COLLECTIVE_KINDS}")
+    return normal
+
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Per-kind ``(alpha_s, beta_s_per_byte)``: ``predict(kind, n) = alpha + beta * n``.
+
+    For ``all_gather`` and ``reduce_scatter`` ``n`` is the full (unsharded) tensor size in
+    bytes, i.e. the all-gather's output or the reduce-scatter's input; for ``all_reduce``
+    it is the size of the reduced tensor. ``hidden_fraction`` is the fraction of concurrent
+    computation that actually hides a collective: ~1 where communication has its own
+    engine (NCCL on GPUs), ~0 where collectives and compute share the same cores (gloo on
+    a small CPU host); ``calibrate`` measures it. ``source`` and ``world_size`` describe
+    where the figures came from and take no part in equality.
+    """
+
+    all_gather: tuple[float, float]
+    reduce_scatter: tuple[float, float]
+    all_reduce: tuple[float, float]
+    hidden_fraction: float = 1.0
+    world_size: int = dataclasses.field(default=1, compare=False)
+    source: str = dataclasses.field(default="unknown", compare=False)
+
+    def params(self, kind: str) -> tuple[float, float]:
+        """``(alpha_s, beta_s_per_byte)`` of one kind (aliases such as
+        ``all_gather_into_tensor`` are accepted)."""
+        return getattr(self, _normalize_kind(kind))
+
+    def predict(self, kind: str, nbytes: float) -> float:
+        """Predicted seconds for one collective of ``kind`` over ``nbytes`` bytes."""
+        alpha, beta = self.params(kind)
+        return alpha + beta * float(nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
+            "hidden_fraction": self.hidden_fraction, "world_size": self.world_size,
+            "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CommModel:
+        pairs = {k: (float(d[k][0]), float(d[k][1])) for k in COLLECTIVE_KINDS}
+        return cls(**pairs, hidden_fraction=float(d.get("hidden_fraction", 1.0)),
+                   world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
+
+
+def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> CommModel:
+    """A ``CommModel`` from ``KNOWN_FABRICS[fabric]`` for a ring over ``world_size`` ranks."""
+    spec = KNOWN_FABRICS[fabric]
+    n = max(int(world_size), 1)
+    ring = (n - 1) / n
+    bw = spec.bus_bandwidth_Bps
+    # all-reduce = reduce-scatter + all-gather: twice the latency and twice the bytes.
+    return CommModel(
+        all_gather=(spec.alpha_s, ring / bw),
+        reduce_scatter=(spec.alpha_s, ring / bw),
+        all_reduce=(2 * spec.alpha_s, 2 * ring / bw),
+        hidden_fraction=spec.hidden_fraction,
+        world_size=n,
+        source=f"default:{fabric}",
+    )
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def _local_world_size(world_size: int, device: torch.device) -> int:
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is not None:
+        return int(env)
+    if device.type == "cuda":
+        return min(world_size, max(torch.cuda.device_count(), 1))
+    return world_size
+
+
+def _pick_fabric(world_size: int, device: torch.device) -> str:
+    if device.type != "cuda":
+        return "gloo_cpu_loopback"
+    return "nvlink_h100" if world_size <= _local_world_size(world_size, device) \
+        else "infiniband_ndr"
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``seconds ~ alpha + beta * nbytes``, both clamped to >= 0.
+
+    Residuals are weighted by ``1 / seconds**2`` (a fit of the *relative* error): the
+    sizes span three orders of magnitude and an unweighted fit would let the largest
+    message decide everything, leaving alpha to noise. Pure Python floats, so the same
+    inputs give bit-identical output on every rank.
+    """
+    if len(nbytes) != len(seconds) or not nbytes:
+        raise ValueError("need as many sizes as times, at least one")
+    scale = max(float(n) for n in nbytes) or 1.0
+    xs = [float(n) / scale for n in nbytes]
+    ys = [float(t) for t in seconds]
+    ws = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    s = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
+    sy = sum(w * y for w, y in zip(ws, ys, strict=True))
+    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
+    det = s * sxx - sx * sx
+    if len(xs) >= 2 and det > 0:
+        b = (s * sxy - sx * sy) / det
+        a = (sy - b * sx) / s
+    else:  # one size (or all equal): no slope information
+        a, b = sy / s, 0.0
+    if a < 0:  # refit through the origin
+        a, b = 0.0, (sxy / sxx if sxx > 0 else 0.0)
+    if b < 0:  # flat: latency only
+        a, b = sy / s, 0.0
+    return max(a, 0.0), max(b, 0.0) / scale
+
+
+def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device,
+                   dtype: torch.dtype) -> Callable[[], None]:
+    """A closure that runs one synchronous functional collective (op + ``wait_tensor``)."""
+    ws = dist.get_world_size(group)
+    name = group.group_name
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = max(nbytes // itemsize // ws, 1) * ws  # full numel, divisible by world size
+    c10d = c10d_functional
+    if kind == "all_gather":
+        x = torch.ones(numel // ws, dtype=dtype, device=device)
+        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, name))
+    x = torch.ones(numel, dtype=dtype, device=device)
+    if kind == "reduce_scatter":
+        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", ws, name))
+    return lambda: c10d.wait_tensor(c10d.all_reduce(x, "sum", name))
+
+
+def measure_collectives(cases: Sequence[tuple[str, int]],
+                        group: dist.ProcessGroup | None = None,
+                        device: torch.device | str | None = None,
+                        dtype: torch.dtype = torch.float32, repeats: int = 5,
+                        warmup: int = 2) -> list[float]:
+    """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
+    case; ``nbytes`` is the full, unsharded size for all-gather and reduce-scatter.
+
+    Times the functional collectives (``c10d_functional`` + ``wait_tensor``):
+    that is what DTensor's redistribute runs in eager mode and what the compiled graphs
+    hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
+    Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
+    gloo all-gather of ``simplefsdp.gloo_kernel`` once installed).
+    Exactly one collective is in flight at a time (several concurrent functional
+    all-gathers crash gloo). The cases are interleaved round-robin, ``warmup`` rounds
+    then ``repeats`` timed rounds, so a burst of load from elsewhere on the host spreads
+    over all cases instead of skewing one. Collective: every rank must pass the same cases.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    with disable_current_modes():
+        fns = [_collective_fn(_normalize_kind(k), int(n), group, dev, dtype) for k, n in cases]
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(max(repeats, 1)):
+            for fn, times in zip(fns, samples, strict=True):
+                times.append(time_callable(fn, 1, 0, dev))
+    return [statistics.median(t) for t in samples]
+
+
+def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
+                    device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
+                    repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """The fraction of an all-gather's time that computation running meanwhile hides, on
+    this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1].
+
+    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: matmuls sized to
+    take about as long; ``t_both``: the all-gather started, the matmuls run, then its wait.
+    Prefetching (our reordering) only pays off as far as this fraction allows, so the
+    auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    ws = dist.get_world_size(group)
+    c10d = c10d_functional
+    with disable_current_modes():
+        shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
+                           dtype=dtype, device=dev)
+        a = torch.randn(256, 256, dtype=dtype, device=dev)
+
+        def comm() -> None:
+            c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
+
+        t_comm = time_callable(comm, repeats, 2, dev)
+        t_matmul = time_callable(lambda: a @ a, repeats, 2, dev)
+        # every rank must run the same number of matmuls: agree on it
+        count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
+                                       group)[0])
+
+        def compute() -> None:
+            for _ in range(count):
+                a @ a
+
+        def both() -> None:
+            work = c10d.all_gather_into_tensor(shard, ws, group.group_name)
+            compute()
+            c10d.wait_tensor(work)
+
+        t_compute = time_callable(compute, repeats, 1, dev)
+        dist.barrier(group)
+        t_both = time_callable(both, repeats, 1, dev)
+    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
+    return min(max(hidden, 0.0), 1.0)
+
+
+
+DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(6))  # 4 KiB .. 4 MiB
+DEFAULT_CUDA_SIZES = tuple(2 ** 20 * 4 ** i for i in range(5))  # 1 MiB .. 256 MiB
+
+
+def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | None = None,
+              repeats: int = 5, device: torch.device | str | None = None, warmup: int = 2,
+              dtype: torch.dtype = torch.float32,
+              kinds: Iterable[str] = COLLECTIVE_KINDS) -> CommModel:
+    """Time each collective kind on ``group`` and fit ``alpha + beta * bytes`` per kind.
+
+    Collective: every rank of ``group`` must call it. Each rank takes the median of
+    ``repeats`` timings per (kind, size) after ``warmup`` rounds (``measure_collectives``,
+    sizes interleaved); the per-rank medians are combined with an all-reduce MAX (a
+    collective finishes when its slowest rank does) and only then fitted, in pure Python,
+    so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
+    defaults. ``sizes`` default to 4 KiB..4 MiB on CPU, 1 MiB..256 MiB on CUDA. The
+    hidden fraction is ``measure_hidden_fraction`` at the largest size, the MIN across ranks.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    ws = dist.get_world_size(group)
+    if sizes is None:
+        sizes = DEFAULT_CUDA_SIZES if dev.type == "cuda" else DEFAULT_CPU_SIZES
+    sizes = [int(s) for s in sizes]
+    kinds = [_normalize_kind(k) for k in kinds]
+    with disable_current_modes():
+        dist.barrier(group)
+    measured = measure_collectives([(k, n) for k in kinds for n in sizes], group, dev, dtype,
+                                   repeats, warmup)
+    agreed = agree_across_ranks(measured, group, op="max")
+    fitted = dict(dataclasses.asdict(default_comm_model(ws, _pick_fabric(ws, dev))))
+    for i, kind in enumerate(kinds):
+        times = agreed[i * len(sizes):(i + 1) * len(sizes)]
+        fitted[kind] = fit_alpha_beta(sizes, times)
+    fitted["hidden_fraction"] = agree_across_ranks(
+        [measure_hidden_fraction(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
+    fitted["source"] = "calibrated"
+    fitted["world_size"] = ws
+    return CommModel(**fitted)
+
+
+def cache_dir() -> Path:
+    """``$SIMPLEFSDP_CACHE_DIR`` or ``~/.cache/simplefsdp``."""
+    env = os.environ.get("SIMPLEFSDP_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "simplefsdp"
+
+
+def cache_key(group: dist.ProcessGroup | None = None,
+              device: torch.device | str | None = None) -> dict[str, Any]:
+    """What a calibration depends on: world and node size, backend, device, torch version
+    (and the format: a cache written before ``hidden_fraction`` is not reused)."""
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    ws = dist.get_world_size(group)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+    return {
+        "world_size": ws,
+        "local_world_size": _local_world_size(ws, dev),
+        "backend": str(dist.get_backend(group)),
+        "device_type": dev.type,
+        "device_name": name,
+        "torch_version": torch.__version__,
+        "format": 3,
+    }
+
+
+def cache_path(key: dict[str, Any], folder: Path | None = None) -> Path:
+    """The file a calibration for ``key`` lives in (a hash of the key in the name)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return (folder if folder is not None else cache_dir()) / f"comm_model_{digest}.json"
+
+
+def _load_cached(key: dict[str, Any]) -> CommModel | None:
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        return dataclasses.replace(CommModel.from_dict(data["model"]), source="cache")
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _store_cached(key: dict[str, Any], model: CommModel) -> None:
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps({"key": key, "model": model.to_dict()}, indent=1, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(payload)
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new file
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # a read-only home must not break training; the next run calibrates again
+
+
+def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
+                   cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
+    """The communication model for ``group``: cached, freshly calibrated, or defaults.
+
+    * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
+      it found, so all ranks agree even when only some of them see the file.
+    * on a miss with ``calibrate_on_miss=True``: every rank runs :func:`calibrate`
+      (collective) and rank 0 stores the result (tmp file + rename) when ``cache=True``.
+    * ``calibrate_on_miss=False``: nothing is timed; a cached calibration is still used when
+      ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
+
+    Collective whenever the default process group exists: call it on every rank.
+    Without one (single process) it returns the CPU default for one rank.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return default_comm_model(1)
+    group = _resolve_group(group)
+    dev = group_device(group, calibrate_kwargs.get("device"))
+    ws = dist.get_world_size(group)
+    key = cache_key(group, dev)
+    is_rank0 = dist.get_rank(group) == 0
+    if cache:
+        found = _load_cached(key) if is_rank0 else None
+        found = broadcast_from_rank0(found.to_dict() if found else None, group)
+        if found is not None:
+            return CommModel.from_dict(found)
+    if not calibrate_on_miss:
+        return default_comm_model(ws, _pick_fabric(ws, dev))
+    model = calibrate(group, **calibrate_kwargs)
+    if cache and is_rank0:
+        _store_cached(key, model)
+    return model

@@ -1,0 +1,154 @@
+"""Memory model of an FX graph: bytes of a node's output and a liveness-based peak.
+
+Also the small vocabulary the compute model shares with it: which ops only touch
+metadata, and concrete ints for possibly symbolic sizes.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
+
+__all__ = ["peak_memory_estimate", "tensor_bytes"]
+
+# Ops that return metadata or a view of their input without a kernel of their own.
+METADATA_ONLY = frozenset({
+    "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
+    "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
+    "aten::_local_scalar_dense", "prim::device", "prim::layout",
+})
+
+
+def op_name(target: Any) -> str:
+    """``"aten::mm"`` for an op overload; "" for other callables."""
+    schema = op_schema(target)
+    return schema.name if schema is not None else ""
+
+
+class Unmeasurable(Exception):
+    """A node whose size or time cannot be known here (no metadata, unbacked sizes)."""
+
+
+def concrete_int(x: Any) -> int:
+    """A concrete int for a possibly symbolic size (no guards added where avoidable)."""
+    if isinstance(x, torch.SymInt):
+        hint = symint_hint(x)
+        if hint is None:
+            raise Unmeasurable(f"no hint for symbolic size {x}")
+        return hint
+    return int(x)
+
+
+def value_bytes(val: Any) -> int:
+    """Bytes of every tensor in ``val`` (a tensor or a nest of them): numel x itemsize."""
+    leaves, _ = tree_flatten(val)
+    total = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            numel = 1
+            for s in t.shape:
+                numel *= concrete_int(s)
+            total += numel * t.element_size()
+    return total
+
+
+def tensor_bytes(node: torch.fx.Node) -> int:
+    """Bytes of the node's output(s) from ``node.meta["val"]`` (summed over tuples/lists);
+    0 when the node carries no tensor metadata. Logical size: numel x element size."""
+    val = node.meta.get("val")
+    if val is None:
+        return 0
+    try:
+        return value_bytes(val)
+    except Unmeasurable:
+        return 0
+
+
+
+def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [n for n in node.all_input_nodes if "val" in n.meta]
+
+
+def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The input nodes whose memory ``node``'s output shares, or None for fresh memory.
+
+    getitem, waits, views and ops whose schema marks every return as aliasing an input
+    (in-place ``foo_``, ``out=`` variants) produce no new memory; they keep their bases
+    alive instead.
+    """
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        base = node.args[0]
+        return [base] if isinstance(base, torch.fx.Node) else None
+    if not isinstance(target, OpOverload):
+        return None
+    if op_name(target).endswith("wait_tensor") or getattr(target, "is_view", False) \
+            or op_name(target) in METADATA_ONLY:
+        return _tensor_input_nodes(node)[:1] or None
+    schema = op_schema(target)
+    if schema.returns and all(r.alias_info is not None for r in schema.returns):
+        sets = {a for r in schema.returns for a in r.alias_info.before_set}
+        bases = []
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                bases.append(value)
+        return bases or None
+    return None
+
+
+def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
+                         ) -> tuple[int, list[int]]:
+    """``(peak_bytes, live_bytes_per_node)`` from a liveness pass over the graph.
+
+    A node's output (``tensor_bytes``) is live from its definition to its last user,
+    both inclusive, so during a node both its inputs and its output count; placeholders
+    are live throughout. Aliasing outputs (views, getitem, waits, in-place ops) cost
+    nothing and extend their base's lifetime to their own last use instead. The list
+    has one entry per node in graph order; the peak is its maximum.
+    """
+    if isinstance(graph, torch.fx.GraphModule):
+        graph = graph.graph
+    nodes = list(graph.nodes)
+    if not nodes:
+        return 0, []
+    index = {n: i for i, n in enumerate(nodes)}
+    last = len(nodes) - 1
+    # Resolve every alias to the fresh-memory nodes it ultimately points at.
+    roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in nodes:
+        bases = _alias_bases(n)
+        if bases is None:
+            roots[n] = [n]
+        else:
+            roots[n] = list(dict.fromkeys(r for b in bases for r in roots.get(b, [b])))
+    end = {n: index[n] for n in nodes}
+    for n in nodes:
+        for user in n.users:
+            for r in roots[n]:
+                end[r] = max(end[r], index[user])
+    live_delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if roots[n] != [n]:
+            continue  # aliases own no memory
+        size = tensor_bytes(n)
+        if size == 0:
+            continue
+        start, stop = (0, last) if n.op == "placeholder" else (index[n], end[n])
+        live_delta[start] += size
+        live_delta[stop + 1] -= size
+    live, running = [], 0
+    for i in range(len(nodes)):
+        running += live_delta[i]
+        live.append(running)
+    return max(live), live
+

@@ -1,0 +1,89 @@
+"""Hardware facts, one table for all: device peaks, memory bandwidths, fabric defaults.
+
+Used by the training metrics (MFU), the cost model's roofline fallback and its
+communication defaults. Datasheet figures, dense (no sparsity); where a measurement is
+possible (calibration, a timed matmul) it comes first and these are the fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KNOWN_FABRICS", "KNOWN_GPUS", "Fabric", "GpuSpec", "gpu_peak_flops", "gpu_spec"]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Dense peak FLOP/s (bf16/fp16 tensor cores; fp32 without TF32) and HBM bandwidth."""
+
+    name: str
+    bf16_flops: float
+    fp32_flops: float
+    mem_bandwidth_Bps: float
+
+
+# Matched by substrings of ``torch.cuda.get_device_name``, first match wins: the more
+# specific entries come first ("H200" before "H20", "H100 PCIe" before "H100").
+KNOWN_GPUS: tuple[tuple[tuple[str, ...], GpuSpec], ...] = (
+    # H200 SXM: H100's compute, HBM3e 4.8 TB/s.
+    (("H200",), GpuSpec("H200", 989e12, 67e12, 4.8e12)),
+    # H20 (export part): 148 TFLOP/s bf16 dense, 44 TFLOP/s fp32, HBM3 4.0 TB/s.
+    (("H20",), GpuSpec("H20", 148e12, 44e12, 4.0e12)),
+    # H100 PCIe: 756 TFLOP/s bf16 dense, 51 TFLOP/s fp32, HBM2e 2.0 TB/s.
+    (("H100", "PCIe"), GpuSpec("H100 PCIe", 756e12, 51e12, 2.0e12)),
+    # H100 SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, HBM3 3.35 TB/s.
+    (("H100",), GpuSpec("H100 SXM", 989e12, 67e12, 3.35e12)),
+    # A100 SXM: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s (80 GB).
+    (("A100",), GpuSpec("A100", 312e12, 19.5e12, 2.0e12)),
+)
+
+
+def gpu_spec(device_name: str) -> GpuSpec | None:
+    """The spec of a GPU from its device name, or None if it is not in the table."""
+    for keys, spec in KNOWN_GPUS:
+        if all(k in device_name for k in keys):
+            return spec
+    return None
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    """Peak bf16 dense FLOP/s of a GPU from its name, or None if not in the table."""
+    spec = gpu_spec(device_name)
+    return None if spec is None else spec.bf16_flops
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A link type: per-collective start-up latency, achievable ring bus bandwidth, and
+    the fraction of concurrent compute that hides communication
+    (``CommModel.hidden_fraction``)."""
+
+    alpha_s: float
+    bus_bandwidth_Bps: float
+    note: str
+    hidden_fraction: float = 1.0
+
+
+# Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
+# moves (n-1)/n of the full tensor through every rank's link, a ring all-reduce twice
+# that (reduce-scatter + all-gather), so beta = factor / bus_bandwidth and the bus
+# bandwidth is the figure nccl-tests reports as "busbw".
+KNOWN_FABRICS: dict[str, Fabric] = {
+    # H100 SXM, NVLink 4: 18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA
+    # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
+    # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
+    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)"),
+    # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
+    # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
+    # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
+    "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node"),
+    # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
+    # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
+    # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
+    # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
+    # their load vary a lot; calibrate instead.
+    # Hidden fraction: gloo's threads compete with the compute for the same cores; on 2
+    # ranks sharing 2 cores `measure_overlap` found 0.0-0.33 (64 KiB-4 MiB all-gathers).
+    "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
+                                hidden_fraction=0.0),
+}
