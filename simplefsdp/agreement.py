@@ -4,9 +4,11 @@ Every rank must take the same decisions (bucketing plans, calibrated figures, th
 checkpoint to resume from), or the collectives they issue stop matching and the job
 hangs. There are two ways to agree here:
 
-* **collectives** (:func:`agree_across_ranks`, :func:`broadcast_from_rank0`): an
-  all-reduce or a broadcast on a process group. For eager code only: building the
-  backend, calibrating, the trainer.
+* **collectives** (:func:`agree_across_ranks`, :func:`broadcast_from_rank0`,
+  :func:`gather_objects`): an all-reduce, a broadcast or an all-gather on a process
+  group. For eager code only: building the backend, calibrating, the trainer's start-up
+  checks and resume point. (The trainer's per-step stop/NaN flags, ``train/guard.py``,
+  ride on one on-device all-reduce of their own, eager too.)
 * **the rendezvous store** (:class:`StoreAgreement`): a TCP key-value exchange outside
   every process group.
 
@@ -30,7 +32,8 @@ import torch.distributed as dist
 
 from ._torch_compat import default_store, disable_current_modes
 
-__all__ = ["StoreAgreement", "agree_across_ranks", "broadcast_from_rank0", "group_device"]
+__all__ = ["StoreAgreement", "agree_across_ranks", "broadcast_from_rank0", "gather_objects",
+           "group_device"]
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -93,6 +96,18 @@ def broadcast_from_rank0(obj: Any, group: dist.ProcessGroup | None = None) -> An
     with disable_current_modes():
         dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0]
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (any picklable value), in rank order, on every rank;
+    ``[obj]`` without a process group. Collective; eager code only."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [obj]
+    group = _resolve_group(group)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    with disable_current_modes():
+        dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 # ------------------------------------------------------- inside the compiler: the store

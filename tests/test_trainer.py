@@ -28,7 +28,8 @@ import torch
 from rank_runner import run_ranks
 
 from simplefsdp.train.checkpoint import list_checkpoints
-from simplefsdp.train.trainer import IGNORE_INDEX, main
+from simplefsdp.train.step import IGNORE_INDEX
+from simplefsdp.train.trainer import main
 
 STEPS = 8
 

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import simplefsdp
 from simplefsdp.state_dict import ModelAndOptimizer, is_complete
 
+from ..agreement import broadcast_from_rank0
 from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -260,9 +261,7 @@ def resume_point(folder: str | Path, resume: bool,
     """
     looks = not dist.is_initialized() or dist.get_rank() == 0
     choice = _choose(folder, resume, fingerprint) if looks else [None, None, None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    chosen, newest, error = choice
+    chosen, newest, error = broadcast_from_rank0(choice)
     if error is not None:
         raise ConfigError(error)
     if newest is not None and not resume:

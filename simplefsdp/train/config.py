@@ -31,6 +31,9 @@ CompileBackend = Literal["inductor", "aot_eager"]
 PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
 
+_NOT_MODEL_ARGS = ("name", "hf_path", "init_from_hf", "load_weights")
+
+
 @dataclass
 class ModelConfig:
     """``name`` picks a preset of ``LLAMA3_PRESETS``; any other key overrides one of its
@@ -48,6 +51,13 @@ class ModelConfig:
     rope_theta: float | None = None
     max_seq_len: int | None = None
     tie_embeddings: bool | None = None
+    # [hf] A local Hugging Face causal LM folder, trained with transformers' own class
+    # (``name`` and the shape keys above are then unused) ...
+    hf_path: str | None = None
+    # ... or a Hugging Face Llama folder whose weights initialize the ``name`` preset.
+    init_from_hf: str | None = None
+    # How those weights are read: rank 0 reads and scatters, or each rank reads its rows.
+    load_weights: Literal["broadcast", "all_ranks"] = "broadcast"
 
     def model_args(self) -> ModelArgs:
         """The preset with the overrides applied."""
@@ -55,7 +65,7 @@ class ModelConfig:
             raise ConfigError(f"model.name = {self.name!r} is not a preset; choose one of "
                               f"{choices(LLAMA3_PRESETS)}")
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
-                     if f.name != "name" and getattr(self, f.name) is not None}
+                     if f.name not in _NOT_MODEL_ARGS and getattr(self, f.name) is not None}
         try:
             return dataclasses.replace(LLAMA3_PRESETS[self.name], **overrides)
         except ValueError as e:
@@ -121,8 +131,12 @@ class CompileConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "shakespeare"  # the shipped corpus, or a path to a .txt file
-    tokenizer: Literal["byte"] = "byte"
+    # The shipped corpus, or a .txt / .jsonl / .parquet file or a folder of them.
+    dataset: str = "shakespeare"
+    # 'byte', a tokenizer.json (or its folder), a tiktoken file; 'auto': the
+    # model.hf_path folder's own tokenizer, else 'byte'.
+    tokenizer: str = "auto"
+    text_field: str = "text"  # the document text's field in .jsonl / .parquet rows
 
 
 @dataclass
@@ -139,6 +153,7 @@ class CheckpointConfig:
     folder: str = "checkpoints"  # a relative path lies under metrics.output_dir
     keep_latest: int = 2  # 0 keeps them all
     export_safetensors: bool = False  # also write a full-model .safetensors at the end
+    export_hf: bool = False  # also write <metrics.output_dir>/hf, a Hugging Face model folder
     # Continue from the newest complete checkpoint in ``folder`` (``--resume``). Off, a
     # folder that already holds complete checkpoints is an error, not silently reused.
     resume: bool = False
@@ -178,7 +193,9 @@ class JobConfig:
         require(t.warmup_steps >= 0, "training.warmup_steps", t.warmup_steps, ">= 0")
         require(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, ">= 0")
         require(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
-        check_seq_len(t.seq_len, args)
+        hf_model = self.model.hf_path is not None  # its shapes are in its config.json
+        if not hf_model:
+            check_seq_len(t.seq_len, args)
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
         with config_errors():
             check_mesh_sizes(p.pp, p.dp_replicate, p.dp_shard, p.tp, "parallel.")
@@ -194,13 +211,17 @@ class JobConfig:
         if self.checkpoint.resume and not self.checkpoint.enable:
             raise ConfigError("checkpoint.resume = true (--resume) needs checkpoint.enable = "
                               "true: pass --checkpoint.enable true as well")
-        _check_shapes(args, p)
+        if not hf_model:
+            _check_shapes(args, p)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         dataset = self.data.dataset
-        if dataset != "shakespeare" and not Path(dataset).is_file():
+        if dataset != "shakespeare" and not Path(dataset).exists():
             raise ConfigError(f"data.dataset = {dataset!r} is neither 'shakespeare' nor an "
-                              f"existing text file")
+                              f"existing file or folder")
+        from ..hf.hooks import validate as validate_hf  # [hf] keys; imports nothing heavy
+
+        validate_hf(self)
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:

@@ -140,12 +140,15 @@ class TextDataset:
     """A corpus tokenized once, split into train (first part) and val (the tail)."""
 
     def __init__(self, dataset: str = SHAKESPEARE, tokenizer: Tokenizer | None = None,
-                 val_fraction: float = 0.05):
+                 val_fraction: float = 0.05, tokens: torch.Tensor | None = None):
+        """``tokens``: the corpus already tokenized (e.g. packed documents); None reads
+        and encodes ``dataset``."""
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.name, self.val_fraction = dataset, val_fraction
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        tokens = torch.tensor(self.tokenizer.encode(read_corpus(dataset)), dtype=torch.int32)
+        if tokens is None:
+            tokens = torch.tensor(self.tokenizer.encode(read_corpus(dataset)), dtype=torch.int32)
         split = len(tokens) - int(len(tokens) * val_fraction)
         self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
 

@@ -139,11 +139,17 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     """
     if mode == "none":
         return
-    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpointed(block, mode)
+
+
+def checkpointed(block: nn.Module, mode: str) -> nn.Module:
+    """``block`` wrapped for ``full`` or ``selective`` activation checkpointing (the one
+    place the wrapper is built: our Llama's blocks and Hugging Face decoder layers)."""
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+    return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,10 +9,8 @@ from __future__ import annotations
 import importlib
 import shutil
 from pathlib import Path
-from typing import Any
 
-import torch.distributed as dist
-
+from ..agreement import gather_objects
 from .config import ConfigError, JobConfig
 
 _EXTRA = "pip install 'simplefsdp[train]'"
@@ -20,10 +18,7 @@ _EXTRA = "pip install 'simplefsdp[train]'"
 
 def agree(problems: list[str]) -> None:
     """Raise one ConfigError on every rank if any rank found a problem (a collective)."""
-    everyone: list[Any] = [problems]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
+    everyone = gather_objects(problems)
     found = list(dict.fromkeys(p for mine in everyone for p in mine))
     if found:
         raise ConfigError("; ".join(found))

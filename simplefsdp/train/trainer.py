@@ -4,11 +4,8 @@ Entry points: ``python -m simplefsdp.train --config configs/debug.toml [--sectio
 (see ``__main__.py``), or ``main(argv)`` / ``train(cfg)`` from Python; both return a
 ``TrainResult``. If a process group already exists (tests) it is used and left alone.
 
-The loss is normalized by the number of valid target tokens of the *global* step:
-every data-parallel rank and every gradient-accumulation microstep contributes
-``sum(token losses) / global_tokens``, and ``data_parallel(reduce_op="sum")`` adds up the
-gradients. The result is the mean over all tokens of the step, whatever the split
-across ranks, microsteps or pipeline microbatches.
+One optimizer step (token-normalized loss, clipping, the non-finite guard) lives in
+``step.py``; this module builds what a run needs (``setup``) and runs the loop.
 
 Before step 1 the run checks what would fail late (``preflight.py``: packages, writable
 folders, free space, no overwritten metrics; the dataset's size). A step whose loss or
@@ -34,13 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..hf import hooks as hf_hooks
 from ..models.llama import Transformer, flops_per_token, num_params
 from . import preflight
 from .checkpoint import (
@@ -54,13 +51,12 @@ from .checkpoint import (
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
-from .data import TextDataset, Tokenizer, build_tokenizer
-from .guard import NonFiniteError, Preempted, StopOnSignal, step_flags
+from .data import TextDataset, Tokenizer
+from .guard import Preempted, StopOnSignal
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
-
-IGNORE_INDEX = -100
+from .step import token_loss_sum, train_step
 
 
 @dataclass
@@ -172,50 +168,9 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     return optimizer, scheduler
 
 
-@torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
-
-    Squared norms of the local pieces are summed over the mesh dims a gradient is
-    sharded on (not over replicas: those hold the same values), one all-reduce per
-    (mesh, placements) group and dim; this also covers TP and non-TP parameters that
-    live on different meshes. Pipeline stages hold different parameters, so their
-    squared norms are summed over ``pp_group``.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
-    device = grads[0].device if grads else torch.device("cpu")
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for key, local in groups.items():
-        sq = torch.nn.utils.get_total_norm(local, 2.0).float() ** 2
-        if key is not None:
-            mesh, placements = key
-            for dim, placement in enumerate(placements):
-                if not placement.is_replicate() and mesh.size(dim) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(dim))
-        total_sq += sq
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for local in (x for group in groups.values() for x in group):
-        local.mul_(scale.to(local.dtype))
-    return total
-
-
 # ---------------------------------------------------------------------------------------
 # The loop.
 # ---------------------------------------------------------------------------------------
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the next-token cross-entropies, in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           reduction="sum", ignore_index=IGNORE_INDEX)
-
-
 class _Coords:
     """This rank's place in the ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
 
@@ -252,14 +207,15 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
 
 
 @dataclass
-class _Setup:
-    """Everything the loop needs, built once by :func:`_setup`."""
+class Setup:
+    """Everything the loop needs, built once by :func:`setup`."""
 
     cfg: JobConfig  # with parallel sizes resolved
     device: torch.device
     mesh: Any
     at: _Coords
     loader: Any
+    tokenizer: Tokenizer
     runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
     model: nn.Module  # the underlying Transformer (or stage)
     params: list[nn.Parameter]
@@ -276,7 +232,7 @@ class _Setup:
         return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
 
 
-def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
+def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     """Mesh, data, model, optimizer, checkpoint (resumed if asked), metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device(cfg)
@@ -289,7 +245,10 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
     args = cfg.model.model_args()
-    fingerprint = config_fingerprint(dataclasses.asdict(args))
+    model_facts = dataclasses.asdict(args)  # a Hugging Face model: its folder names it
+    if cfg.model.hf_path is not None:
+        model_facts = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
+    fingerprint = config_fingerprint(model_facts)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
@@ -299,8 +258,8 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
                           f"nothing to do; raise --training.steps above it to train on")
 
-    loader = _build_loader(cfg, tokenizer, at)
-    runnable, model = build_model(cfg, mesh, device)
+    loader, tokenizer = _build_loader(cfg, tokenizer, at)
+    runnable, model = hf_hooks.build_model(cfg, mesh, device, default=build_model)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     state = TrainerState(scheduler, loader)
@@ -327,7 +286,8 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
-                            flops_per_token=flops_per_token(args, t.seq_len),
+                            flops_per_token=hf_hooks.flops_per_token(cfg, model, t.seq_len)
+                            or flops_per_token(args, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard)
     if rank == 0:
@@ -337,28 +297,30 @@ def _setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> _Setup:
               f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
               f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
               f"({metrics.peak_source})", flush=True)
-    return _Setup(cfg, device, mesh, at, loader, runnable, model, params, optimizer,
+    return Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
                   scheduler, schedule, ckpt, metrics, start_step, n_params)
 
 
 def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
-    """This data-parallel rank's training batches; refuses a corpus smaller than one
-    global batch and a tokenizer that does not fit the model."""
+    """This data-parallel rank's training batches and the tokenizer; refuses a corpus
+    smaller than one global batch and a tokenizer that does not fit the model."""
     t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
     if tokenizer is None:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        tokenizer = hf_hooks.choose_tokenizer(cfg)
     elif not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
                         f"simplefsdp.train.data.Tokenizer protocol), got "
                         f"{type(tokenizer).__name__}")
-    if tokenizer.vocab_size > vocab_size:
+    hf_hooks.check_vocab(cfg, tokenizer)
+    if cfg.model.hf_path is None and tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
                           f"{tokenizer.vocab_size} tokens but model.vocab_size = "
                           f"{vocab_size}; raise model.vocab_size")
-    dataset = TextDataset(cfg.data.dataset, tokenizer)
-    return dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                          dp_world=at.dp_size, seed=t.seed,
-                          min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
+    dataset = hf_hooks.build_dataset(cfg, tokenizer) or TextDataset(cfg.data.dataset, tokenizer)
+    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
+                            dp_world=at.dp_size, seed=t.seed,
+                            min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
+    return loader, tokenizer
 
 
 def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
@@ -389,77 +351,10 @@ def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str |
     return preflight.too_little_space(folder, float(total)) if rank == 0 else None
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _global_tokens(s: _Setup, batches: list[Batch]) -> torch.Tensor:
-    """Valid target tokens of the whole step, over every data-parallel rank (TP ranks
-    and PP stages see the same tokens: only the first stage's TP rank 0 counts)."""
-    counts = s.at.first and s.at.tp == 0
-    local = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
-    total = torch.tensor(float(local if counts else 0), device=s.device)
-    dist.all_reduce(total)
-    return total.clamp_(min=1)
-
-
-def _forward_backward(s: _Setup, batches: list[Batch],
-                      global_tokens: torch.Tensor) -> torch.Tensor:
-    """Forward and backward over the step's microbatches; returns this rank's share of
-    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage)."""
-    step_loss = torch.zeros((), device=s.device)
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(s.device), targets.to(s.device)
-        if s.schedule is None:
-            loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
-            loss.backward()
-            step_loss += loss.detach()
-        else:
-            losses: list[torch.Tensor] = []
-            s.schedule.step(*((inputs,) if s.at.first else ()),
-                            target=targets if s.at.last else None, losses=losses)
-            for mb_loss in losses:
-                step_loss += mb_loss.detach() / global_tokens
-    if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
-        _scale_grads_(s.params, 1 / global_tokens)
-    return step_loss
-
-
-@torch.no_grad()
-def _scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
-    for param in params:
-        if param.grad is not None:
-            grad = param.grad
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
-
-
-def _train_step(s: _Setup, step: int, batches: list[Batch],
-                stop_requested: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One optimizer step; returns (this rank's contribution to the global loss, the
-    gradient norm before clipping, whether some rank was asked to stop).
-
-    A loss or gradient norm that is not finite on any rank: the step is not applied and
-    NonFiniteError is raised on every rank."""
-    step_loss = _forward_backward(s, batches, _global_tokens(s, batches))
-    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
-    nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
-    if nonfinite:
-        s.optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(
-            f"step {step}: the loss or gradient norm is not finite (NaN/inf); the step was "
-            f"not applied and no checkpoint is written from it. Lower training.lr, check "
-            f"the data, or resume from the last checkpoint")
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
-    contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
-    return contribution, grad_norm.detach(), stop
-
-
 def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
            tokenizer: Tokenizer | None) -> TrainResult:
     started = time.perf_counter()
-    s = _setup(cfg, tokenizer)
+    s = setup(cfg, tokenizer)
     cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
     t = cfg.training
     result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
@@ -473,8 +368,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-                contribution, grad_norm, stop = _train_step(s, step, batches,
-                                                            signal_.requested)
+                contribution, grad_norm, stop = train_step(s, step, batches, signal_.requested)
                 pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
                 window_steps += 1
                 metrics.advance()
@@ -506,6 +400,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     if cfg.checkpoint.export_safetensors:
         export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
                            s.pp_group)
+    hf_hooks.export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
     if dist.get_rank() == 0 and result.losses:
@@ -517,7 +412,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     return result
 
 
-def _preempted(s: _Setup, step: int, signum: int | None) -> Preempted:
+def _preempted(s: Setup, step: int, signum: int | None) -> Preempted:
     """The error a signalled run stops with: where it saved, how to continue."""
     import signal
 

@@ -1,0 +1,153 @@
+"""A local Hugging Face causal LM, built on the meta device, parallelized with
+``data_parallel`` and loaded sharded.
+
+Parameters are created on ``meta`` (each one is made on the CPU and moved, one at a
+time, with the layers' own random init switched off), buffers stay real: non-persistent
+buffers such as RoPE frequencies are computed by the model's ``__init__`` and are not
+in the weight files. Then: activation checkpointing on the decoder layers, our
+``data_parallel``, ``to_empty`` for the parameters only, and :func:`.weights.load_sharded`.
+
+Supported: ``data_parallel`` in every mode, mixed precision, activation checkpointing
+(full / selective), ``torch.compile`` (graph breaks allowed). Refused: tensor and pipeline
+parallelism (``parallel.tp > 1``, ``parallel.pp > 1``): Hugging Face module names vary
+by architecture and no plan is written for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import HFError, require
+
+
+def check_folder(path: str | Path) -> Path:
+    """``path`` is a folder with config.json, else an HFError saying what is missing."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise HFError(f"model.hf_path = {str(path)!r} is not a folder; give a local Hugging "
+                      f"Face model folder (config.json + *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise HFError(f"{folder}: no config.json; a Hugging Face model folder holds "
+                      f"config.json and its safetensors weights (save_pretrained writes both)")
+    return folder
+
+
+def load_config(path: str | Path):
+    """The folder's ``transformers`` config (local files only)."""
+    require()
+    from transformers import AutoConfig
+
+    folder = check_folder(path)
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError) as e:
+        raise HFError(f"{folder / 'config.json'}: transformers cannot read it: {e}") from None
+
+
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Within this block, modules keep their parameters on ``meta`` (buffers stay real).
+
+    The built-in layers' ``reset_parameters`` are switched off meanwhile: their random
+    init would only be thrown away.
+    """
+    register = nn.Module.register_parameter
+    layers = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.Conv1d)
+    resets = {cls: cls.__dict__.get("reset_parameters") for cls in layers}
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    for cls in layers:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for cls, reset in resets.items():
+            if reset is None:
+                del cls.reset_parameters
+            else:
+                cls.reset_parameters = reset
+
+
+def build_on_meta(config) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``config`` with parameters on meta, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config)  # torch default: float32
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def decoder_layers(model: nn.Module, config) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of the model's ``num_hidden_layers`` decoder blocks."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise HFError(f"cannot find the {n} decoder layers of {type(model).__name__} for "
+                  f"activation checkpointing; set activation_checkpoint.mode = 'none'")
+
+
+def apply_ac(model: nn.Module, config, mode: str) -> None:
+    """Wrap each decoder layer for ``full`` or ``selective`` activation checkpointing."""
+    if mode == "none":
+        return
+    from ..train.parallelize import checkpointed
+
+    layers = decoder_layers(model, config)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpointed(layer, mode)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) parameters on ``device``; buffers keep their values."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def causal_lm_call(module: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens -> logits`` for a Hugging Face causal LM (no cache, no loss)."""
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        return module(input_ids=tokens, use_cache=False).logits
+
+    return forward
+
+
+def refuse_unsupported(tp: int, pp: int) -> None:
+    if tp > 1 or pp > 1:
+        raise HFError(f"model.hf_path: parallel.tp = {tp}, parallel.pp = {pp}; Hugging Face "
+                      f"models run with data parallelism (any dp_mode), activation "
+                      f"checkpointing and compile, not tensor or pipeline parallelism: set "
+                      f"parallel.tp = 1 and parallel.pp = 1")
+
+
+def name_sources(model: nn.Module, files, prefix: str):
+    """Names as in the files; checkpoints saved from the bare base model lack the
+    ``<base_model_prefix>.`` of the causal LM (old GPT-2 files): accept those too."""
+    from .weights import Source, unique_tensors
+
+    sources = {}
+    for names, _ in unique_tensors(model):
+        for name in names:
+            bare = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None
+            use = name if name in files or bare is None or bare not in files else bare
+            sources[name] = Source(use)
+    return sources

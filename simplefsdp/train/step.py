@@ -1,0 +1,133 @@
+"""One optimizer step: the token-normalized loss, forward and backward over the step's
+microbatches (or pipeline schedule), gradient clipping across every mesh dim, the
+non-finite guard, and the optimizer update.
+
+The loss is normalized by the number of valid target tokens of the *global* step:
+every data-parallel rank and every gradient-accumulation microstep contributes
+``sum(token losses) / global_tokens``, and ``data_parallel(reduce_op="sum")`` adds up
+the gradients, so the result is the mean over all tokens of the step whatever the split
+across ranks, microsteps or pipeline microbatches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .guard import NonFiniteError, step_flags
+
+if TYPE_CHECKING:
+    from .trainer import Setup
+
+IGNORE_INDEX = -100
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the next-token cross-entropies, in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
+
+    Squared norms of the local pieces are summed over the mesh dims a gradient is
+    sharded on (not over replicas: those hold the same values), one all-reduce per
+    (mesh, placements) group and dim; this also covers TP and non-TP parameters that
+    live on different meshes. Pipeline stages hold different parameters, so their
+    squared norms are summed over ``pp_group``.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
+    device = grads[0].device if grads else torch.device("cpu")
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for key, local in groups.items():
+        sq = torch.nn.utils.get_total_norm(local, 2.0).float() ** 2
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate() and mesh.size(dim) > 1:
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq += sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for local in (x for group in groups.values() for x in group):
+        local.mul_(scale.to(local.dtype))
+    return total
+
+
+def global_tokens(s: Setup, batches: list[Batch]) -> torch.Tensor:
+    """Valid target tokens of the whole step, over every data-parallel rank (TP ranks
+    and PP stages see the same tokens: only the first stage's TP rank 0 counts)."""
+    counts = s.at.first and s.at.tp == 0
+    local = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
+    total = torch.tensor(float(local if counts else 0), device=s.device)
+    dist.all_reduce(total)
+    return total.clamp_(min=1)
+
+
+def forward_backward(s: Setup, batches: list[Batch],
+                      global_tokens: torch.Tensor) -> torch.Tensor:
+    """Forward and backward over the step's microbatches; returns this rank's share of
+    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage)."""
+    step_loss = torch.zeros((), device=s.device)
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(s.device), targets.to(s.device)
+        if s.schedule is None:
+            loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
+            loss.backward()
+            step_loss += loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            s.schedule.step(*((inputs,) if s.at.first else ()),
+                            target=targets if s.at.last else None, losses=losses)
+            for mb_loss in losses:
+                step_loss += mb_loss.detach() / global_tokens
+    if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
+        scale_grads_(s.params, 1 / global_tokens)
+    return step_loss
+
+
+@torch.no_grad()
+def scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
+    for param in params:
+        if param.grad is not None:
+            grad = param.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+
+
+def train_step(s: Setup, step: int, batches: list[Batch],
+                stop_requested: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One optimizer step; returns (this rank's contribution to the global loss, the
+    gradient norm before clipping, whether some rank was asked to stop).
+
+    A loss or gradient norm that is not finite on any rank: the step is not applied and
+    NonFiniteError is raised on every rank."""
+    step_loss = forward_backward(s, batches, global_tokens(s, batches))
+    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
+    if nonfinite:
+        s.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            f"step {step}: the loss or gradient norm is not finite (NaN/inf); the step was "
+            f"not applied and no checkpoint is written from it. Lower training.lr, check "
+            f"the data, or resume from the last checkpoint")
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
+    contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
+    return contribution, grad_norm.detach(), stop

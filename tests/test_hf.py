@@ -1,0 +1,376 @@
+"""Hugging Face models in the trainer: sharded loading, tokenizers, data, export.
+
+Everything is made here: a tiny random Llama and GPT-2 saved with ``save_pretrained``,
+a BPE tokenizer trained with ``tokenizers`` on the shipped Shakespeare text, jsonl and
+parquet files. No network (the loaders run offline), nothing large.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # the [hf] extra; CI installs it with .[dev]
+
+from rank_runner import run_ranks  # noqa: E402
+
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+VOCAB = 321  # odd: the embedding rows split unevenly over 2 ranks
+TOKENIZER_VOCAB = 300
+
+
+# ---------------------------------------------------------------------------------------
+# Assets.
+# ---------------------------------------------------------------------------------------
+def _documents() -> list[str]:
+    from simplefsdp.train.data import read_corpus
+
+    text = read_corpus("shakespeare")[:60_000]
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def _train_tokenizer(folder: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_documents(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}))
+
+
+def _llama_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
+    return LlamaConfig(**{**base, **kw})
+
+
+def _save_hf(folder: Path, config, max_shard_size=None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    _train_tokenizer(folder, TOKENIZER_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    from transformers import GPT2Config
+
+    root = tmp_path_factory.mktemp("hf")
+    # Llama: untied head, sharded into several files (index); GPT-2: tied, Conv1D, one file.
+    _save_hf(root / "llama", _llama_config(), max_shard_size="40KB")
+    _save_hf(root / "gpt2", GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, eos_token_id=0, bos_token_id=0))
+    docs = _documents()
+    with open(root / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"body": d, "id": len(d)}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "parquet").mkdir()
+    half = len(docs) // 2
+    pq.write_table(pa.table({"text": docs[:half]}), root / "parquet" / "a.parquet")
+    pq.write_table(pa.table({"text": docs[half:]}), root / "parquet" / "b.parquet")
+    return {"root": root, "llama": root / "llama", "gpt2": root / "gpt2",
+            "jsonl": root / "docs.jsonl", "parquet": root / "parquet"}
+
+
+def _argv(out: Path, model: Path, data: Path, *extra: str) -> list[str]:
+    return ["--model.hf_path", str(model), "--data.dataset", str(data),
+            "--data.text_field", "body" if data.suffix == ".jsonl" else "text",
+            "--training.steps", "1", "--training.batch_size", "2", "--training.seq_len", "32",
+            "--training.warmup_steps", "0", "--metrics.output_dir", str(out),
+            "--metrics.log_every", "1", *extra]
+
+
+# ---------------------------------------------------------------------------------------
+# Data and tokenizers.
+# ---------------------------------------------------------------------------------------
+def test_documents_pack_with_eos_and_formats_agree(assets):
+    from simplefsdp.hf.data import DocumentDataset, read_documents
+    from simplefsdp.hf.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(assets["llama"])
+    assert tok.eos_id == 0 and tok.vocab_size == TOKENIZER_VOCAB
+    jsonl = read_documents(assets["jsonl"], "body")
+    assert jsonl == _documents() == read_documents(assets["parquet"])  # folder: a, b in order
+    a = DocumentDataset(assets["jsonl"], tok, "body")
+    b = DocumentDataset(assets["parquet"], tok)
+    assert torch.equal(a.train_tokens, b.train_tokens)
+    # Documents are joined by exactly one EOS each, in order.
+    stream = torch.cat([a.train_tokens, a.val_tokens])
+    assert int((stream == tok.eos_id).sum()) == len(jsonl)
+    first = tok.encode(jsonl[0])
+    assert stream[:len(first)].tolist() == first and int(stream[len(first)]) == tok.eos_id
+    assert tok.decode(first) == jsonl[0]
+
+
+def test_tiktoken_file(tmp_path):
+    import base64
+
+    from simplefsdp.hf.tokenizer import load_tokenizer
+
+    # A byte-level ranks file: 256 single bytes, then two merges.
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the"]
+    path = tmp_path / "tok.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == 259 and tok.eos_id == 258
+    ids = tok.encode("the thin")
+    assert 257 in ids and tok.decode(ids) == "the thin"
+
+
+# ---------------------------------------------------------------------------------------
+# Trainer: first loss, loading, training, export.
+# ---------------------------------------------------------------------------------------
+def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_field: str,
+                data: str):
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.data import DocumentDataset
+    from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.train.trainer import main
+
+    ours = main(argv).losses[0]
+    dataset = DocumentDataset(data, load_tokenizer(model_dir), text_field)
+    inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(input_ids=inputs, labels=inputs, shift_labels=targets.contiguous()).loss.item()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name,data", [("llama", "jsonl"), ("gpt2", "parquet")])
+def test_first_loss_equals_hf_loss(assets, tmp_path, name, data):
+    field = "body" if data == "jsonl" else "text"
+    ours, theirs = run_ranks(_first_loss, 1, _argv(tmp_path, assets[name], assets[data]),
+                             str(assets[name]), field, str(assets[data]))[0]
+    # Same float32 math on the same weights and batch; only the reduction differs
+    # (our sum / token count vs. their mean): within float32 rounding of a sum of 64.
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=0)
+
+
+def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
+    import simplefsdp
+    from simplefsdp.hf import hooks
+    from simplefsdp.hf.weights import WeightFiles, row_range
+    from simplefsdp.state_dict import unwrapped_name
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.trainer import build_model
+
+    mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
+    out = {}
+    for source, extra in ((llama_dir, ["--model.hf_path", llama_dir]),
+                          (ours_dir, ["--model.init_from_hf", ours_dir,
+                                      "--model.dim", "64", "--model.n_layers", "2",
+                                      "--model.multiple_of", "16",
+                                      "--model.vocab_size", str(VOCAB)])):
+        shards = {}
+        for mode in ("broadcast", "all_ranks"):
+            cfg = load_config(None, [*extra, "--model.load_weights", mode])
+            _, model = hooks.build_model(cfg, mesh, torch.device("cpu"), default=build_model)
+            shards[mode] = {unwrapped_name(k): v.to_local().clone()
+                            for k, v in model.state_dict().items()}
+        # The two modes agree bitwise, and every shard is its rows of the file.
+        assert shards["broadcast"].keys() == shards["all_ranks"].keys()
+        for key, a in shards["broadcast"].items():
+            assert torch.equal(a, shards["all_ranks"][key]), key
+        if source == llama_dir:
+            files = WeightFiles(source)
+            for key, a in shards["broadcast"].items():
+                start, stop = row_range(files.shape(key)[0], mesh["dp_shard"],
+                                        model.state_dict()[key].placements,
+                                        mesh["dp_shard"].get_coordinate())
+                assert torch.equal(a, files.rows(key, start, stop)), key
+        out[source] = {k: (v.shape[0]) for k, v in shards["broadcast"].items()}
+    return out
+
+
+def test_broadcast_and_all_ranks_load_the_same_weights(assets, tmp_path):
+    ours_dir = tmp_path / "ours"
+    reference = _export_our_llama(ours_dir)
+    results = run_ranks(_load_both_modes, 2, str(assets["llama"]), str(ours_dir))
+    rows = results[0][str(assets["llama"])]
+    assert rows["model.embed_tokens.weight"] == 161  # 321 rows: 161 + 160 (uneven)
+    assert results[1][str(assets["llama"])]["model.embed_tokens.weight"] == 160
+    # Our Llama read back from its Hugging Face export: rank shards cover the original.
+    our_rows = [r[str(ours_dir)] for r in results]
+    for key, full in reference.items():
+        assert our_rows[0][key] + our_rows[1][key] == full.shape[0], key
+
+
+def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf import hooks
+    from simplefsdp.hf.data import DocumentDataset
+    from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.train.trainer import main
+
+    built = []
+    original = hooks.build_model
+
+    def capture(*args, **kwargs):  # keep the trained sharded model for the parity check
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    hooks.build_model = capture
+    try:
+        result = main(argv)
+    finally:
+        hooks.build_model = original
+    runnable, _ = built[0]
+    tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
+    batch = tokens[: 2 * 32].long().view(2, 32)
+    with torch.no_grad():
+        ours = runnable(batch)
+    if rank != 0:
+        return result.losses, None
+    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(input_ids=batch).logits
+    return result.losses, (ours - theirs).abs().max().item()
+
+
+def test_two_ranks_train_then_export_matches(assets, tmp_path):
+    argv = _argv(tmp_path, assets["llama"], assets["jsonl"], "--training.steps", "20",
+                 "--training.lr", "3e-3", "--training.warmup_steps", "2",
+                 "--checkpoint.export_hf", "true", "--activation_checkpoint.mode", "full")
+    (losses, diff), _ = run_ranks(_train_and_export, 2, argv, str(tmp_path), str(assets["jsonl"]))
+    print(f"losses {[round(x, 3) for x in losses]}, export logits max diff {diff:.2e}")
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses  # the random model starts ~ln(321)
+    # from_pretrained(hf/) runs the same float32 weights through the same HF code; the
+    # trained model gathers them first. The logits agree to float32 rounding.
+    assert diff <= 1e-5, diff
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "config.json" in files and "tokenizer.json" in files
+
+
+# ---------------------------------------------------------------------------------------
+# Our Llama <-> Hugging Face Llama.
+# ---------------------------------------------------------------------------------------
+def _our_llama():
+    from simplefsdp.models.llama import ModelArgs, Transformer
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                     multiple_of=16, max_seq_len=64)
+    torch.manual_seed(1)
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+def _export_our_llama(folder: Path) -> dict[str, torch.Tensor]:
+    from simplefsdp.hf.convert import hf_config, rope_heads, to_hf_name
+    from simplefsdp.hf.export import export_hf
+
+    model = _our_llama()
+    export_hf(model, folder, hf_config(model.args), rename=to_hf_name,
+              rope_heads=lambda n: rope_heads(n, model.args), max_shard_bytes=60_000)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_our_llama_round_trips_through_hf_layout(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.convert import sources_from_hf
+    from simplefsdp.hf.weights import load_sharded, unique_tensors
+    from simplefsdp.models.llama import Transformer
+
+    original = _export_our_llama(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # several shard files
+    ours = _our_llama()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(input_ids=tokens).logits).abs().max().item()
+    # Two implementations of the same function (RoPE pairs, attention kernels differ in
+    # summation order); logits are O(1), float32.
+    assert diff < 1e-5, diff
+    back = Transformer(ours.args)  # random init, then overwritten from the HF folder
+    names = [n for names, _ in unique_tensors(back) for n in names]
+    load_sharded(back, tmp_path, "all_ranks", sources_from_hf(names, back.args))
+    for key, value in back.state_dict().items():
+        assert torch.equal(value, original[key]), key  # bitwise
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: clear errors before any step.
+# ---------------------------------------------------------------------------------------
+def _errors(rank: int, world: int, cases: list[tuple[list[str], str]]):
+    from simplefsdp.train.config import ConfigError
+    from simplefsdp.train.trainer import main
+
+    messages = []
+    for argv, _ in cases:
+        with pytest.raises(ConfigError) as info:
+            main(argv)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_bad_inputs_fail_before_any_step(assets, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from simplefsdp.train.config import ConfigError, parse_args
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        parse_args(["--model.hf_path", str(empty)])
+    with pytest.raises(ConfigError, match="tensor or pipeline"):
+        parse_args(["--model.hf_path", str(assets["gpt2"]), "--parallel.tp", "2"])
+
+    missing = tmp_path / "missing"
+    shutil.copytree(assets["gpt2"], missing)
+    weights = load_file(missing / "model.safetensors")
+    del weights["transformer.h.1.mlp.c_fc.weight"]
+    save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
+
+    shape = tmp_path / "shape"
+    shutil.copytree(assets["gpt2"], shape)
+    config = json.loads((shape / "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps({**config, "n_inner": 64}))
+
+    small = tmp_path / "small"
+    shutil.copytree(assets["gpt2"], small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 200}))
+    for name in ("model.safetensors",):  # the files hold 321 rows: shapes would fail too
+        weights = load_file(small / name)
+        weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:200]
+        save_file(weights, small / name, metadata={"format": "pt"})
+
+    out = tmp_path / "out"
+    cases = [
+        (_argv(out, missing, assets["parquet"]), "transformer.h.1.mlp.c_fc.weight"),
+        (_argv(out, shape, assets["parquet"]), "shape"),
+        (_argv(out, small, assets["parquet"]), "300 tokens"),
+    ]
+    messages = run_ranks(_errors, 1, cases)[0]
+    for (_, expected), message in zip(cases, messages, strict=True):
+        assert expected in message, message
+    assert "model.safetensors" in messages[0] and "not in the files" in messages[0]
+    assert "[32, 128]" in messages[1] and "[32, 64]" in messages[1]  # Conv1D: (in, out)
+    assert "config.json" in messages[2]
+    assert not (out / "metrics.jsonl").exists()  # no step ran
