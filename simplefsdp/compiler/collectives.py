@@ -71,6 +71,10 @@ class Collective:
         all-reduce input."""
         full = self.start.meta["val"] if self.kind == "all_gather" else \
             self.start.args[0].meta["val"]
+        if self.kind == "all_reduce":  # HSDP: count the padded shard the reduce-scatter
+            source = feeding_reduce_scatter(self.start)  # returned, the same on every
+            if source is not None:  # rank (uneven shards differ), so plans agree
+                full = source.meta["val"]
         return full.numel() * full.element_size()
 
 
