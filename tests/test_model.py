@@ -8,15 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from simplefsdp.models import (
+from simplefsdp.models.llama import (
     LLAMA3_PRESETS,
     ModelArgs,
     Transformer,
+    apply_rope,
     ffn_hidden_dim,
     flops_per_token,
     num_params,
+    rope_cache,
 )
-from simplefsdp.models.llama import apply_rope, rope_cache
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                  multiple_of=16, max_seq_len=32)
