@@ -32,7 +32,7 @@ from torch import fx
 
 from ..agreement import StoreAgreement
 from . import cost
-from .collectives import Collective
+from .collectives import Collective, feeding_reduce_scatter
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
 
@@ -47,6 +47,8 @@ class Step:
     ``memory_bytes``: memory live while that computation runs (M_ci).
     ``scatter_bytes``: bytes of the reduce-scatters that mirror this step (backward): they
     share the following step's window (T_mi^RS).
+    ``all_reduce_bytes``: HSDP: bytes of the all-reduces of those reduce-scatters' shards
+    (over the replicas), which follow them in the same window.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Step:
     compute_s: float
     memory_bytes: int
     scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ def check_memory_limit(memory_limit_gb: float | None) -> float | None:
 def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
     """Time of one collective; no bytes means no collective, hence no latency either."""
     return model.predict(kind, nbytes) if nbytes > 0 else 0.0
+
+
+def _reductions(model: cost.CommModel, kind: str, steps: Sequence[Step],
+                members: Sequence[int]) -> float:
+    """The backward reductions of ``members``: one ``kind`` collective (reduce-scatter)
+    over their ``scatter_bytes``, then (HSDP) one all-reduce of the reduced shards."""
+    return _comm(model, kind, int(sum(steps[j].scatter_bytes for j in members))) + _comm(
+        model, "all_reduce", int(sum(steps[j].all_reduce_bytes for j in members)))
 
 
 def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
@@ -155,8 +166,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
             current.append(i)
             continue
         buckets.append(current)
-        rs_before, rs_window = rs_window, _comm(comm, scatter_kind,
-                                                int(total(current, "scatter_bytes")))
+        rs_before, rs_window = rs_window, _reductions(comm, scatter_kind, steps, current)
         window = hides(current)
         current = [i]
     buckets.append(current)
@@ -175,7 +185,7 @@ def estimate_exposed(steps: Sequence[Step], buckets: Sequence[Sequence[int]],
     """
     comp = [comm.hidden_fraction * sum(steps[j].compute_s for j in b) for b in buckets]
     main = [_comm(comm, kind, sum(steps[j].nbytes for j in b)) for b in buckets]
-    rs = [_comm(comm, scatter_kind, sum(steps[j].scatter_bytes for j in b)) for b in buckets]
+    rs = [_reductions(comm, scatter_kind, steps, b) for b in buckets]
     exposed = 0.0
     for k in range(len(buckets)):
         window = comp[k - 1] if k >= 1 else 0.0
@@ -221,7 +231,8 @@ def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
 
 def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective],
                   node_seconds: list[float], owner: dict[fx.Node, int],
-                  reverse: bool = False) -> list[Step]:
+                  reverse: bool = False, all_reduces: Sequence[tuple[int, int]] = ()
+                  ) -> list[Step]:
     """Steps for the greedy from a graph's collectives (before any bucketing).
 
     ``primary``: the collectives that define steps (all-gathers; backward reduce-scatters
@@ -247,9 +258,13 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Col
     scatter_bytes = [0] * len(primary)
     for c in mirrored:
         scatter_bytes[owner[c.start]] += c.nbytes
+    all_reduce_bytes = [0] * len(primary)
+    for k, nbytes in all_reduces:
+        all_reduce_bytes[k] += nbytes
     steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
-                  c.nbytes + _segment_memory(live, seg, s), ob)
-             for c, seg, s, ob in zip(primary, segments, starts, scatter_bytes, strict=True)]
+                  c.nbytes + _segment_memory(live, seg, s), ob, ab)
+             for c, seg, s, ob, ab in zip(primary, segments, starts, scatter_bytes,
+                                          all_reduce_bytes, strict=True)]
     return steps[::-1] if reverse else steps
 
 
@@ -298,7 +313,10 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     seconds = cost.estimate_graph_compute(graph, cache=compute_cache)
     profile_s = time.perf_counter() - started
     owner = owner_steps(graph, primary, mirrored)
-    steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse)
+    # HSDP: the all-reduce of a reduce-scattered shard rides on its reduce-scatter's step.
+    all_reduces = [(owner[source], c.nbytes) for c in collectives if c.kind == "all_reduce"
+                   for source in [feeding_reduce_scatter(c.start)] if source in owner]
+    steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse, all_reduces)
     steps = _agree_steps(steps, agreement)
     buckets, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
     exposed = estimate_exposed(steps, buckets, comm, kind)

@@ -33,7 +33,12 @@ from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap
 from .bucketing import bucket_collectives, bucket_of_one
-from .collectives import find_collectives, is_backward, stable_topological_sort
+from .collectives import (
+    find_collectives,
+    is_backward,
+    other_collectives,
+    stable_topological_sort,
+)
 from .reordering import reorder
 
 log = logging.getLogger("simplefsdp.compiler")
@@ -48,6 +53,7 @@ class GraphReport:
     graph: str  # "forward" or "backward"
     collectives_before: dict[str, int]
     collectives_after: dict[str, int] = field(default_factory=dict)
+    other_collectives: int = 0  # not data-parallel (TP/SP, user): left in place
     buckets: list[dict] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -89,14 +95,22 @@ class SimpleFSDPBackend:
     collective: build the backend on every rank). Its measurements are agreed across
     ``group``: every rank that compiles the same model (None: all ranks; under pipeline
     parallelism, the ranks of one stage). ``reordering``: prefetch all-gathers and
-    defer reduce-scatter waits.
+    defer reduce-scatter and all-reduce waits.
+
+    Only data-parallel collectives are bucketed and moved (those on the process groups
+    ``data_parallel`` shards over); TP/SP, pipeline and user collectives stay as traced.
+    With bucketing "manual" or "auto", ``mode="replicate"`` gradient all-reduces are
+    merged in backward order into buckets that close once they hold
+    ``all_reduce_bucket_mb`` MB (DDP's rule, default 25), and each HSDP reduce-scatter
+    bucket is followed by one all-reduce of its shards over the replicas.
     """
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
                  comm_model: cost.CommModel | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None,
+                 all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
@@ -112,6 +126,7 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
+        self.all_reduce_bucket_mb = manual_wrap.check_bucket_mb(all_reduce_bucket_mb)
         # bucketing="auto" agrees on measurements across the ranks compiling these graphs
         self._agreement = StoreAgreement.create(group) if bucketing == "auto" else None
         self.reports: list[GraphReport] = []
@@ -147,7 +162,8 @@ class SimpleFSDPBackend:
         started = time.perf_counter()
         backward = is_backward(graph)
         collectives = find_collectives(graph)
-        report = GraphReport("backward" if backward else "forward", _count(collectives))
+        report = GraphReport("backward" if backward else "forward", _count(collectives),
+                             other_collectives=other_collectives(graph))
         if self.bucketing == "manual":
             plan = self.module_plan
             if plan is None:  # derived from this graph's own collectives
@@ -155,6 +171,8 @@ class SimpleFSDPBackend:
             assignment, unused = manual_wrap.assign(collectives, plan)
             if unused and not backward:
                 report.notes.append(f"plan entries matching no collective: {unused}")
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing == "auto":
@@ -167,7 +185,10 @@ class SimpleFSDPBackend:
             report.estimated_exposed_s = plan.estimated_exposed_s
             report.notes.append(f"auto: {len(plan.steps)} steps -> {len(plan.buckets)} "
                                 f"buckets; compute measured in {plan.profile_s:.2f} s")
-            buckets = bucket_collectives(graph, collectives, plan.assignment)
+            assignment = dict(plan.assignment)
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
+            buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         else:
             buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
@@ -271,7 +292,8 @@ def _inductor_pass_class() -> type:
             o = self.owner
             if o.bucketing == "auto":
                 return None  # not cacheable: the pass measures and talks to the other ranks
-            settings = f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+            settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|"
+                        f"{o.memory_limit_gb}|{o.all_reduce_bucket_mb}")
             return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 
     return InductorPass
