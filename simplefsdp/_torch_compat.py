@@ -33,7 +33,8 @@ __all__ = [
     "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "default_group", "default_store",
     "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
-    "dynamo_counters", "fake_store", "missing_inductor_options", "profiler_events",
+    "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",
+    "missing_inductor_options", "profiler_events",
     "raise_recompile_limits", "register_work", "resolve_process_group", "root_mesh",
     "op_schema", "symint_hint", "tree_flatten", "tree_map",
 ]
@@ -260,3 +261,20 @@ def fake_store() -> dist.Store:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def dynamo_reset() -> None:
+    """Forget every compiled frame (the planner traces many models in one process).
+    checked: 2.13."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def eager_backward_compile():
+    """A context in which AOTAutograd compiles the backward graph together with the
+    forward instead of lazily at the first backward (the planner captures both graphs
+    without running them). checked: 2.13."""
+    from torch._functorch import config
+
+    return config.patch(force_non_lazy_backward_lowering=True)

@@ -53,6 +53,15 @@ from .mesh import data_parallel_mesh
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
 MODES = ("fully_shard", "replicate", "hybrid_shard")
 _CLASS_PREFIX = "SimpleFSDP"
+# Process group names of every data-parallel mesh dim ``data_parallel`` has sharded over
+# in this process: the compiler's passes touch only collectives on these groups, never
+# tensor/sequence-parallel, pipeline or user collectives (which run on other groups).
+_DP_GROUP_NAMES: set[str] = set()
+
+
+def data_parallel_group_names() -> frozenset[str]:
+    """Names of the process groups our parametrization communicates on (all modes)."""
+    return frozenset(_DP_GROUP_NAMES)
 
 
 @dataclass(frozen=True)
@@ -130,57 +139,103 @@ def _gather_policy_contexts():
     return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
+class _ReduceOverReplicas(torch.autograd.Function):
+    """Identity in forward on the sharded (Replicate, Shard) parameter; in backward,
+    all-reduce its gradient's local shard over the HSDP replica group (in ``dtype``).
+
+    With the gather's gradient labelled (Replicate, Partial), backward first
+    reduce-scatters over the shard group and then all-reduces only the reduced shard,
+    as HSDP should (DTensor alone would all-reduce the full gradient first). Kept on
+    the DTensor (no ``from_local`` in forward), which activation checkpointing under
+    compile cannot save."""
+
+    @staticmethod
+    def forward(ctx, shard: DTensor, group_name: str, reduce_op: str,
+                dtype: torch.dtype | None) -> DTensor:
+        ctx.group_name, ctx.reduce_op, ctx.dtype = group_name, reduce_op, dtype
+        return shard.view_as(shard)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        c10d = c10d_functional
+        local = grad.to_local()
+        reduced = local.to(ctx.dtype) if ctx.dtype is not None else local
+        reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
+                                                   ctx.group_name)).to(local.dtype)
+        out = DTensor.from_local(reduced, grad.device_mesh, grad.placements, run_check=False,
+                                 shape=grad.shape, stride=grad.stride())
+        return out, None, None, None
+
+
 class _ReplicateComputation:
     """Turns a sharded DTensor parameter into the full tensor used by the computation.
 
     For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
     shard shape)) only the data-parallel dims are gathered: the result is the TP shard,
     returned as a DTensor on the TP mesh, ready for the TP module's computation.
+    ``hybrid_shard`` gathers over the shard dim only and reduces gradients as
+    reduce-scatter (shard dim) then all-reduce of the shard (replicate dim).
     """
 
     def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                  tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
+        self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
+        self.replica_group = dp_mesh.get_group(0).group_name if self.hybrid else None
+        self.reduce_op = reduce_op
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
         self.grad_placements = (Partial(reduce_op),) * dp_mesh.ndim
+        if self.hybrid:  # replicas: reduced by _ReduceOverReplicas, after the shard dim
+            self.grad_placements = (Replicate(), Partial(reduce_op))
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
 
     def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
+        return self._as_tp(self._gather(sharded))
+
+    def _gather(self, sharded: DTensor) -> torch.Tensor:
+        """The gathered (local, for TP: the TP shard) tensor; differentiable."""
         if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
-            tp_mesh, tp_placements, tp_shape = self.tp
+            shape = self.tp[2]
             sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
-                                         run_check=False, shape=tp_shape,
-                                         stride=_contiguous_stride(tp_shape))
+                                         run_check=False, shape=shape,
+                                         stride=_contiguous_stride(shape))
+        if self.hybrid:
+            sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
+                                                self.reduce_dtype)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
-        local = gathered.to_local(grad_placements=self.grad_placements)
+        return gathered.to_local(grad_placements=self.grad_placements)
+
+    def _as_tp(self, local: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return local
+        tp_mesh, tp_placements, _ = self.tp
         return DTensor.from_local(local, tp_mesh, tp_placements, run_check=False)
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered value again, without autograd (eager backward)."""
-        full = self.replicate_compute(sharded)
-        return full.to_local() if isinstance(full, DTensor) else full
+        return self._gather(sharded)
 
     def __call__(self, sharded: DTensor) -> torch.Tensor:
         if not self.reshard_after_forward:
             return self.replicate_compute(sharded)
         if torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
-            return checkpoint(self.replicate_compute, sharded, use_reentrant=False,
-                              context_fn=_gather_policy_contexts)
-        full = self.replicate_compute(sharded)  # eager: saved-tensor hooks re-gather it
-        eager_reshard.note_gathered(full.to_local() if isinstance(full, DTensor) else full,
-                                    sharded, self.regather)
-        return full
+            # Only plain tensors cross the checkpoint boundary: a DTensor output (TP) would
+            # make AOTAutograd save its DeviceMesh under an enclosing activation checkpoint.
+            local = checkpoint(self._gather, sharded, use_reentrant=False,
+                               context_fn=_gather_policy_contexts)
+            return self._as_tp(local)
+        local = self._gather(sharded)  # eager: saved-tensor hooks re-gather it
+        eager_reshard.note_gathered(local, sharded, self.regather)
+        return self._as_tp(local)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -234,13 +289,13 @@ def _check_mesh(mesh: DeviceMesh, mode: Mode) -> None:
 
 
 def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh,
-                 placements: tuple[Placement, ...]):
+                 placements: tuple[Placement, ...], given: DeviceMesh | None = None):
     """Return (sharded parameter, TP info for the gather or None)."""
     if param.dim() == 0 and any(isinstance(p, Shard) for p in placements):
         raise ValueError(f"parameter {fqn!r} is a 0-dim scalar and cannot be sharded on dim 0; "
                          f"give it shape (1,) or use mode='replicate'")
     if isinstance(param, DTensor):
-        new, tp = _add_dp_dims(param, fqn, mesh, placements)
+        new, tp = _add_dp_dims(param, fqn, mesh, placements, given or mesh)
     else:
         # Rank 0's values win so every rank starts from the same model; a meta tensor has
         # no values, so each rank just takes its own (meta) shard.
@@ -249,12 +304,19 @@ def _shard_param(param: nn.Parameter, fqn: str, mesh: DeviceMesh,
     return nn.Parameter(new, requires_grad=param.requires_grad), tp
 
 
-def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[Placement, ...]):
-    """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh."""
+def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[Placement, ...],
+                 given: DeviceMesh):
+    """A tensor-parallel parameter becomes one DTensor on the (DP..., TP) mesh, sliced
+    from ``given`` (the mesh passed to ``data_parallel``) when it names every dim."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    root = root_mesh(mesh)
-    if (root is not root_mesh(tp_mesh) or not mesh.mesh_dim_names
-            or not tp_mesh.mesh_dim_names):
+    wanted = set(mesh.mesh_dim_names or ()) | set(tp_mesh.mesh_dim_names or ())
+    root = given if wanted <= set(given.mesh_dim_names or ()) else root_mesh(mesh)
+    # Same ranks under the same names, not the same root object: torch caches sub-meshes
+    # by layout, so a slice of a second mesh may report an earlier mesh as its root.
+    names = tuple(tp_mesh.mesh_dim_names or ())
+    if (not mesh.mesh_dim_names or not names
+            or not set(names) <= set(root.mesh_dim_names or ())
+            or root[names].mesh.tolist() != tp_mesh.mesh.tolist()):
         raise ValueError(f"parameter {fqn!r} is a DTensor on a mesh unrelated to the "
                          f"data-parallel mesh; slice both from one mesh, e.g. "
                          f"simplefsdp.make_mesh(dp_shard=.., tp=..)")
@@ -320,9 +382,10 @@ def data_parallel(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
                         f"got {type(mesh).__name__}")
-    mesh = data_parallel_mesh(mesh, mode)
+    given, mesh = mesh, data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
     check_model(model, mesh)  # not wrapped already; the same parameters on every rank
+    _DP_GROUP_NAMES.update(mesh.get_group(d).group_name for d in range(mesh.ndim))
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
         install_gloo_collectives()
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")
@@ -342,7 +405,7 @@ def data_parallel(
             param = module._parameters[name]
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
-                new, tp = _shard_param(param, fqn, mesh, placements)
+                new, tp = _shard_param(param, fqn, mesh, placements, given)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, mp_policy,
                                                reshard_after_forward, tp)
                 sharded[id(param)] = (new, gather)

@@ -56,6 +56,8 @@ def note_gathered(full: torch.Tensor, sharded: torch.Tensor,
 def _pack(t: torch.Tensor):
     if isinstance(t, DTensor):  # tensor-parallel activations: their locals are checked
         return t
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. an AsyncCollectiveTensor
+        return t  # (sequence-parallel activations): not a gathered copy, no storage to read
     if t.layout != torch.strided or t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
         return t
     hit = _gathered.get(t.untyped_storage().data_ptr())

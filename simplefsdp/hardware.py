@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KNOWN_FABRICS", "KNOWN_GPUS", "Fabric", "GpuSpec", "gpu_peak_flops", "gpu_spec"]
+__all__ = ["GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Fabric", "GpuProfile", "GpuSpec",
+           "gpu_peak_flops", "gpu_profile", "gpu_spec"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
     "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node",
                              copy_Bps=1.3e12),
+    # A100 SXM, NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction; ~80% -> 240 GB/s.
+    "nvlink_a100": Fabric(15e-6, 240e9, "NVLink 3 intra-node (A100 SXM)"),
+    # InfiniBand HDR: one 200 Gb/s NIC per GPU (DGX A100) = 25 GB/s; ~80% -> 20 GB/s.
+    "infiniband_hdr": Fabric(50e-6, 20e9, "InfiniBand HDR 200 Gb/s per GPU, inter-node"),
     # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
     # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
     # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
@@ -96,3 +101,40 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
                                 hidden_fraction=0.0, copy_Bps=10e9, max_bytes=16 * 2 ** 20),
 }
+
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """A device profile for the planner (``--gpu``): the GPU, its usable memory as the
+    driver reports it, and the fabrics of a node built from it (KNOWN_FABRICS keys)."""
+
+    spec: GpuSpec
+    memory_bytes: float
+    intra_node: str
+    inter_node: str
+    note: str
+
+
+GPU_PROFILES: dict[str, GpuProfile] = {
+    "h100-sxm": GpuProfile(gpu_spec("H100"), 79.6 * GiB, "nvlink_h100", "infiniband_ndr",
+                           "H100 SXM5 80 GB HBM3, 700 W"),
+    # The H100 of the published torchtitan / SimpleFSDP runs (Meta's Grand Teton):
+    # 96 GB HBM2e at 2.4 TB/s, 500 W power cap; same SMs and datasheet peak.
+    "h100-96gb": GpuProfile(GpuSpec("H100 96GB", 989e12, 67e12, 2.4e12), 94.5 * GiB,
+                            "nvlink_h100", "infiniband_ndr", "H100 96 GB HBM2e, 500 W cap"),
+    "h200": GpuProfile(gpu_spec("H200"), 139.8 * GiB, "nvlink_h100", "infiniband_ndr",
+                       "H200 SXM 141 GB HBM3e"),
+    "a100-80gb": GpuProfile(gpu_spec("A100"), 79.2 * GiB, "nvlink_a100", "infiniband_hdr",
+                            "A100 SXM4 80 GB"),
+}
+
+
+def gpu_profile(name: str) -> GpuProfile:
+    """The profile ``name``; a clear error lists the known ones."""
+    if name not in GPU_PROFILES:
+        raise ValueError(f"--gpu {name!r} is not a known device profile; choose one of "
+                         f"{', '.join(GPU_PROFILES)}")
+    return GPU_PROFILES[name]

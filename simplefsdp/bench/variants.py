@@ -84,9 +84,32 @@ def _simplefsdp(bucketing: str | None, reordering: bool = False) -> Callable[[Bu
     return build
 
 
-def _replicate(ctx: BuildContext) -> Built:
-    model = sf.data_parallel(plain_model(ctx), ctx.replicate_mesh, mode="replicate")
-    return Built(model)
+def _replicate(compiled: bool) -> Callable[[BuildContext], Built]:
+    """Our DDP: eager, or compiled with all-reduce buckets (DDP's 25 MB) and reordering."""
+
+    def build(ctx: BuildContext) -> Built:
+        backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
+                                     reordering=True) if compiled else None
+        model = sf.data_parallel(plain_model(ctx), ctx.replicate_mesh, mode="replicate")
+        if backend is not None:
+            model = torch.compile(model, fullgraph=True, backend=backend)
+        return Built(model, backend)
+
+    return build
+
+
+def _hybrid_shard(ctx: BuildContext) -> Built:
+    """HSDP on a 2 x (world / 2) mesh, compiled with manual bucketing and reordering:
+    per block, a reduce-scatter over the shard group then an all-reduce of the shard."""
+    world = ctx.fsdp_mesh.size()
+    if world < 4 or world % 2:
+        raise VariantUnavailable(f"hybrid_shard needs an even world size of at least 4 "
+                                 f"(2 replicas x 2+ shards), got {world}")
+    backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
+                                 reordering=True)
+    mesh = sf.make_mesh(dp_replicate=2, dp_shard=world // 2, device_type=ctx.device.type)
+    model = sf.data_parallel(plain_model(ctx), mesh, mode="hybrid_shard")
+    return Built(torch.compile(model, fullgraph=True, backend=backend), backend)
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,7 +204,11 @@ _SPECS = [
                 _fsdp2(False)),
     VariantSpec("fsdp2-compiled-blocks", "FSDP2, each block torch.compile'd before fully_shard",
                 _fsdp2(True), compiled=True),
-    VariantSpec("ddp-replicate", "simplefsdp mode='replicate' (DDP), eager", _replicate),
+    VariantSpec("ddp-replicate", "simplefsdp mode='replicate' (DDP), eager", _replicate(False)),
+    VariantSpec("ddp-compiled", "simplefsdp replicate + compile + all-reduce buckets + "
+                "reordering", _replicate(True), compiled=True),
+    VariantSpec("hsdp-compiled", "simplefsdp hybrid_shard (2 x world/2) + compile + manual "
+                "bucketing + reordering (world >= 4)", _hybrid_shard, compiled=True),
     VariantSpec("torch-ddp", "torch DistributedDataParallel, eager", _torch_ddp),
     VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
                 _compute_only, communicates=False, rank0_only=True),

@@ -33,9 +33,9 @@ from torch import fx
 
 from ..agreement import StoreAgreement
 from . import cost
-from .collectives import Collective
+from .collectives import Collective, feeding_reduce_scatter
 from .plan_search import optimal_buckets
-from .simulate import Estimate, Step, simulate
+from .simulate import Estimate, Step, reduction_seconds, simulate
 
 METHODS = ("auto", "greedy")
 
@@ -82,6 +82,14 @@ def check_memory_limit(memory_limit_gb: float | None) -> float | None:
 def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
     """Time of one collective; no bytes means no collective, hence no latency either."""
     return model.predict(kind, nbytes) if nbytes > 0 else 0.0
+
+
+def _reductions(model: cost.CommModel, kind: str, steps: Sequence[Step],
+                members: Sequence[int]) -> float:
+    """The backward reductions of ``members``: one ``kind`` collective (reduce-scatter)
+    over their ``scatter_bytes``, then (HSDP) one all-reduce of the reduced shards."""
+    return reduction_seconds(model, kind, sum(steps[j].scatter_bytes for j in members),
+                             sum(steps[j].all_reduce_bytes for j in members))
 
 
 def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
@@ -141,8 +149,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
             current.append(i)
             continue
         buckets.append(current)
-        rs_before, rs_window = rs_window, _comm(comm, scatter_kind,
-                                                int(total(current, "scatter_bytes")))
+        rs_before, rs_window = rs_window, _reductions(comm, scatter_kind, steps, current)
         window = hides(current)
         current = [i]
     buckets.append(current)
@@ -197,7 +204,8 @@ def _segment_memory(live: list[int], segment: list[int], start: int) -> int:
 
 def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Collective],
                   node_seconds: list[float], owner: dict[fx.Node, int],
-                  reverse: bool = False) -> list[Step]:
+                  reverse: bool = False, all_reduces: Sequence[tuple[int, int]] = ()
+                  ) -> list[Step]:
     """Steps for the greedy from a graph's collectives (before any bucketing).
 
     ``primary``: the collectives that define steps (all-gathers; backward reduce-scatters
@@ -224,10 +232,14 @@ def profile_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Col
     scatter_bytes = [0] * len(primary)
     for c in mirrored:
         scatter_bytes[owner[c.start]] += c.nbytes
+    all_reduce_bytes = [0] * len(primary)
+    for k, nbytes in all_reduces:
+        all_reduce_bytes[k] += nbytes
     steps = [Step(c.module, c.nbytes, sum(node_seconds[j] for j in seg),
                   c.nbytes + _segment_memory(live, seg, s), ob,
-                  max(0, max((live[j] for j in seg), default=live[s]) - c.nbytes))
-             for c, seg, s, ob in zip(primary, segments, starts, scatter_bytes, strict=True)]
+                  max(0, max((live[j] for j in seg), default=live[s]) - c.nbytes), ab)
+             for c, seg, s, ob, ab in zip(primary, segments, starts, scatter_bytes,
+                                          all_reduce_bytes, strict=True)]
     return steps[::-1] if reverse else steps
 
 
@@ -299,13 +311,16 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     if not primary:
         return Plan({}, [], [], [], {}, method, kind, memory_limit_bytes)
     owner = owner_steps(graph, primary, mirrored)
+    # HSDP: the all-reduce of a reduce-scattered shard rides on its reduce-scatter's step.
+    all_reduces = [(owner[source], c.nbytes) for c in collectives if c.kind == "all_reduce"
+                   for source in [feeding_reduce_scatter(c.start)] if source in owner]
     profile_s = [0.0]
 
     def measure_and_decide() -> dict[str, Any]:
         started = time.perf_counter()
         seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
         profile_s[0] = time.perf_counter() - started
-        steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse)
+        steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse, all_reduces)
         return decide(steps, comm, memory_limit_bytes, method, kind)
 
     if cached is not None:

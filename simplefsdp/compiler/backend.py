@@ -36,7 +36,12 @@ from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap, plan_cache
 from .bucketing import bucket_collectives, bucket_of_one
-from .collectives import find_collectives, is_backward, stable_topological_sort
+from .collectives import (
+    find_collectives,
+    is_backward,
+    other_collectives,
+    stable_topological_sort,
+)
 from .reordering import reorder
 
 log = logging.getLogger("simplefsdp.compiler")
@@ -52,6 +57,7 @@ class GraphReport:
     graph: str  # "forward" or "backward"
     collectives_before: dict[str, int]
     collectives_after: dict[str, int] = field(default_factory=dict)
+    other_collectives: int = 0  # not data-parallel (TP/SP, user): left in place
     buckets: list[dict] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -104,14 +110,23 @@ class SimpleFSDPBackend:
     taken by the first rank of ``group`` (every rank that compiles the same model; None:
     all ranks; under pipeline parallelism, the ranks of one stage) and cached on disk
     (``plan_cache``) so that a rerun decides nothing and compiles warm. ``reordering``:
-    prefetch all-gathers and defer reduce-scatter waits.
+    prefetch all-gathers and defer reduce-scatter and all-reduce waits.
+
+    Only data-parallel collectives are bucketed and moved (those on the process groups
+    ``data_parallel`` shards over); TP/SP, pipeline and user collectives stay as traced.
+    With bucketing "manual", "auto" or "greedy", ``mode="replicate"`` gradient
+    all-reduces are merged in backward order into buckets that close once they hold
+    ``all_reduce_bucket_mb`` MB (DDP's rule, default 25), and each HSDP reduce-scatter
+    bucket is followed by one all-reduce of its shards over the replicas.
     """
 
     def __init__(self, backend: str = "inductor", bucketing: str = "none",
                  reordering: bool = True, module_plan: Sequence | None = None,
                  memory_limit_gb: float | None = None,
                  comm_model: cost.CommModel | None = None,
-                 group: dist.ProcessGroup | None = None, plan_cache: bool = True):
+                 group: dist.ProcessGroup | None = None,
+                 all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB,
+                 plan_cache: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
@@ -127,6 +142,7 @@ class SimpleFSDPBackend:
         self.backend, self.bucketing, self.reordering = backend, bucketing, reordering
         self.module_plan = list(module_plan) if module_plan is not None else None
         self.memory_limit_gb = memory_limit_gb
+        self.all_reduce_bucket_mb = manual_wrap.check_bucket_mb(all_reduce_bucket_mb)
         # auto/greedy: the ranks compiling these graphs agree through the store
         planned = bucketing in PLANNED
         self._agreement = StoreAgreement.create(group) if planned else None
@@ -186,7 +202,8 @@ class SimpleFSDPBackend:
         started = time.perf_counter()
         backward = is_backward(graph)
         collectives = find_collectives(graph)
-        report = GraphReport("backward" if backward else "forward", _count(collectives))
+        report = GraphReport("backward" if backward else "forward", _count(collectives),
+                             other_collectives=other_collectives(graph))
         if self.bucketing == "manual":
             plan = self.module_plan
             if plan is None:  # derived from this graph's own collectives
@@ -194,6 +211,8 @@ class SimpleFSDPBackend:
             assignment, unused = manual_wrap.assign(collectives, plan)
             if unused and not backward:
                 report.notes.append(f"plan entries matching no collective: {unused}")
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
             buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         elif self.bucketing in PLANNED:
@@ -213,7 +232,10 @@ class SimpleFSDPBackend:
                     self.memory_limit_bytes:
                 report.notes.append(f"predicted peak {chosen.peak_bytes / 1e9:.4g} GB is over "
                                     f"memory_limit_gb even with one collective per bucket")
-            buckets = bucket_collectives(graph, collectives, plan.assignment)
+            assignment = dict(plan.assignment)
+            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
+                                                             self.all_reduce_bucket_mb))
+            buckets = bucket_collectives(graph, collectives, assignment)
             stable_topological_sort(graph)
         else:
             buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
@@ -346,7 +368,7 @@ def _inductor_pass_class() -> type:
             plans = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() \
                 if found else ""
             settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
-                        f"|{plans}")
+                        f"|{o.all_reduce_bucket_mb}|{plans}")
             return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 
     return InductorPass

@@ -4,6 +4,8 @@ All-gather bucket:  copy-in (flatten + concat the shards) -> one all-gather -> o
 -> copy-out (per parameter: its slice of every rank's chunk, reshaped).
 Reduce-scatter bucket: copy-in (each gradient viewed as [ranks, chunk], concatenated on
 dim 1 so every rank's chunk is contiguous) -> one reduce-scatter -> one wait -> copy-out.
+All-reduce bucket (replicate gradients; HSDP reduced shards): copy-in (flatten + concat)
+-> one all-reduce -> one wait -> copy-out (slices viewed back to each shape).
 
 Inputs of a gather are shards padded to the same size on every rank (DTensor pads uneven
 shards), so every rank builds the same bucket even when its graph differs.
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, Collective, call
+from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, Collective, call
 
 aten = torch.ops.aten
 
@@ -55,6 +57,8 @@ def merge(graph: fx.Graph, name: str | None, members: list[Collective]) -> Bucke
     nbytes = sum(c.nbytes for c in members)  # before the members' nodes are erased
     if members[0].kind == "all_gather":
         return _merge_all_gathers(graph, name, members, nbytes)
+    if members[0].kind == "all_reduce":
+        return _merge_all_reduces(graph, name, members, nbytes)
     return _merge_reduce_scatters(graph, name, members, nbytes)
 
 
@@ -116,6 +120,29 @@ def _merge_reduce_scatters(graph: fx.Graph, name: str, members: list[Collective]
                   nbytes, start, wait, chunks + [buffer, flat], outs)
 
 
+def _merge_all_reduces(graph: fx.Graph, name: str, members: list[Collective],
+                       nbytes: int) -> Bucket:
+    last = max(members, key=lambda c: _position(graph, c.start))
+    _, reduce_op, group_name = last.start.args
+    with graph.inserting_before(last.start):
+        flat = [call(graph, aten.reshape.default, (c.start.args[0], [-1])) for c in members]
+        buffer = call(graph, aten.cat.default, (flat,))
+        start = call(graph, ALL_REDUCE, (buffer, reduce_op, group_name))
+        wait = call(graph, WAIT, (start,))
+        outs, offset = [], 0
+        for c in members:
+            numel = c.wait.meta["val"].numel()
+            piece = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel))
+            offset += numel
+            outs.append(call(graph, aten.view.default, (piece, list(c.wait.meta["val"].shape))))
+    for c, out in zip(members, outs, strict=True):
+        c.wait.replace_all_uses_with(out)
+        graph.erase_node(c.wait)
+        graph.erase_node(c.start)
+    return Bucket("all_reduce", name, [c.module for c in members],
+                  nbytes, start, wait, flat + [buffer], outs)
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for i, n in enumerate(graph.nodes):
         if n is node:
@@ -136,7 +163,8 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
         if n in seen or order[n] < order[anchor]:
             continue
         seen.add(n)
-        if n.op != "call_function" or n.target in (ALL_GATHER, REDUCE_SCATTER, WAIT):
+        if n.op != "call_function" or n.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE,
+                                                      WAIT):
             raise ValueError(f"cannot move {n} ({n.op} {n.target}) before {anchor}")
         to_move.append(n)
         stack.extend(n.all_input_nodes)

@@ -1,8 +1,12 @@
-"""Find the FSDP collectives in an AOTAutograd FX graph and the module each came from.
+"""Find the data-parallel collectives in an AOTAutograd FX graph and the module each
+came from.
 
-A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor``)
-plus the ``wait_tensor`` that consumes it. Forward and recomputed (backward) all-gathers
-carry ``nn_module_stack``; backward reduce-scatters carry ``fwd_nn_module_stack``.
+A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+``all_reduce``) plus the ``wait_tensor`` that consumes it. Only collectives on a process
+group that ``data_parallel`` shards over are ours (its group names are recorded when it
+runs): tensor/sequence-parallel collectives (on the TP group), pipeline sends and user
+collectives on other groups are never touched. Forward and recomputed (backward)
+all-gathers carry ``nn_module_stack``; backward reductions carry ``fwd_nn_module_stack``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from .._torch_compat import FakeTensorMode, c10d_functional, detect_fake_mode
+from ..data_parallel import data_parallel_group_names
 from ..state_dict import unwrapped_name
 
 c10d = c10d_functional
@@ -53,13 +58,23 @@ class Collective:
         args = self.start.args
         if self.kind == "reduce_scatter":  # (input, reduce_op, group_size, group_name)
             return (self.kind, args[2], args[3], args[1], self.start.meta["val"].dtype)
+        # all_gather: (input, group_size, group_name); all_reduce: (input, op, group_name)
         return (self.kind, args[1], args[2], self.start.meta["val"].dtype)
 
     @property
+    def group_name(self) -> str:
+        return group_name(self.start)
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter input."""
+        """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter or
+        all-reduce input."""
         full = self.start.meta["val"] if self.kind == "all_gather" else \
             self.start.args[0].meta["val"]
+        if self.kind == "all_reduce":  # HSDP: count the padded shard the reduce-scatter
+            source = feeding_reduce_scatter(self.start)  # returned, the same on every
+            if source is not None:  # rank (uneven shards differ), so plans agree
+                full = source.meta["val"]
         return full.numel() * full.element_size()
 
 
@@ -74,17 +89,48 @@ def module_fqn(node: fx.Node) -> str:
     return unwrapped_name(path).replace("._modules.", ".")
 
 
+def group_name(start: fx.Node) -> str:
+    """The process group name argument of a collective start node (always the last)."""
+    return start.args[-1]
+
+
+def is_data_parallel(node: fx.Node) -> bool:
+    """A collective start on one of the groups ``data_parallel`` shards over."""
+    return node.op == "call_function" and node.target in KINDS and \
+        group_name(node) in data_parallel_group_names()
+
+
+def other_collectives(graph: fx.Graph) -> int:
+    """Collectives that are not ours (TP/SP, user): left alone, counted for reports."""
+    return sum(1 for n in graph.nodes if n.op == "call_function" and n.target in KINDS
+               and not is_data_parallel(n))
+
+
 def find_collectives(graph: fx.Graph) -> list[Collective]:
-    """Every collective start node with exactly one wait, in graph order."""
+    """Every data-parallel collective start node with exactly one wait, in graph order."""
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in KINDS:
+        if not is_data_parallel(node):
             continue
         waits = [u for u in node.users if u.target == WAIT]
         if len(waits) != 1 or len(node.users) != 1:
             continue  # not a shape we know how to move; leave it alone
         found.append(Collective(node, waits[0], KINDS[node.target], module_fqn(node)))
     return found
+
+
+def feeding_reduce_scatter(node: fx.Node, depth: int = 16) -> fx.Node | None:
+    """The reduce-scatter start whose result ``node`` (a collective start) reduces, seen
+    through casts and views; None if its input does not come from a reduce-scatter."""
+    arg = node.args[0]
+    for _ in range(depth):
+        if not isinstance(arg, fx.Node) or arg.op != "call_function" or not arg.args:
+            return None
+        if arg.target == WAIT:
+            source = arg.args[0]
+            return source if source.target == REDUCE_SCATTER else None
+        arg = arg.args[0]
+    return None
 
 
 def is_backward(graph: fx.Graph) -> bool:

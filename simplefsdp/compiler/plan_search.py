@@ -29,7 +29,15 @@ import math
 from collections.abc import Sequence
 
 from .cost import CommModel
-from .simulate import Step, bucket_peak, comm_seconds, copy_seconds, simulate, window
+from .simulate import (
+    Step,
+    bucket_peak,
+    comm_seconds,
+    copy_seconds,
+    reduction_seconds,
+    simulate,
+    window,
+)
 
 DEFAULT_TOLERANCE = 0.02
 DEFAULT_MAX_GROUPS = 40
@@ -92,19 +100,21 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
     comp = prefix([sum(steps[s].compute_s for s in g) for g in groups])
     size = prefix([sum(steps[s].nbytes for s in g) for g in groups])
     rs_size = prefix([sum(steps[s].scatter_bytes for s in g) for g in groups])
+    ar_size = prefix([sum(steps[s].all_reduce_bytes for s in g) for g in groups])
     count = prefix([len(g) for g in groups])
     base_of = [max(steps[s].base_bytes for s in g) for g in groups]
 
     cache: dict[tuple[int, int], tuple] = {}
 
     def bucket(i: int, j: int) -> tuple:
-        """(compute, collective s, reduce-scatter s, bytes, rs bytes, steps, base, copy)."""
+        """(compute, collective s, reductions s, bytes, rs bytes, steps, base, copy)."""
         got = cache.get((i, j))
         if got is None:
             nb, rb, c = int(size[j] - size[i]), int(rs_size[j] - rs_size[i]), \
                 int(count[j] - count[i])
+            ab = int(ar_size[j] - ar_size[i])
             got = (comp[j] - comp[i], comm_seconds(comm, kind, nb),
-                   comm_seconds(comm, scatter_kind, rb), nb, rb, c, max(base_of[i:j]),
+                   reduction_seconds(comm, scatter_kind, rb, ab), nb, rb, c, max(base_of[i:j]),
                    copy_seconds(comm, kind, c, nb, rb))
             cache[(i, j)] = got
         return got

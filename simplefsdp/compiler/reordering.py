@@ -3,11 +3,12 @@
 Forward: bucket i+1's all-gather is issued before bucket i's wait, so it overlaps bucket
 i's copy-out and compute (the placement the paper's Table 6 found fastest).
 Backward: bucket i+1's all-gather is issued right after bucket i's wait (overlapping
-bucket i's compute), and each reduce-scatter's wait is deferred to just before the next
-reduce-scatter, so the reduction overlaps the following compute.
+bucket i's compute), and each reduce-scatter's (all-reduce's) wait is deferred to just
+before the next reduce-scatter (all-reduce), so the reduction overlaps the following
+compute.
 
-Only all-gather starts move earlier and waits move later; all-gathers keep their order,
-reduce-scatters keep theirs, and every decision depends only on the bucket sequence, so
+Only all-gather starts move earlier and waits move later; each kind of collective keeps
+its order, and every decision depends only on the bucket sequence, so
 every rank issues the same collectives in the same order.
 """
 
@@ -22,7 +23,6 @@ from .collectives import stable_topological_sort
 def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]:
     """Reorder in place; returns a line per move made."""
     gathers = [b for b in buckets if b.kind == "all_gather"]
-    scatters = [b for b in buckets if b.kind == "reduce_scatter"]
     moves: list[str] = []
     for prev, nxt in zip(gathers, gathers[1:], strict=False):
         # Forward: before prev's wait. Backward: right after prev's wait.
@@ -33,17 +33,26 @@ def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]
         where = "before" if not backward else "after"
         moves.append(f"all_gather {nxt.name} issued {where} wait of {prev.name}")
     if backward:
-        for prev, nxt in zip(scatters, scatters[1:], strict=False):
-            # The wait and its copy-out go right before the next reduce-scatter's copy-in.
-            anchor = nxt.copy_in[0] if nxt.copy_in else nxt.start
-            if _before(anchor, prev.wait):
-                continue
-            for node in [prev.wait, *prev.copy_out]:
-                anchor.prepend(node)
-            moves.append(f"wait of reduce_scatter {prev.name} deferred to before "
-                         f"reduce_scatter {nxt.name}")
-        stable_topological_sort(graph)  # users of a deferred wait follow it
+        for kind in ("reduce_scatter", "all_reduce"):
+            moves += _defer_waits(graph, [b for b in buckets if b.kind == kind])
+            stable_topological_sort(graph)  # users of a deferred wait follow it
     _check_collective_order_kept(graph, buckets)
+    return moves
+
+
+def _defer_waits(graph: fx.Graph, reductions: list[Bucket]) -> list[str]:
+    """Each wait (and its copy-out) goes right before the next reduction's copy-in."""
+    moves = []
+    for prev, nxt in zip(reductions, reductions[1:], strict=False):
+        anchor = nxt.copy_in[0] if nxt.copy_in else nxt.start
+        if _before(anchor, prev.wait):
+            continue
+        if _before(anchor, prev.start):  # the next one already starts first: keep as is
+            continue
+        for node in [prev.wait, *prev.copy_out]:
+            anchor.prepend(node)
+        moves.append(f"wait of {prev.kind} {prev.name} deferred to before "
+                     f"{nxt.kind} {nxt.name}")
     return moves
 
 
@@ -68,7 +77,7 @@ def _check_collective_order_kept(graph: fx.Graph, buckets: list[Bucket]) -> None
     (An all-gather may move ahead of a reduce-scatter: that is the backward prefetch,
     and it is the same on every rank because it depends only on the bucket sequence.)
     """
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         starts = [b.start for b in buckets if b.kind == kind]
         seen = [n for n in graph.nodes if n in set(starts)]
         if seen != starts:

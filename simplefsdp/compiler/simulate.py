@@ -2,7 +2,8 @@
 
 The schedule is the one our reordering produces (paper Figure 2), prefetching one
 bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their compute,
-``A_k`` their collective, ``R_k`` (backward) the reduce-scatter of their gradients:
+``A_k`` their collective, ``R_k`` (backward) the reduce-scatter of their gradients
+(with HSDP followed by the all-reduce of its shards over the replicas):
 
 * ``A_k`` is issued when the compute of ``b_{k-1}`` starts and runs during it, together
   with ``R_{k-2}`` (issued when ``b_{k-2}``'s compute ended). ``A_0`` hides behind nothing.
@@ -45,6 +46,8 @@ class Step:
     ``scatter_bytes``: bytes of the reduce-scatters that mirror this step (backward).
     ``base_bytes``: bytes live while its computation runs, other than gathered
     parameters: sharded state, activations, gradients (the step-peak model).
+    ``all_reduce_bytes``: HSDP: bytes of the all-reduces of those reduce-scatters' shards
+    (over the replicas), which follow them in the same window.
     """
 
     name: str
@@ -53,6 +56,7 @@ class Step:
     memory_bytes: int
     scatter_bytes: int = 0
     base_bytes: int = 0
+    all_reduce_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,14 @@ class Estimate:
 def comm_seconds(comm: CommModel, kind: str, nbytes: float) -> float:
     """One collective's time; no bytes means no collective, hence no latency either."""
     return comm.predict(kind, nbytes) if nbytes > 0 else 0.0
+
+
+def reduction_seconds(comm: CommModel, kind: str, scatter_bytes: float,
+                      all_reduce_bytes: float) -> float:
+    """A bucket's backward reductions: one ``kind`` collective (reduce-scatter) over its
+    ``scatter_bytes``, then (HSDP) one all-reduce of the reduced shards."""
+    return comm_seconds(comm, kind, scatter_bytes) + comm_seconds(comm, "all_reduce",
+                                                                  all_reduce_bytes)
 
 
 def window(compute_s: float, comm_s: float, hidden_fraction: float) -> float:
@@ -117,7 +129,9 @@ def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: Comm
     size = [sum(steps[j].nbytes for j in b) for b in buckets]
     rs_size = [sum(steps[j].scatter_bytes for j in b) for b in buckets]
     main = [comm_seconds(comm, kind, n) for n in size]
-    rs = [comm_seconds(comm, scatter_kind, n) for n in rs_size]
+    ar_size = [sum(steps[j].all_reduce_bytes for j in b) for b in buckets]
+    rs = [reduction_seconds(comm, scatter_kind, n, a)
+          for n, a in zip(rs_size, ar_size, strict=True)]
     copies = sum(copy_seconds(comm, kind, len(b), size[k], rs_size[k])
                  for k, b in enumerate(buckets))
     total = 0.0

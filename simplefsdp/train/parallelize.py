@@ -1,9 +1,13 @@
 """Apply the parallelisms to a Llama ``Transformer``, in the order they compose.
 
-1. Tensor parallel (``parallel.tp``): Megatron-style, per block, on ``mesh["tp"]``:
-   column-wise ``wq/wk/wv/w1/w3`` (heads and FFN width split), row-wise ``wo/w2`` (the
-   block's output is all-reduced). Embeddings, norms and the output projection stay
-   replicated over TP: every TP rank computes them on the same data.
+1. Tensor + sequence parallel (``parallel.tp``), Megatron-style, on ``mesh["tp"]``:
+   column-wise ``wq/wk/wv/w1/w3`` (heads and FFN width split), row-wise ``wo/w2``; the
+   residual stream and the norms are sharded on the sequence dim (sequence parallel),
+   so each block all-gathers its normed input over the sequence before attention / FFN
+   and reduce-scatters their outputs back onto it (instead of all-reducing them). The
+   embedding is split by vocabulary rows and its output reduce-scattered onto the
+   sequence; the output projection is split by vocabulary columns and its logits
+   gathered (replicated on every TP rank, for the loss).
 2. Activation checkpointing (``activation_checkpoint.mode``) per block: ``full``
    recomputes the whole block in backward; ``selective`` keeps the outputs of matmuls,
    attention and TP reductions and recomputes the cheap rest (norms, activations,
@@ -40,28 +44,67 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # ---------------------------------------------------------------------------------------
 # Tensor parallel.
 # ---------------------------------------------------------------------------------------
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Shard every block's attention heads and FFN width over ``tp_mesh``, in place.
+def check_sequence_parallel(args, tp: int, seq_len: int | None = None) -> None:
+    """Raise a ConfigError if the TP + sequence-parallel plan cannot split this model."""
+    check_tp(args, tp)
+    if tp == 1:
+        return
+    if args.tie_embeddings:
+        raise ConfigError("model.tie_embeddings = true cannot be combined with parallel.tp > 1: "
+                          "the embedding is split by rows and the output projection by "
+                          "columns of the same weight; untie them")
+    if args.vocab_size % tp:
+        raise ConfigError(f"parallel.tp = {tp} does not divide model.vocab_size = "
+                          f"{args.vocab_size} (the embedding and output are split over TP)")
+    if seq_len is not None and seq_len % tp:
+        raise ConfigError(f"parallel.tp = {tp} does not divide training.seq_len = {seq_len} "
+                          f"(sequence parallel shards the sequence over TP)")
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None) -> None:
+    """Tensor + sequence parallel over ``tp_mesh``, in place (see the module docstring).
 
     The attention module computes ``n_rep`` from the global head counts and views with
     ``-1`` heads, so with ``n_heads`` and ``n_kv_heads`` both divisible by the TP size
-    each rank runs the same attention on its own heads, unchanged.
+    each rank runs the same attention on its own heads, unchanged. A pipeline stage
+    passes sequence-sharded hidden states to the next (each TP rank its own piece).
     """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
-    check_tp(model.args, tp_mesh.size())
-    plan = {
+    check_sequence_parallel(model.args, tp_mesh.size(), seq_len)
+    root = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1))
+    if model.norm is not None:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1), None),
+                                         desired_input_layouts=(Replicate(), None))
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_sequence,
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,11 +180,22 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Modu
     return torch.compile(model, fullgraph=True, backend=backend)
 
 
+def check_composition(ac_mode: str, compiled: bool) -> None:
+    """Refuse, before any work, the combinations this torch cannot compile."""
+    if compiled and ac_mode == "full":
+        raise ConfigError(
+            "activation_checkpoint.mode = 'full' with compile.enable = true is not "
+            f"supported on torch {torch.__version__}: AOTAutograd saves a DTensor's "
+            "DeviceMesh as a tensor of the recomputed block and fails; use "
+            "activation_checkpoint.mode = 'selective' (or 'none'), or compile.enable = false")
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     """TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on)."""
+    check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable)
     if cfg.parallel.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], cfg.training.seq_len)
     apply_ac(model, cfg.activation_checkpoint.mode)
     model = apply_dp(model, mesh, cfg)
     if cfg.compile.enable:

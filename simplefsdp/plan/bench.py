@@ -1,0 +1,49 @@
+"""The planner's side of the benchmark's "predicted MiB" column: the trainer job a
+simplefsdp bench variant amounts to, and its predicted peak bytes per rank.
+
+Bench variants are ``data_parallel`` fully_shard in float32 with no activation
+checkpointing; the compiled ones use our backend with the variant's passes. Variants
+the planner does not model (auto wrapping, upstream passes, FSDP2, DDP, compute-only)
+get None.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..train.config import JobConfig, ModelConfig
+
+# variant -> (compiled, bucketing, reordering)
+VARIANTS = {
+    "simplefsdp-eager": (False, "none", False),
+    "simplefsdp-compiled": (True, "none", False),
+    "simplefsdp-bucketing": (True, "manual", False),
+    "simplefsdp-reordering": (True, "manual", True),
+}
+
+
+def bench_job(variant: str, model: ModelConfig, batch_size: int, seq_len: int
+              ) -> JobConfig | None:
+    """The trainer config equivalent to one bench variant's step, or None."""
+    if variant not in VARIANTS:
+        return None
+    compiled, bucketing, reordering = VARIANTS[variant]
+    cfg = JobConfig()
+    cfg.model = copy.deepcopy(model)
+    cfg.training.batch_size, cfg.training.seq_len = batch_size, seq_len
+    cfg.compile.enable, cfg.compile.bucketing = compiled, bucketing
+    cfg.compile.reordering = reordering
+    cfg.validate()
+    return cfg
+
+
+def predicted_peak_bytes(variant: str, model: ModelConfig, batch_size: int, seq_len: int,
+                         world_size: int) -> int | None:
+    """Predicted active peak bytes per rank of a bench variant (None: not modelled).
+    Runs the planner in a fresh process (the benchmark has its own process group)."""
+    from . import predict_isolated
+
+    cfg = bench_job(variant, model, batch_size, seq_len)
+    if cfg is None:
+        return None
+    return int(predict_isolated(cfg, world_size).peak_memory_gib * 2**30)

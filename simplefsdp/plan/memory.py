@@ -1,0 +1,176 @@
+"""Per-rank memory: model states from the model's shapes, activations from a liveness
+pass over the captured forward and backward graphs, plus the eager loss and pipeline
+microbatches in flight.
+
+* Model states (``states_bytes``): the trainer builds the model in float32, so every
+  parameter shard is float32, and so are its gradient and AdamW's two moments:
+  16 bytes per parameter per rank. Gradients are counted for the whole step (the
+  largest they get, at the end of backward).
+* Activations (``graph_memory``): a tensor is live from the node that makes it to its
+  last use (views, ``getitem``, waits and in-place ops alias their input). Parameter
+  shards and the reduce-scattered gradients are left out (they are model states).
+  Tensors whose size scales with the data-parallel shard (found by dataflow from the
+  shards) are rescaled from the traced to the planned ``dp_shard``.
+* Loss (``loss_peaks``): the trainer computes the cross-entropy eagerly on the logits
+  the compiled model returns: ``logits.float()``, ``log_softmax`` (kept for backward),
+  then in backward its gradient, the ``log_softmax`` gradient and the cast back.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .._torch_compat import op_schema
+from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from .trace import Trace
+
+
+@dataclass
+class GraphMemory:
+    """Bytes of one traced forward+backward at the planned data-parallel size."""
+
+    forward_peak: int  # during the forward graph
+    saved: int  # kept from forward for backward (not counting the returned output)
+    output: int  # the forward's returned tensor (logits or hidden states)
+    backward_peak: int  # during the backward graph
+
+
+def _tensor_bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return int(val.numel()) * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in val)
+    return 0
+
+
+def _alias_of(node: fx.Node) -> list[fx.Node] | None:
+    """Input nodes whose memory ``node`` shares, or None if it allocates."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    inputs = [a for a in node.all_input_nodes if "val" in a.meta]
+    if target is operator.getitem or target == WAIT or getattr(target, "is_view", False):
+        return inputs[:1] or None
+    schema = op_schema(target)
+    if schema is not None and schema.returns and all(
+            r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
+        return inputs[:1] or None  # in-place / out= variants
+    return None
+
+
+def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
+    """Nodes whose size is a parameter shard's: shard placeholders, reduce-scatter
+    outputs, and anything computed from those alone (casts, bucket copy-ins)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor) and (
+                    tuple(int(d) for d in val.shape), val.dtype) in shards:
+                found.add(node)
+        elif node.op == "call_function":
+            if node.target == REDUCE_SCATTER:
+                found.add(node)
+            elif node.target != ALL_GATHER:
+                inputs = [a for a in node.all_input_nodes if "val" in a.meta]
+                if inputs and all(a in found for a in inputs):
+                    found.add(node)
+    return found
+
+
+def roots(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the allocating nodes whose memory it is (itself if it allocates)."""
+    root: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        bases = _alias_of(n)
+        root[n] = [n] if bases is None else [r for b in bases for r in root.get(b, [b])]
+    return root
+
+
+def liveness(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
+    """Live bytes at each node, in graph order. ``skip``: tensors not counted."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    root = roots(graph)
+    end = dict(index)
+    for n in nodes:
+        for user in n.users:
+            for r in root[n]:
+                end[r] = max(end[r], index[user])
+    delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        if root[n] != [n] or n in skip or not size.get(n):
+            continue
+        delta[index[n]] += size[n]
+        delta[end[n] + 1] -= size[n]
+    live, running = [], 0
+    for d in delta[:-1]:
+        running += d
+        live.append(running)
+    return live
+
+
+def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
+    """Liveness of ``tr``'s graphs with shard-sized tensors scaled to ``dp_shard``."""
+    scale = tr.key.dp_shard / dp_shard
+    sizes, skips = [], []
+    for gm in (tr.forward, tr.backward):
+        shard = shard_nodes(gm.graph, tr.shards)
+        size = {n: int(_tensor_bytes(n.meta.get("val")) * (scale if n in shard else 1))
+                for n in gm.graph.nodes}
+        # model states: parameter shards in, gradient shards out
+        skip = {n for n in shard if n.op == "placeholder"}
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        skip |= {a for a in out.all_input_nodes if a in shard}
+        sizes.append(size)
+        skips.append(skip)
+    fw, bw = tr.forward.graph, tr.backward.graph
+    fw_live = liveness(fw, sizes[0], skips[0])
+    outputs = next(n for n in fw.nodes if n.op == "output").args[0]
+    user = [a for a in outputs[:tr.n_forward_outputs] if isinstance(a, fx.Node)]
+    saved = [a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)]
+    root = roots(fw)
+
+    def held(nodes: list[fx.Node]) -> int:  # each allocation once, model states left out
+        allocs = dict.fromkeys(r for a in nodes for r in root[a])
+        return sum(sizes[0].get(r, 0) for r in allocs if r not in skips[0])
+
+    user_bytes = held(user)
+    saved_bytes = held(saved)
+    bw_live = liveness(bw, sizes[1], skips[1])
+    return GraphMemory(max(fw_live, default=0), saved_bytes, user_bytes, max(bw_live, default=0))
+
+
+def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int) -> tuple[int, int]:
+    """Extra bytes over the saved activations while the eager cross-entropy runs:
+    (forward: logits + float32 copy + log_softmax, backward: log_softmax + its
+    gradient + the gradient of the float32 logits)."""
+    n, e = tokens * vocab, logits_bytes_per_elem
+    forward = n * (e + (4 if e != 4 else 0) + 4)
+    return forward, 12 * n
+
+
+def stage_params(args, role: str, layers: int, tp: int) -> float:
+    """Parameters one tensor-parallel rank of a stage holds (before data-parallel
+    sharding): the blocks' matrices split ``tp`` ways, norms and embeddings whole."""
+    from ..models.llama import ffn_hidden_dim
+
+    hd = args.head_dim
+    matrices = args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) \
+        + 3 * args.dim * ffn_hidden_dim(args)
+    total = layers * (matrices / tp + 2 * args.dim)
+    if role in ("full", "first"):
+        total += args.vocab_size * args.dim
+    if role in ("full", "last"):
+        total += args.dim + (0 if args.tie_embeddings and role == "full"
+                             else args.vocab_size * args.dim)
+    return total
+
+
+def states_bytes(params_per_rank: float) -> float:
+    """float32 shard + gradient + AdamW exp_avg and exp_avg_sq."""
+    return 16 * params_per_rank

@@ -1,0 +1,129 @@
+"""One configuration -> predicted memory and speed per GPU.
+
+The blocks repeat, so each pipeline stage role is traced with 1 and 2 blocks at full
+width and every figure is extrapolated linearly to the stage's depth:
+``X(n) = X(1) + (n - 1) * (X(2) - X(1))`` (embeddings and head are in both traces).
+Without pipeline parallelism the role is the whole model; with it, the first stage
+(embeddings, most microbatches in flight under 1F1B) and the last (head and loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..hardware import GiB, gpu_profile
+from ..models.llama import flops_per_token
+from ..train.config import ConfigError, JobConfig
+from ..train.pipeline import stage_layers
+from . import memory, timing
+from .trace import trace, trace_key
+
+ALLOC_OVERHEAD = 0.10  # caching-allocator reserve over the active peak (fragmentation)
+CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserved figure
+
+
+@dataclass
+class Prediction:
+    """One row of the plan: the layout, and per-GPU memory and speed."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ac: str
+    batch_size: int
+    seq_len: int
+    compile: bool
+    peak_memory_gib: float  # active (torch.cuda.max_memory_allocated)
+    reserved_memory_gib: float  # + allocator overhead (torch's max reserved)
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool
+    gpu: str = ""
+    gpus: int = 0
+    exposed_comm_s: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _extrapolate(one: float, two: float, n: int) -> float:
+    return one + (n - 1) * (two - one)
+
+
+def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
+    """Memory (bytes) and time (s) of one stage role at its real depth, per microbatch."""
+    args = cfg.model.model_args()
+    n = args.n_layers if role == "full" else len(stage_layers(
+        args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+    dp_shard_t = 2 if p.dp_shard >= 2 else 1
+    dp_rep_t = 2 if p.dp_replicate >= 2 else 1
+    figures = []
+    for k in (1, 2):
+        tr = trace(trace_key(cfg, role, k, mb, dp_rep_t, dp_shard_t))
+        gm = memory.graph_memory(tr, p.dp_shard)
+        scale = tr.key.dp_shard / p.dp_shard
+        times = [timing.simulate(g, dev, fabric, tr.groups, tr.key.compile, scale,
+                                 memory.shard_nodes(g.graph, tr.shards))
+                 for g in (tr.forward, tr.backward)]
+        figures.append({**vars(gm), "seconds": sum(t for t, _ in times),
+                        "exposed": sum(e for _, e in times)})
+    out = {k: _extrapolate(figures[0][k], figures[1][k], n) for k in figures[0]}
+    out["layers"] = n
+    return out
+
+
+def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
+            gpus_per_node: int = 8) -> Prediction:
+    """Predicted per-GPU memory and speed of ``cfg`` on ``gpus`` GPUs of kind ``gpu``."""
+    dev = gpu_profile(gpu)
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    if cfg.parallel.tp > gpus_per_node:
+        raise ConfigError(f"parallel.tp = {cfg.parallel.tp} spans more than one node of "
+                          f"{gpus_per_node} GPUs; keep tp <= --gpus-per-node")
+    p = cfg.parallel.resolve(gpus)
+    cfg = dataclasses.replace(cfg, parallel=p)
+    t, args = cfg.training, cfg.model.model_args()
+    micro = p.pp_microbatches if p.pp > 1 else 1
+    mb = t.batch_size // micro
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    fabric = timing.Fabric(dev, sizes, gpus_per_node)
+    logits_elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    roles = ["full"] if p.pp == 1 else ["first", "last"]
+    active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
+    for role in roles:
+        f = _role_figures(cfg, role, p, dev, fabric, mb)
+        params = memory.stage_params(args, role, f["layers"], p.tp) / max(p.dp_shard, 1)
+        states = memory.states_bytes(params)
+        peaks = [f["forward_peak"], f["backward_peak"]]
+        step = f["seconds"]
+        if role in ("full", "last"):
+            ce_f, ce_b = memory.loss_peaks(mb * t.seq_len, args.vocab_size, logits_elem)
+            peaks += [f["saved"] + ce_f, f["saved"] + ce_b]
+            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev)
+        # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
+        in_flight = min(micro, p.pp) if role == "first" else 1
+        role_active = states + max(peaks) + (in_flight - 1) * f["saved"]
+        active = max(active, role_active)
+        if p.pp == 1:
+            stage_s = step * t.grad_accum_steps
+        else:
+            stage_s = timing.pp_step_seconds(step, p.pp, micro * t.grad_accum_steps)
+        stage_s += timing.optimizer_seconds(params, dev)
+        seconds = max(seconds, stage_s)
+        exposed = max(exposed, f["exposed"] * micro * t.grad_accum_steps)
+        detail[role] = {"layers": f["layers"], "states_gib": states / GiB,
+                        "activations_gib": (role_active - states) / GiB,
+                        "saved_per_microbatch_gib": f["saved"] / GiB, "step_s": stage_s}
+    reserved = active * (1 + ALLOC_OVERHEAD)
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dp_degree
+    tps = tokens / seconds / gpus
+    return Prediction(
+        p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
+        t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
+        tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
+        reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail)

@@ -1,0 +1,196 @@
+"""Capture the forward and backward graphs one rank runs, on one CPU process.
+
+A fake process group (``FakeStore`` + backend ``"fake"``) of the layout's data-parallel
+and tensor-parallel size stands for the cluster: collectives there return local data
+and are never timed. The model is built on ``meta`` with only ``k`` blocks (the blocks
+repeat, so the planner scales by depth), split into the pipeline stage's pieces, then
+parallelized exactly as the trainer does (``train.parallelize``: TP, activation
+checkpointing, ``data_parallel``). Its parameters become fake CPU tensors under ONE
+``FakeTensorMode`` (fake CUDA tensors abort autograd on a CPU-only torch build), and
+``torch.compile(fullgraph=True)`` runs AOTAutograd with our passes (bucketing,
+reordering) and a capture-only compiler: no code is generated, nothing runs.
+
+The graphs keep their ``meta["val"]`` fake tensors: shapes, dtypes, and the module each
+node came from, which is all memory and timing need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from ..models.llama import Transformer
+from ..train.config import JobConfig
+from ..train.parallelize import parallelize
+from ..train.pipeline import split_stage
+
+ROLES = ("full", "first", "last")
+# One fake world for the whole process, never torn down: DTensor caches sharding
+# decisions by mesh *equality*, so a rebuilt equal mesh would get stale mesh objects
+# back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``).
+FAKE_WORLD = 64  # whole model (pp = 1); first / last pipeline stage
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    """Everything a rank's graphs depend on; equal keys share one trace.
+
+    ``dp_replicate`` / ``dp_shard`` are the sizes *traced*, not the layout's: shard-sized
+    tensors are rescaled to the layout's sizes afterwards (see ``memory.node_bytes``).
+    """
+
+    model: str
+    args: tuple  # ModelArgs fields, n_layers = traced blocks
+    role: str
+    dp_mode: str
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    batch: int  # microbatch, sequences
+    seq: int
+    ac: str
+    compile: bool
+    bucketing: str
+    reordering: bool
+    param_dtype: str
+    reduce_dtype: str
+    reshard: bool
+
+
+@dataclass
+class Trace:
+    """The captured graphs (after our passes) and what they were traced with."""
+
+    key: TraceKey
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    n_forward_outputs: int  # user outputs of the forward graph; the rest are saved
+    groups: dict[str, str]  # process group name -> mesh dim ("dp_shard", "tp", ...)
+    shards: set  # (shape, dtype) of this rank's parameter shards
+
+
+def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
+              dp_replicate: int, dp_shard: int) -> TraceKey:
+    """The key for ``cfg``'s layout traced with ``layers`` blocks at the given sizes."""
+    args = dataclasses.replace(cfg.model.model_args(), n_layers=layers)
+    p, t, c = cfg.parallel, cfg.training, cfg.compile
+    # Eager SimpleFSDP has no passes: one collective per parameter, waited on at once.
+    # "auto" measures timings while compiling, which a fake group cannot give: it is
+    # planned as "manual" (one bucket per block), the paper's Table 3 setting.
+    bucketing = ("manual" if c.bucketing == "auto" else c.bucketing) if c.enable else "none"
+    return TraceKey(cfg.model.name, dataclasses.astuple(args), role, p.dp_mode, dp_replicate,
+                    dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
+                    c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
+                    t.mixed_precision_reduce, p.reshard_after_forward and role == "full")
+
+
+@functools.lru_cache(maxsize=256)
+def trace(key: TraceKey) -> Trace:
+    """Capture ``key``'s forward and backward graphs (cached: identical per-rank shapes
+    are traced once per process)."""
+    from .._torch_compat import (
+        FakeTensorMode,
+        dynamo_reset,
+        eager_backward_compile,
+        fake_store,
+    )
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=FAKE_WORLD)
+    elif dist.get_backend() != "fake":
+        raise RuntimeError("the planner traces under its own fake process group; call it "
+                           "before init_process_group, or in a separate process")
+    try:
+        with eager_backward_compile():
+            return _trace(key, FakeTensorMode)
+    finally:
+        dynamo_reset()
+
+
+def _job(key: TraceKey) -> JobConfig:
+    cfg = JobConfig()
+    cfg.parallel = dataclasses.replace(cfg.parallel, dp_replicate=key.dp_replicate,
+                                       dp_shard=key.dp_shard, tp=key.tp, pp=1,
+                                       dp_mode=key.dp_mode, reshard_after_forward=key.reshard)
+    cfg.training = dataclasses.replace(cfg.training, mixed_precision_param=key.param_dtype,
+                                       mixed_precision_reduce=key.reduce_dtype)
+    cfg.activation_checkpoint.mode = key.ac
+    cfg.compile.enable = False  # we compile below, with the capture-only compiler
+    return cfg
+
+
+@functools.cache
+def _mesh(dp_replicate: int, dp_shard: int, tp: int):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..mesh import MESH_DIMS
+
+    ranks = torch.arange(dp_replicate * dp_shard * tp).view(1, dp_replicate, dp_shard, tp)
+    return DeviceMesh("cpu", ranks, mesh_dim_names=MESH_DIMS)
+
+
+def _trace(key: TraceKey, fake_mode_cls) -> Trace:
+    from ..compiler.backend import SimpleFSDPBackend
+    from ..models.llama import ModelArgs
+
+    args = ModelArgs(*key.args)
+    cfg = _job(key)
+    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+    if key.role == "full":
+        with torch.device("meta"):
+            model = Transformer(args)
+    else:  # one stage of two, cut as the trainer cuts: "first" keeps the embeddings
+        with torch.device("meta"):
+            model = Transformer(dataclasses.replace(args, n_layers=2 * args.n_layers))
+        split_stage(model, 2, 0 if key.role == "first" else 1)
+    model = parallelize(model, mesh, cfg)
+    passes = SimpleFSDPBackend("aot_eager", bucketing=key.bucketing,
+                               reordering=key.reordering)
+    graphs: list[fx.GraphModule] = []
+    counts: list[int] = []
+
+    def capture(gm, example_inputs):
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+
+        from .._torch_compat import aot_autograd
+
+        def compiler(graph_module, _inputs):
+            passes.run_passes(graph_module.graph)
+            graph_module.recompile()
+            graphs.append(graph_module)
+            return make_boxed_func(graph_module.forward)
+
+        def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+            counts.append(num_fwd_outputs)
+            # The min-cut partition our backend uses, also for eager runs (the default
+            # partition breaks under full AC): eager activations are under-counted.
+            return min_cut_rematerialization_partition(
+                joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                            partition_fn=partition)(gm, example_inputs)
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
+    with fake_mode_cls(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        compiled = torch.compile(model, fullgraph=True, backend=capture)
+        if key.role == "last":
+            x = torch.empty(key.batch, key.seq, args.dim, dtype=dtype, requires_grad=True)
+        else:
+            x = torch.zeros(key.batch, key.seq, dtype=torch.long)
+        try:
+            compiled(x)  # compiles both graphs; running them is not needed
+        except Exception:  # noqa: BLE001 - e.g. full AC saving a DeviceMesh fails to *run*
+            if len(graphs) != 2:  # on fake tensors; a failure before capture is real
+                raise
+    if len(graphs) != 2:
+        raise RuntimeError(f"expected one forward and one backward graph, captured "
+                           f"{len(graphs)} (a graph break?) for {key}")
+    groups = {mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard", "tp")}
+    shards = {(tuple(p.to_local().shape), p.dtype) for p in model.parameters()}
+    return Trace(key, graphs[0], graphs[1], counts[0], groups, shards)
