@@ -148,21 +148,9 @@ def _build_hf(cfg, mesh, device):
 def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     """The simplefsdp backend, graph breaks allowed (Hugging Face losses and masks
     break graphs in some architectures)."""
-    import datetime
+    from ..train.parallelize import compile_backend_for
 
-    from simplefsdp import compile_backend
-    from simplefsdp.mesh import stage_group
-
-    from ..train.config import PG_TIMEOUT_S
-
-    c = cfg.compile
-    group = None
-    if c.bucketing == "auto":
-        group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
-    backend = compile_backend(backend=c.backend, bucketing=c.bucketing,
-                              reordering=c.reordering, module_plan=None,
-                              memory_limit_gb=c.memory_limit_gb, group=group)
-    return torch.compile(model, backend=backend)
+    return torch.compile(model, backend=compile_backend_for(mesh, cfg))
 
 
 def _build_llama_from_hf(cfg, mesh, device):

@@ -124,9 +124,9 @@ class ActivationCheckpointConfig:
 class CompileConfig:
     enable: bool = False
     backend: CompileBackend = "inductor"
-    bucketing: Literal["none", "manual", "auto"] = "manual"
+    bucketing: Literal["none", "manual", "auto", "greedy"] = "manual"
     reordering: bool = True
-    memory_limit_gb: float | None = None  # for bucketing = "auto"; None: no limit
+    memory_limit_gb: float | None = None  # for bucketing = "auto" or "greedy"; None: no limit
 
 
 @dataclass

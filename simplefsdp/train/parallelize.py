@@ -167,17 +167,20 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
                                     reshard_after_forward=reshard, reduce_op="sum")
 
 
-def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig):
+    """Our ``torch.compile`` backend as ``[compile]`` configures it. A planned bucketing
+    (auto, greedy) agrees across the ranks compiling the same graph: under PP, a stage's."""
     c = cfg.compile
-    # Auto wrapping agrees its measurements across the ranks compiling the same graph:
-    # under PP, those of this stage.
     group = None
-    if c.bucketing == "auto":
+    if c.bucketing in ("auto", "greedy"):
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
-    backend = simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
-                              reordering=c.reordering, module_plan=None,
-                              memory_limit_gb=c.memory_limit_gb, group=group)
-    return torch.compile(model, fullgraph=True, backend=backend)
+    return simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
+                                      reordering=c.reordering, module_plan=None,
+                                      memory_limit_gb=c.memory_limit_gb, group=group)
+
+
+def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+    return torch.compile(model, fullgraph=True, backend=compile_backend_for(mesh, cfg))
 
 
 def check_composition(ac_mode: str, compiled: bool) -> None:
