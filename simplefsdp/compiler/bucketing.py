@@ -83,10 +83,7 @@ def _merge_all_gathers(graph: fx.Graph, name: str, members: list[Collective],
             offset += numel
             out = call(graph, aten.reshape.default, (piece, list(c.wait.meta["val"].shape)))
             outs.append(out)
-    for c, out in zip(members, outs, strict=True):
-        c.wait.replace_all_uses_with(out)
-        graph.erase_node(c.wait)
-        graph.erase_node(c.start)
+    _retire(graph, members, outs)
     return Bucket("all_gather", name, [c.module for c in members],
                   nbytes, start, wait, flat + [buffer], outs)
 
@@ -106,16 +103,8 @@ def _merge_reduce_scatters(graph: fx.Graph, name: str, members: list[Collective]
         flat = call(graph, aten.reshape.default, (buffer, [-1]))
         start = call(graph, REDUCE_SCATTER, (flat, reduce_op, group_size, group_name))
         wait = call(graph, WAIT, (start,))
-        outs, offset = [], 0
-        for c in members:
-            numel = c.wait.meta["val"].numel()
-            piece = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel))
-            offset += numel
-            outs.append(call(graph, aten.view.default, (piece, list(c.wait.meta["val"].shape))))
-    for c, out in zip(members, outs, strict=True):
-        c.wait.replace_all_uses_with(out)
-        graph.erase_node(c.wait)
-        graph.erase_node(c.start)
+        outs = _unpack_flat(graph, wait, members)
+    _retire(graph, members, outs)
     return Bucket("reduce_scatter", name, [c.module for c in members],
                   nbytes, start, wait, chunks + [buffer, flat], outs)
 
@@ -129,18 +118,29 @@ def _merge_all_reduces(graph: fx.Graph, name: str, members: list[Collective],
         buffer = call(graph, aten.cat.default, (flat,))
         start = call(graph, ALL_REDUCE, (buffer, reduce_op, group_name))
         wait = call(graph, WAIT, (start,))
-        outs, offset = [], 0
-        for c in members:
-            numel = c.wait.meta["val"].numel()
-            piece = call(graph, aten.slice.Tensor, (wait, 0, offset, offset + numel))
-            offset += numel
-            outs.append(call(graph, aten.view.default, (piece, list(c.wait.meta["val"].shape))))
+        outs = _unpack_flat(graph, wait, members)
+    _retire(graph, members, outs)
+    return Bucket("all_reduce", name, [c.module for c in members],
+                  nbytes, start, wait, flat + [buffer], outs)
+
+
+def _unpack_flat(graph: fx.Graph, flat: fx.Node, members: list[Collective]) -> list[fx.Node]:
+    """Each member's result out of the bucket's flat result, in member order."""
+    outs, offset = [], 0
+    for c in members:
+        numel = c.wait.meta["val"].numel()
+        piece = call(graph, aten.slice.Tensor, (flat, 0, offset, offset + numel))
+        offset += numel
+        outs.append(call(graph, aten.view.default, (piece, list(c.wait.meta["val"].shape))))
+    return outs
+
+
+def _retire(graph: fx.Graph, members: list[Collective], outs: list[fx.Node]) -> None:
+    """Point every use of a member's result at its replacement; drop the member."""
     for c, out in zip(members, outs, strict=True):
         c.wait.replace_all_uses_with(out)
         graph.erase_node(c.wait)
         graph.erase_node(c.start)
-    return Bucket("all_reduce", name, [c.module for c in members],
-                  nbytes, start, wait, flat + [buffer], outs)
 
 
 def _position(graph: fx.Graph, node: fx.Node) -> int:
