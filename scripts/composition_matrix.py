@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ STEPS, BATCH, SEQ, MICROBATCHES = 3, 2, 8, 2
 # Inductor fuses and reorders float math (and SGD carries those differences into the
 # weights): after 3 steps, losses and parameters agree with eager within 1e-4 absolute.
 INDUCTOR_ATOL = 1e-4
+CELL_TIMEOUT_S = 900  # per cell of a launch: 8 ranks compiling on 2 cores take minutes
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class CellResult:
     eager_step_s: float = 0.0
     loss_diff: float = -1.0
     param_diff: float = -1.0
+    wall_s: float = -1.0  # the cell's whole run on this rank: build, eager, compile
 
 
 def full_matrix() -> list[Cell]:
@@ -271,6 +274,20 @@ def _is_refusal(error: BaseException) -> bool:
     return isinstance(error, ValueError | ConfigError | NotImplementedError)
 
 
+# Eager results do not depend on the bucketing or the compile backend: the cells that
+# differ only in those share one eager run (per process, keyed by the other axes).
+_EAGER: dict[tuple, tuple[list[float], list[float], list[torch.Tensor]]] = {}
+
+
+def _eager_reference(cell: Cell) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    key = (cell.mode, cell.tp, cell.pp, cell.ac)
+    if key not in _EAGER:
+        eager = _Built(cell, compiled=False)
+        losses, times, _ = _train(eager, compiled=False)
+        _EAGER[key] = losses, times, eager.params()
+    return _EAGER[key]
+
+
 def run_cell(cell: Cell) -> CellResult:
     """Eager then compiled, on every rank of the group (its size must be ``cell.world``)."""
     result = CellResult(cell.name, "ok")
@@ -283,8 +300,7 @@ def run_cell(cell: Cell) -> CellResult:
                 raise
             result.status, result.error = "refused", f"{type(e).__name__}: {e}"
             return result
-        eager = _Built(cell, compiled=False)
-        eager_losses, eager_times, _ = _train(eager, compiled=False)
+        eager_losses, eager_times, eager_params = _eager_reference(cell)
         losses, times, result.profiled = _train(compiled, compiled=True)
         result.before, result.after, result.buckets, result.other = \
             _graph_counts(cell, compiled.backend)
@@ -293,20 +309,23 @@ def run_cell(cell: Cell) -> CellResult:
         diffs = [abs(a - b) for a, b in zip(losses, eager_losses, strict=True)]
         result.loss_diff = max(diffs)
         result.param_diff = max((a - b).abs().max().item() if a.numel() else 0.0
-                                for a, b in zip(compiled.params(), eager.params(),
-                                                strict=True))
+                                for a, b in zip(compiled.params(), eager_params, strict=True))
     except Exception as e:  # noqa: BLE001 - a failed cell is a row of the table
         result.status = "failed"
         result.error = f"{type(e).__name__}: {e}"[:1000] + "\n" + traceback.format_exc()[-3000:]
     return result
 
 
-def run_cells(rank: int, world: int, cells: list[Cell]) -> list[dict]:
+def run_cells(rank: int, world: int, cells: list[Cell], log: str | None = None) -> list[dict]:
     """Every cell in turn on this group of ranks; each rank's results (as dicts). The
-    status of a cell is agreed across ranks (failed if any rank failed)."""
+    status of a cell is agreed across ranks (failed if any rank failed). With ``log``,
+    rank 0 appends each agreed row to that JSON-lines file as soon as the cell ends, so
+    a long run can be resumed and a crash names the cell it happened in."""
     out = []
     for cell in cells:
+        started = time.perf_counter()
         result = run_cell(cell)
+        result.wall_s = time.perf_counter() - started
         everyone = [None] * world
         dist.all_gather_object(everyone, (result.status, result.error, result.loss_diff,
                                           result.param_diff))
@@ -315,6 +334,9 @@ def run_cells(rank: int, world: int, cells: list[Cell]) -> list[dict]:
         result.loss_diff = max(s[2] for s in everyone)
         result.param_diff = max(s[3] for s in everyone)
         out.append(asdict(result))
+        if log is not None and rank == 0:
+            with open(log, "a") as f:
+                f.write(json.dumps(out[-1]) + "\n")
     return out
 
 
@@ -345,24 +367,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="keep cells whose name contains this")
     parser.add_argument("--max-world", type=int, default=8)
     parser.add_argument("--out", default="composition_matrix.md")
+    parser.add_argument("--fresh", action="store_true",
+                        help="forget the rows of an earlier run (OUT.jsonl) instead of "
+                             "resuming after them")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from rank_runner import RankFailure, run_ranks
 
     cells = CI_CELLS if args.ci else full_matrix()
     cells = [c for c in cells if args.only in c.name and c.world <= args.max_world]
-    results = []
+    log = Path(args.out).with_suffix(".jsonl")
+    if args.fresh:
+        log.unlink(missing_ok=True)
+
+    def done() -> dict[str, dict]:
+        rows = [json.loads(line) for line in log.read_text().splitlines()] \
+            if log.exists() else []
+        return {r["cell"]: r for r in rows}
+
+    # One launch per world size runs all of its cells (spawning ranks costs more than a
+    # small cell). A crash or hang takes the launch down: the cell it happened in is
+    # recorded as failed and the launch restarts after it.
     for world in sorted({c.world for c in cells}):
-        group = [c for c in cells if c.world == world]
-        for cell in group:  # one launch per cell: a hung cell cannot take others down
+        while pending := [c for c in cells if c.world == world and c.name not in done()]:
             started = time.perf_counter()
             try:
-                row = run_ranks(run_cells, world, [cell])[0][0]
+                run_ranks(run_cells, world, pending, str(log),
+                          timeout_s=CELL_TIMEOUT_S * len(pending))
             except RankFailure as e:
-                row = asdict(CellResult(cell.name, "failed", str(e).splitlines()[-1]))
-            results.append(row)
-            print(f"{row['status']:8s} {cell.name} ({time.perf_counter() - started:.0f} s)",
-                  flush=True)
+                culprit = next(c for c in pending if c.name not in done())
+                with open(log, "a") as f:
+                    f.write(json.dumps(asdict(CellResult(
+                        culprit.name, "failed", str(e).splitlines()[-1][:2000]))) + "\n")
+            print(f"world {world}: {len(pending)} cells in "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+    rows = done()
+    results = [rows[c.name] for c in cells]
+    for r in results:
+        print(f"{r['status']:8s} {r['cell']}", flush=True)
     text = table(results)
     Path(args.out).write_text(text + "\n")
     print(text)
