@@ -52,14 +52,16 @@ def _measured_peak(rank, world, overrides):
     return held + transient
 
 
-@pytest.mark.parametrize("ac", ["none", "selective"])
-def test_debug_model_memory_matches_a_measured_two_rank_run(ac):
-    overrides = DEBUG + ["--activation_checkpoint.mode", ac]
+@pytest.mark.parametrize("ac,compiled", [("none", "true"), ("selective", "true"),
+                                         ("none", "false"), ("full", "false")])
+def test_debug_model_memory_matches_a_measured_two_rank_run(ac, compiled):
+    overrides = DEBUG + ["--activation_checkpoint.mode", ac, "--compile.enable", compiled]
     measured = max(run_ranks(_measured_peak, 2, overrides))
     predicted = predict_isolated(load_config(None, overrides), 2, "h100-sxm")
     active = predicted.peak_memory_gib * 2**30
     # 10%: the goal. The profiler sees torch's CPU allocations only; the
-    # prediction is liveness over the same compiled graphs plus the eager loss.
+    # prediction is liveness over the same compiled graphs plus the eager loss, or
+    # (eager) the same eager step replayed on fake tensors.
     assert abs(active - measured) / measured < 0.10, (active, measured)
 
 
@@ -71,8 +73,10 @@ PUBLISHED = [  # (ac, batch, compile, tokens/s per GPU, reserved GiB)
     ("selective", 2, False, 5762, 82.4),
     ("selective", 2, True, 6667, 77.0),
 ]
-TOKENS_TOL = 0.20  # reached: worst 17% (torchtitan compiled)
-MEMORY_TOL = 0.25  # goal 15%; reached: worst 22.3% (no AC: eager saves more than traced)
+TOKENS_TOL = 0.20  # reached: worst 16.8% (torchtitan compiled)
+# goal 15%; reached: -8.6%, +5.4%, +14.7%, +15.6%. The torchtitan rows dominate: its
+# selective AC saves every other matmul output, ours saves them all (~0.6 GiB per block).
+MEMORY_TOL = 0.17
 
 
 def test_published_runs():
