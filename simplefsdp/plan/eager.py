@@ -117,7 +117,8 @@ def eager_memory(key) -> EagerMemory:
         else:
             x = torch.zeros(key.batch, key.seq, dtype=torch.long)
         params = list(model.parameters())
-        existing = {_local(p).untyped_storage()._cdata for p in params}
+        existing = {_local(t).untyped_storage()._cdata  # views of these are not new
+                    for t in [*params, *model.buffers()]}
         mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
         tracker = _Tracker(existing, {mesh[d].get_group().group_name
                                       for d in ("dp_replicate", "dp_shard")})
