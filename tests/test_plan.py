@@ -164,10 +164,11 @@ def test_bench_variants_map_to_trainer_jobs():
     assert bench_job("fsdp2-eager", model, 4, 64) is None
 
 
-@pytest.mark.parametrize("variant", ["simplefsdp-eager", "simplefsdp-bucketing"])
-def test_bench_predicted_column_matches_the_measured_peak(tmp_path, variant):
+def test_bench_predicted_column_matches_the_measured_peak(tmp_path):
     """``python -m simplefsdp.bench`` on 2 gloo ranks: its "pred. MiB" column (the
-    planner) against its measured "peak MiB" for one variant of the debug model."""
+    planner) against its measured "peak MiB" for one variant of the debug model (the
+    compiled predictions are checked against a measured run above)."""
+    variant = "simplefsdp-eager"
     import os
     from pathlib import Path
 
