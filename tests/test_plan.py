@@ -52,14 +52,16 @@ def _measured_peak(rank, world, overrides):
     return held + transient
 
 
-@pytest.mark.parametrize("ac", ["none", "selective"])
-def test_debug_model_memory_matches_a_measured_two_rank_run(ac):
-    overrides = DEBUG + ["--activation_checkpoint.mode", ac]
+@pytest.mark.parametrize("ac,compiled", [("none", "true"), ("selective", "true"),
+                                         ("none", "false"), ("full", "false")])
+def test_debug_model_memory_matches_a_measured_two_rank_run(ac, compiled):
+    overrides = DEBUG + ["--activation_checkpoint.mode", ac, "--compile.enable", compiled]
     measured = max(run_ranks(_measured_peak, 2, overrides))
     predicted = predict_isolated(load_config(None, overrides), 2, "h100-sxm")
     active = predicted.peak_memory_gib * 2**30
     # 10%: the issue's goal. The profiler sees torch's CPU allocations only; the
-    # prediction is liveness over the same compiled graphs plus the eager loss.
+    # prediction is liveness over the same compiled graphs plus the eager loss, or
+    # (eager) the same eager step replayed on fake tensors.
     assert abs(active - measured) / measured < 0.10, (active, measured)
 
 
@@ -71,8 +73,10 @@ PUBLISHED = [  # (ac, batch, compile, tokens/s per GPU, reserved GiB)
     ("selective", 2, False, 5762, 82.4),
     ("selective", 2, True, 6667, 77.0),
 ]
-TOKENS_TOL = 0.20  # reached: worst 17% (torchtitan compiled)
-MEMORY_TOL = 0.25  # goal 15%; reached: worst 22.3% (no AC: eager saves more than traced)
+TOKENS_TOL = 0.20  # reached: worst 16.8% (torchtitan compiled)
+# goal 15%; reached: -8.6%, +5.4%, +14.7%, +15.6%. The torchtitan rows dominate: its
+# selective AC saves every other matmul output, ours saves them all (~0.6 GiB per block).
+MEMORY_TOL = 0.17
 
 
 def test_published_runs():
@@ -158,3 +162,55 @@ def test_bench_variants_map_to_trainer_jobs():
         == (True, "manual", True)
     assert (ordered.training.batch_size, ordered.training.seq_len) == (4, 64)
     assert bench_job("fsdp2-eager", model, 4, 64) is None
+
+
+def test_bench_predicted_column_matches_the_measured_peak(tmp_path):
+    """``python -m simplefsdp.bench`` on 2 gloo ranks: its "pred. MiB" column (the
+    planner) against its measured "peak MiB" for one variant of the debug model (the
+    compiled predictions are checked against a measured run above)."""
+    variant = "simplefsdp-eager"
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(var, None)
+    run = subprocess.run(
+        [sys.executable, "-m", "simplefsdp.bench", "--bench.output_dir", str(tmp_path),
+         "--world-size", "2", "--training.seq_len", "64", "--training.batch_size", "4",
+         "--bench.warmup", "3", "--bench.steps", "1", "--compile.backend", "aot_eager",
+         "--variants", variant], cwd=root, env=env, capture_output=True, text=True,
+        timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pred. MiB" in run.stdout
+    (out,) = tmp_path.iterdir()
+    (row,) = json.loads((out / "results.json").read_text())["variants"]
+    predicted, measured = row["predicted_peak_mib"], row["peak_mem_mib"]
+    # 10%: the issue's goal for the benchmark column (same model, batch and ranks).
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
+def _search_trace_counts():
+    from simplefsdp.plan.eager import eager_memory
+    from simplefsdp.plan.search import search
+    from simplefsdp.plan.trace import trace
+
+    cfg = load_config(None, ["--training.seq_len", "32"])
+    rows = search(cfg, 8, "h100-sxm", gpus_per_node=2)
+    return len(rows), trace.cache_info(), eager_memory.cache_info()
+
+
+def test_search_traces_each_graph_once():
+    """Layouts that differ only in data-parallel sizes (dp_replicate 2 x 4 and 4 x 2)
+    or in pipeline depth share their graphs: each distinct graph is traced once."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        predictions, traces, eager = pool.apply(_search_trace_counts)
+    assert predictions >= 6
+    # every prediction asks for 2 traces (1 and 2 blocks) per pipeline role
+    assert traces.hits + traces.misses >= 2 * predictions
+    assert traces.hits > 0 and traces.misses < traces.hits + traces.misses
+    assert traces.currsize == traces.misses  # nothing traced twice (no eviction)
+    assert eager.hits + eager.misses >= 2 * predictions

@@ -53,6 +53,19 @@ def machine_info(cfg: BenchConfig, backend: str) -> dict:
     return info
 
 
+def _predicted_peaks(cfg: BenchConfig, names: list[str]) -> dict[str, int | None]:
+    """The planner's predicted peak bytes per rank for each simplefsdp variant (the
+    "pred. MiB" column); {} where the planner cannot run (it needs torch's fake group)."""
+    from ..plan.bench import predicted_peaks
+
+    try:
+        return predicted_peaks(names, cfg.model, cfg.training.batch_size,
+                               cfg.training.seq_len, cfg.bench.world_size)
+    except Exception as e:  # noqa: BLE001 - a prediction must never sink the benchmark
+        print(f"bench: no predicted memory column ({type(e).__name__}: {e})")
+        return {}
+
+
 def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
     """The full results document (what ``results.json`` holds)."""
     args = cfg.model_args()
@@ -64,6 +77,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
         (n for n in measured if VARIANTS[n].communicates), None)
     reference = measured.get(reference_name) if reference_name else None
     rows = []
+    predicted = _predicted_peaks(cfg, [n for n in cfg.selected_variants()
+                                       if n not in raw["failed"]])
     for name in cfg.selected_variants():
         spec = VARIANTS[name]
         row: dict = {"name": name, "description": spec.description}
@@ -81,6 +96,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
         row["exposed_comm_s"] = (median - compute["median_step_s"]
                                  if compute and spec.communicates else None)
         row["compile_s"] = max(m["first_step_s"] - median, 0.0) if spec.compiled else None
+        row["predicted_peak_mib"] = (None if predicted.get(name) is None
+                                     else predicted[name] / MIB)
         row.update(peak_mem_mib=m["peak_bytes"] / MIB, held_mib=m["held_bytes"] / MIB,
                    transient_mib=m["transient_bytes"] / MIB,
                    collectives_per_step=m["collectives_per_step"],
@@ -127,7 +144,7 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
 # ---------------------------------------------------------------------------------------
 # Rendering.
 # ---------------------------------------------------------------------------------------
-COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "colls/step",
+COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "pred. MiB", "colls/step",
            "exposed ms", "blocked ms", "est. ms", "compile s", "final loss", "loss ok")
 
 
@@ -153,7 +170,8 @@ def table_rows(results: dict) -> list[list[str]]:
             ok += f" ({r['max_loss_diff']:.1e})"
         rows.append([r["name"], _fmt(r["median_step_s"] * 1e3, ".1f"),
                      _fmt(r["tokens_per_s"], ".0f"), _fmt(r["ratio_vs_fsdp2"], ".2f"),
-                     _fmt(r["peak_mem_mib"], ".1f"), _collectives(r["collectives_per_step"]),
+                     _fmt(r["peak_mem_mib"], ".1f"), _fmt(r.get("predicted_peak_mib"), ".1f"),
+                     _collectives(r["collectives_per_step"]),
                      _fmt(None if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
                           ".1f"),
                      _fmt(r["comm_blocked_s"] * 1e3, ".1f"),
@@ -214,6 +232,8 @@ def legend(results: dict) -> list[str]:
         "est. ms: exposed communication estimated by the auto-wrapping "
         "cost model (sum over graphs; auto only)",
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
+        "pred. MiB: the planner's predicted active peak per rank (python -m simplefsdp.plan;"
+        " simplefsdp variants without auto wrapping)",
         "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
         "RS reduce-scatter, AR all-reduce)",
         "compile s: first step minus median step (compiled variants); Inductor caches "

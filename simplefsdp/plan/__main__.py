@@ -15,7 +15,7 @@ import time
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
 from ..train.config import ConfigError, load_config
 from . import report
-from .predict import predict
+from .predict import ALLOC_OVERHEAD, predict
 from .search import search
 
 
@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         print("note: compile.bucketing = 'auto' is planned as 'manual' (one bucket per block)")
     for failure in failures:
         print(f"could not trace: {failure}")
-    print("memory: 16 B/param model states (fp32 shard, grad, AdamW) + liveness of the "
-          "traced graphs (1 and 2 blocks, scaled to the depth) + eager loss; reserved = "
-          "active x 1.10; fits = reserved + 1 GiB (CUDA context, NCCL) <= GPU memory")
+    print("memory: 16 B/param model states (fp32 shard, grad, AdamW) + activations of 1 and "
+          "2 blocks scaled to the depth (compiled: liveness of the traced graphs + eager "
+          f"loss; eager: the eager step replayed on fake tensors); reserved = active x "
+          f"{1 + ALLOC_OVERHEAD:.2f}; fits = reserved + 1 GiB (CUDA context, NCCL) <= GPU "
+          "memory")
     if args.json:
         report.write_json(rows, args.json)
         print(f"wrote {args.json}")

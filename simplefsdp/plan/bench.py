@@ -41,9 +41,24 @@ def predicted_peak_bytes(variant: str, model: ModelConfig, batch_size: int, seq_
                          world_size: int) -> int | None:
     """Predicted active peak bytes per rank of a bench variant (None: not modelled).
     Runs the planner in a fresh process (the benchmark has its own process group)."""
-    from . import predict_isolated
+    return predicted_peaks([variant], model, batch_size, seq_len, world_size)[variant]
 
-    cfg = bench_job(variant, model, batch_size, seq_len)
-    if cfg is None:
-        return None
-    return int(predict_isolated(cfg, world_size).peak_memory_gib * 2**30)
+
+def _peaks(jobs: dict, world_size: int) -> dict[str, int | None]:
+    from .predict import predict
+
+    return {name: None if cfg is None else int(predict(cfg, world_size).peak_memory_gib
+                                               * 2**30) for name, cfg in jobs.items()}
+
+
+def predicted_peaks(variants: list[str], model: ModelConfig, batch_size: int, seq_len: int,
+                    world_size: int) -> dict[str, int | None]:
+    """``predicted_peak_bytes`` of several variants, all in ONE fresh process (the
+    traces they share are made once)."""
+    import multiprocessing
+
+    jobs = {v: bench_job(v, model, batch_size, seq_len) for v in variants}
+    if all(cfg is None for cfg in jobs.values()):
+        return dict.fromkeys(variants)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_peaks, (jobs, world_size))

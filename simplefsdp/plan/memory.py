@@ -6,8 +6,9 @@ microbatches in flight.
   parameter shard is float32, and so are its gradient and AdamW's two moments:
   16 bytes per parameter per rank. Gradients are counted for the whole step (the
   largest they get, at the end of backward).
-* Activations (``graph_memory``): a tensor is live from the node that makes it to its
-  last use (views, ``getitem``, waits and in-place ops alias their input). Parameter
+* Activations (``graph_memory``): the cost model's liveness (``live_bytes``): a tensor is
+  live from the node that makes it to its last use (views, ``getitem``, waits and
+  in-place ops alias their input). Parameter
   shards and the reduce-scattered gradients are left out (they are model states).
   Tensors whose size scales with the data-parallel shard (found by dataflow from the
   shards) are rescaled from the traced to the planned ``dp_shard``.
@@ -18,14 +19,13 @@ microbatches in flight.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from .._torch_compat import op_schema
-from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER
+from ..compiler.cost.memory import alias_roots, live_bytes
 from .trace import Trace
 
 
@@ -45,21 +45,6 @@ def _tensor_bytes(val) -> int:
     if isinstance(val, (list, tuple)):
         return sum(_tensor_bytes(v) for v in val)
     return 0
-
-
-def _alias_of(node: fx.Node) -> list[fx.Node] | None:
-    """Input nodes whose memory ``node`` shares, or None if it allocates."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    inputs = [a for a in node.all_input_nodes if "val" in a.meta]
-    if target is operator.getitem or target == WAIT or getattr(target, "is_view", False):
-        return inputs[:1] or None
-    schema = op_schema(target)
-    if schema is not None and schema.returns and all(
-            r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
-        return inputs[:1] or None  # in-place / out= variants
-    return None
 
 
 def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
@@ -82,36 +67,9 @@ def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
     return found
 
 
-def roots(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """For each node, the allocating nodes whose memory it is (itself if it allocates)."""
-    root: dict[fx.Node, list[fx.Node]] = {}
-    for n in graph.nodes:
-        bases = _alias_of(n)
-        root[n] = [n] if bases is None else [r for b in bases for r in root.get(b, [b])]
-    return root
-
-
-def liveness(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
-    """Live bytes at each node, in graph order. ``skip``: tensors not counted."""
-    nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    root = roots(graph)
-    end = dict(index)
-    for n in nodes:
-        for user in n.users:
-            for r in root[n]:
-                end[r] = max(end[r], index[user])
-    delta = [0] * (len(nodes) + 1)
-    for n in nodes:
-        if root[n] != [n] or n in skip or not size.get(n):
-            continue
-        delta[index[n]] += size[n]
-        delta[end[n] + 1] -= size[n]
-    live, running = [], 0
-    for d in delta[:-1]:
-        running += d
-        live.append(running)
-    return live
+def _live(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
+    """Live bytes per node; ``skip``: tensors not counted (model states)."""
+    return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0))
 
 
 def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
@@ -129,11 +87,11 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
         sizes.append(size)
         skips.append(skip)
     fw, bw = tr.forward.graph, tr.backward.graph
-    fw_live = liveness(fw, sizes[0], skips[0])
+    fw_live = _live(fw, sizes[0], skips[0])
     outputs = next(n for n in fw.nodes if n.op == "output").args[0]
     user = [a for a in outputs[:tr.n_forward_outputs] if isinstance(a, fx.Node)]
     saved = [a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)]
-    root = roots(fw)
+    root = alias_roots(fw)
 
     def held(nodes: list[fx.Node]) -> int:  # each allocation once, model states left out
         allocs = dict.fromkeys(r for a in nodes for r in root[a])
@@ -141,7 +99,7 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
 
     user_bytes = held(user)
     saved_bytes = held(saved)
-    bw_live = liveness(bw, sizes[1], skips[1])
+    bw_live = _live(bw, sizes[1], skips[1])
     return GraphMemory(max(fw_live, default=0), saved_bytes, user_bytes, max(bw_live, default=0))
 
 

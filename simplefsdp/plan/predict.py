@@ -17,9 +17,10 @@ from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
 from . import memory, timing
-from .trace import trace, trace_key
+from .eager import eager_memory
+from .trace import FAKE_WORLD, trace, trace_key
 
-ALLOC_OVERHEAD = 0.10  # caching-allocator reserve over the active peak (fragmentation)
+ALLOC_OVERHEAD = 0.05  # caching-allocator reserve over the active peak (see README)
 CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserved figure
 
 
@@ -69,8 +70,16 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         times = [timing.simulate(g, dev, fabric, tr.groups, tr.key.compile, scale,
                                  memory.shard_nodes(g.graph, tr.shards))
                  for g in (tr.forward, tr.backward)]
-        figures.append({**vars(gm), "seconds": sum(t for t, _ in times),
-                        "exposed": sum(e for _, e in times)})
+        fig = {**vars(gm), "seconds": sum(t for t, _ in times),
+               "exposed": sum(e for _, e in times)}
+        if not cfg.compile.enable:  # eager memory is what eager autograd keeps
+            # at the planned shard size where the fake world holds it (shard-sized
+            # temporaries, e.g. the bf16 casts of the shards, are then exact)
+            fits = p.dp_shard * dp_rep_t * p.tp <= FAKE_WORLD
+            em = eager_memory(dataclasses.replace(
+                tr.key, dp_shard=p.dp_shard if fits else dp_shard_t))
+            fig.update(eager_peak=em.peak, eager_saved=em.saved)
+        figures.append(fig)
     out = {k: _extrapolate(figures[0][k], figures[1][k], n) for k in figures[0]}
     out["layers"] = n
     return out
@@ -99,12 +108,17 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         f = _role_figures(cfg, role, p, dev, fabric, mb)
         params = memory.stage_params(args, role, f["layers"], p.tp) / max(p.dp_shard, 1)
         states = memory.states_bytes(params)
-        peaks = [f["forward_peak"], f["backward_peak"]]
         step = f["seconds"]
         if role in ("full", "last"):
-            ce_f, ce_b = memory.loss_peaks(mb * t.seq_len, args.vocab_size, logits_elem)
-            peaks += [f["saved"] + ce_f, f["saved"] + ce_b]
             step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev)
+        if cfg.compile.enable:  # liveness of the partitioned graphs + the eager loss
+            peaks = [f["forward_peak"], f["backward_peak"]]
+            if role in ("full", "last"):
+                ce_f, ce_b = memory.loss_peaks(mb * t.seq_len, args.vocab_size, logits_elem)
+                peaks += [f["saved"] + ce_f, f["saved"] + ce_b]
+        else:  # the eager step's own allocations, loss included
+            peaks = [f["eager_peak"]]
+            f["saved"] = f["eager_saved"]
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
         role_active = states + max(peaks) + (in_flight - 1) * f["saved"]

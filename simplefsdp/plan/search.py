@@ -5,8 +5,9 @@ is left, at most the number of blocks), ``dp_replicate x dp_shard`` for the rest
 (``fully_shard`` when ``dp_replicate = 1``, ``hybrid_shard`` with shards of at least one
 node otherwise), each AC mode, and local batch sizes 1 and 2 (under PP: as many
 microbatches of one sequence as 1x and 2x the stages). Skipped untraced: layouts whose
-model states alone exceed the GPU; a batch whose smaller batch did not fit with the
-same AC mode; AC modes recomputing more than one that already fits (never faster).
+model states (and the loss's logits) alone exceed the GPU; a batch whose smaller batch
+did not fit with the same AC mode; AC modes recomputing more than one that already fits
+(never faster).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 
 from ..hardware import gpu_profile
 from ..train.config import ConfigError, JobConfig
+from ..train.pipeline import stage_layers
 from . import memory
 from .predict import CONTEXT_BYTES, Prediction, predict
 
@@ -53,6 +55,24 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig
                         yield c
 
 
+def _lower_bound(c: JobConfig) -> float:
+    """Bytes a rank needs at least, known without tracing: its model states, and on the
+    stage with the head the eager loss's logits (``memory.loss_peaks``), which every
+    prediction adds on top (compiled) or replays (eager)."""
+    args, p, t = c.model.model_args(), c.parallel, c.training
+    roles = ["full"] if p.pp == 1 else ["first", "last"]
+    mb = t.batch_size // (p.pp_microbatches if p.pp > 1 else 1)
+    elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    bound = 0.0
+    for role in roles:
+        layers = len(stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+        need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp) / p.dp_shard)
+        if role != "first":
+            need += memory.loss_peaks(mb * t.seq_len, args.vocab_size, elem)[0]
+        bound = max(bound, need)
+    return bound
+
+
 def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
            progress=None, failures: list[str] | None = None) -> list[Prediction]:
     """Predictions for every layout that was worth tracing, best tokens/s first among
@@ -74,11 +94,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
             c.validate()
         except ConfigError:
             continue  # e.g. tp does not divide the heads
-        role = "full" if p.pp == 1 else "first"
-        layers = c.model.model_args().n_layers // p.pp
-        states = memory.states_bytes(memory.stage_params(
-            c.model.model_args(), role, layers, p.tp) / p.dp_shard)
-        if states + CONTEXT_BYTES > dev.memory_bytes:
+        if _lower_bound(c) + CONTEXT_BYTES > dev.memory_bytes:
             continue
         try:
             r = predict(c, gpus, gpu, gpus_per_node)

@@ -93,23 +93,25 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
 def trace(key: TraceKey) -> Trace:
     """Capture ``key``'s forward and backward graphs (cached: identical per-rank shapes
     are traced once per process)."""
-    from .._torch_compat import (
-        FakeTensorMode,
-        dynamo_reset,
-        eager_backward_compile,
-        fake_store,
-    )
+    from .._torch_compat import FakeTensorMode, dynamo_reset, eager_backward_compile
+
+    ensure_fake_world()
+    try:
+        with eager_backward_compile():
+            return _trace(key, FakeTensorMode)
+    finally:
+        dynamo_reset()
+
+
+def ensure_fake_world() -> None:
+    """Join the planner's fake process group (once per process)."""
+    from .._torch_compat import fake_store
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=FAKE_WORLD)
     elif dist.get_backend() != "fake":
         raise RuntimeError("the planner traces under its own fake process group; call it "
                            "before init_process_group, or in a separate process")
-    try:
-        with eager_backward_compile():
-            return _trace(key, FakeTensorMode)
-    finally:
-        dynamo_reset()
 
 
 def _job(key: TraceKey) -> JobConfig:
@@ -134,13 +136,12 @@ def _mesh(dp_replicate: int, dp_shard: int, tp: int):
     return DeviceMesh("cpu", ranks, mesh_dim_names=MESH_DIMS)
 
 
-def _trace(key: TraceKey, fake_mode_cls) -> Trace:
-    from ..compiler.backend import SimpleFSDPBackend
+def build_model(key: TraceKey):
+    """``key``'s model (or pipeline stage) on ``meta``, parallelized as the trainer does;
+    with its ``ModelArgs`` and compute dtype."""
     from ..models.llama import ModelArgs
 
     args = ModelArgs(*key.args)
-    cfg = _job(key)
-    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
     if key.role == "full":
         with torch.device("meta"):
             model = Transformer(args)
@@ -148,7 +149,16 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(args, n_layers=2 * args.n_layers))
         split_stage(model, 2, 0 if key.role == "first" else 1)
-    model = parallelize(model, mesh, cfg)
+    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
+    return parallelize(model, mesh, _job(key)), args, dtype
+
+
+def _trace(key: TraceKey, fake_mode_cls) -> Trace:
+    from ..compiler.backend import SimpleFSDPBackend
+
+    model, args, dtype = build_model(key)
+    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
     passes = SimpleFSDPBackend("aot_eager", bucketing=key.bucketing,
                                reordering=key.reordering)
     graphs: list[fx.GraphModule] = []
@@ -175,7 +185,6 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
         return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
                             partition_fn=partition)(gm, example_inputs)
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
     with fake_mode_cls(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         compiled = torch.compile(model, fullgraph=True, backend=capture)

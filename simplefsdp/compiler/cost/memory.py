@@ -7,6 +7,7 @@ metadata, and concrete ints for possibly symbolic sizes.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.fx
 
 from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
 
-__all__ = ["peak_memory_estimate", "tensor_bytes"]
+__all__ = ["alias_roots", "live_bytes", "peak_memory_estimate", "tensor_bytes"]
 
 # Ops that return metadata or a view of their input without a kernel of their own.
 METADATA_ONLY = frozenset({
@@ -69,7 +70,6 @@ def tensor_bytes(node: torch.fx.Node) -> int:
         return 0
 
 
-
 def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for n in node.all_input_nodes if "val" in n.meta]
 
@@ -106,49 +106,57 @@ def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     return None
 
 
-def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
-                         ) -> tuple[int, list[int]]:
-    """``(peak_bytes, live_bytes_per_node)`` from a liveness pass over the graph.
-
-    A node's output (``tensor_bytes``) is live from its definition to its last user,
-    both inclusive, so during a node both its inputs and its output count; placeholders
-    are live throughout. Aliasing outputs (views, getitem, waits, in-place ops) cost
-    nothing and extend their base's lifetime to their own last use instead. The list
-    has one entry per node in graph order; the peak is its maximum.
-    """
-    if isinstance(graph, torch.fx.GraphModule):
-        graph = graph.graph
-    nodes = list(graph.nodes)
-    if not nodes:
-        return 0, []
-    index = {n: i for i, n in enumerate(nodes)}
-    last = len(nodes) - 1
-    # Resolve every alias to the fresh-memory nodes it ultimately points at.
+def alias_roots(graph: torch.fx.Graph, alias_of: Callable = _alias_bases
+                ) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """For each node, the fresh-memory nodes its output is (itself if it allocates)."""
     roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for n in nodes:
-        bases = _alias_bases(n)
-        if bases is None:
-            roots[n] = [n]
-        else:
-            roots[n] = list(dict.fromkeys(r for b in bases for r in roots.get(b, [b])))
-    end = {n: index[n] for n in nodes}
+    for n in graph.nodes:
+        bases = alias_of(n)
+        roots[n] = [n] if bases is None else list(
+            dict.fromkeys(r for b in bases for r in roots.get(b, [b])))
+    return roots
+
+
+def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
+               pinned: Callable[[torch.fx.Node], bool] = lambda n: False,
+               alias_of: Callable = _alias_bases) -> list[int]:
+    """Live bytes during each node of ``graph``, in graph order: the one liveness pass.
+
+    A fresh-memory node's output (``size_of(node)`` bytes; 0: not counted) is live from
+    its definition to its last user, both inclusive, so during a node both its inputs
+    and its output count; ``pinned`` nodes are live for the whole graph. Aliasing
+    outputs (``alias_of``: views, getitem, waits, in-place ops) cost nothing and extend
+    their bases' lifetimes to their own last use instead.
+    """
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    roots = alias_roots(graph, alias_of)
+    end = dict(index)
     for n in nodes:
         for user in n.users:
             for r in roots[n]:
                 end[r] = max(end[r], index[user])
-    live_delta = [0] * (len(nodes) + 1)
+    delta = [0] * (len(nodes) + 1)
     for n in nodes:
         if roots[n] != [n]:
             continue  # aliases own no memory
-        size = tensor_bytes(n)
-        if size == 0:
-            continue
-        start, stop = (0, last) if n.op == "placeholder" else (index[n], end[n])
-        live_delta[start] += size
-        live_delta[stop + 1] -= size
+        size = size_of(n)
+        if size:
+            start, stop = (0, len(nodes) - 1) if pinned(n) else (index[n], end[n])
+            delta[start] += size
+            delta[stop + 1] -= size
     live, running = [], 0
-    for i in range(len(nodes)):
-        running += live_delta[i]
+    for d in delta[:-1]:
+        running += d
         live.append(running)
-    return max(live), live
+    return live
 
+
+def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
+                         ) -> tuple[int, list[int]]:
+    """``(peak_bytes, live_bytes_per_node)``: ``live_bytes`` with every node's output at
+    ``tensor_bytes`` and the placeholders (inputs) live throughout the graph."""
+    if isinstance(graph, torch.fx.GraphModule):
+        graph = graph.graph
+    live = live_bytes(graph, tensor_bytes, lambda n: n.op == "placeholder")
+    return max(live, default=0), live

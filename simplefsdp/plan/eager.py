@@ -1,0 +1,147 @@
+"""Eager memory: run one rank's eager step on fake tensors and follow every allocation.
+
+Eager autograd keeps what each op saves for backward, frees other tensors when their
+last Python reference dies, and (under checkpointing) recomputes in backward; none of
+that is a graph a liveness pass could read. So the step itself runs, forward, the
+trainer's loss and backward, on fake CPU tensors under the planner's fake process group
+(nothing is computed), and a dispatch mode counts the bytes of every storage an op
+returns until the last tensor on it is freed. Saved tensors are held through
+``saved_tensors_hooks`` so their lifetime is autograd's, as on the GPU.
+
+Model states are left out (counted by ``memory.states_bytes``): the parameter shards
+exist before the step, and the gradient shards are recognised at its end.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class EagerMemory:
+    """Bytes of one eager forward + loss + backward (model states left out)."""
+
+    peak: int  # the largest live total during the step
+    saved: int  # live at the end of forward + loss (what waits for backward)
+
+
+class _Tracker(TorchDispatchMode):
+    """Records (storage, +bytes) when an op returns a new storage and (storage, -bytes)
+    when the last tensor object on it dies."""
+
+    def __init__(self, existing: set[int], gather_groups: set[str]):
+        super().__init__()
+        self.existing = existing  # storages from before the step (parameter shards)
+        self.gather_groups = gather_groups  # the data-parallel groups' names
+        self.gathered: dict[int, int] = {}  # storage id -> bytes of a gathered parameter
+        self.events: list[tuple[int, int]] = []  # (storage id, +-bytes)
+        self.live: dict[int, list[int]] = {}  # storage address -> [id, tensors, bytes]
+        self.next_id = 0
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[key]  # the address may be reused by a later storage
+            self.events.append((entry[0], -entry[2]))
+
+    def storage_id(self, t: torch.Tensor) -> int | None:
+        """The id of ``t``'s storage if it is tracked and alive."""
+        entry = self.live.get(t.untyped_storage()._cdata)
+        return entry[0] if entry else None
+
+    def watch(self, t: torch.Tensor) -> None:
+        key = t.untyped_storage()._cdata
+        if key in self.existing:
+            return
+        if key not in self.live:
+            self.live[key] = [self.next_id, 0, t.untyped_storage().nbytes()]
+            self.events.append((self.next_id, self.live[key][2]))
+            self.next_id += 1
+        self.live[key][1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = set()
+        name = str(func)
+        gather = ("all_gather_into_tensor" in name and args[-1] in self.gather_groups) or (
+            "wait_tensor" in name and self.storage_id(args[0]) in self.gathered)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                self.watch(t)
+                if gather and self.storage_id(t) is not None:
+                    self.gathered[self.storage_id(t)] = t.untyped_storage().nbytes()
+        return out
+
+
+def peak_of(events: list[tuple[int, int]], skip: set[int], upto: int | None = None
+            ) -> tuple[int, int]:
+    """(peak, live at ``upto``) of the event list, storages in ``skip`` left out."""
+    live = peak = 0
+    at = 0
+    for i, (key, delta) in enumerate(events):
+        if i == upto:
+            at = live
+        if key not in skip:
+            live += delta
+            peak = max(peak, live)
+    return peak, (live if upto is None or upto >= len(events) else at)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@functools.lru_cache(maxsize=256)
+def eager_memory(key) -> EagerMemory:
+    """Run ``key``'s eager step (a ``trace.TraceKey`` with ``compile=False``) on fake
+    tensors and return its activation peak and the bytes saved for backward."""
+    from .._torch_compat import FakeTensorMode
+    from ..train.step import token_loss_sum
+    from .trace import _mesh, build_model, ensure_fake_world
+
+    ensure_fake_world()
+    model, args, dtype = build_model(key)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        if key.role == "last":
+            x = torch.empty(key.batch, key.seq, args.dim, dtype=dtype, requires_grad=True)
+        else:
+            x = torch.zeros(key.batch, key.seq, dtype=torch.long)
+        params = list(model.parameters())
+        existing = {_local(t).untyped_storage()._cdata  # views of these are not new
+                    for t in [*params, *model.buffers()]}
+        mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+        tracker = _Tracker(existing, {mesh[d].get_group().group_name
+                                      for d in ("dp_replicate", "dp_shard")})
+        with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = model(x)
+            if key.role == "first":  # the next stage's gradient arrives for the output
+                loss, grad = out, torch.empty_like(out)
+            else:
+                loss, grad = token_loss_sum(out, torch.zeros(
+                    key.batch, key.seq, dtype=torch.long)), None
+            del out
+            forward_end = len(tracker.events)
+            loss.backward(grad)
+            del loss, grad
+        grads = {tracker.storage_id(_local(p.grad)) for p in params if p.grad is not None}
+    if key.reshard:
+        # The library's eager resharding (``simplefsdp.eager_reshard``) drops saved
+        # gathered parameters and gathers them again in backward; its hooks recognise
+        # real tensors only, so here the gathered copies are left out of the timeline
+        # and one (the largest) is counted as the transient it is on the GPU.
+        skip = grads | set(tracker.gathered)
+        extra = max(tracker.gathered.values(), default=0)
+    else:
+        skip, extra = grads, 0
+    peak, saved = peak_of(tracker.events, skip, forward_end)
+    return EagerMemory(peak + extra, saved)
