@@ -10,8 +10,11 @@ Derived columns (per variant):
   step spends beyond its computation (exposed communication plus framework overhead).
 * ``comm_blocked_s``: time the profiled step spent blocked in collectives and their
   waits (max over ranks; see ``measure.profiled_step``).
-* ``estimated_exposed_comm_s``: ``bucketing="auto"`` only: the cost model's exposed
-  communication, summed over the compiled graphs (rank 0).
+* ``estimated_exposed_comm_s``: ``bucketing="auto"`` only: the cost model's simulated
+  step beyond its one-rank compute (exposed communication, bucket copies, compute
+  slowed by every rank computing at once), summed over the compiled graphs (rank 0);
+  ``estimate_ratio``: it over ``exposed_comm_s`` (1.0: the model predicts the
+  measurement). ``plan``: buckets per compiled graph (forward/backward).
 * ``compile_s``: first step time minus the median step time (compiled variants).
 * ``max_loss_diff``: largest |loss - reference loss| over every step; ``loss_match``
   compares it with the tolerance.
@@ -108,6 +111,12 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
         estimates = [p["estimated_exposed_s"] for p in m.get("passes") or []
                      if p.get("estimated_exposed_s") is not None]
         row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
+        measured_exposed = row["exposed_comm_s"]
+        row["estimate_ratio"] = (row["estimated_exposed_comm_s"] / measured_exposed
+                                 if estimates and measured_exposed and measured_exposed > 0
+                                 else None)
+        row["plan"] = "/".join(f"{p['graph'][0].upper()}{p['buckets']}"
+                               for p in m.get("passes") or []) or None
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
         same_data = spec.communicates or cfg.bench.world_size == 1
@@ -145,7 +154,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
 # Rendering.
 # ---------------------------------------------------------------------------------------
 COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "pred. MiB", "colls/step",
-           "exposed ms", "blocked ms", "est. ms", "compile s", "final loss", "loss ok")
+           "plan", "exposed ms", "est. ms", "est/meas", "blocked ms", "compile s",
+           "final loss", "loss ok")
 
 
 def _fmt(value, spec: str, empty: str = "-") -> str:
@@ -171,12 +181,13 @@ def table_rows(results: dict) -> list[list[str]]:
         rows.append([r["name"], _fmt(r["median_step_s"] * 1e3, ".1f"),
                      _fmt(r["tokens_per_s"], ".0f"), _fmt(r["ratio_vs_fsdp2"], ".2f"),
                      _fmt(r["peak_mem_mib"], ".1f"), _fmt(r.get("predicted_peak_mib"), ".1f"),
-                     _collectives(r["collectives_per_step"]),
+                     _collectives(r["collectives_per_step"]), r.get("plan") or "-",
                      _fmt(None if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
                           ".1f"),
-                     _fmt(r["comm_blocked_s"] * 1e3, ".1f"),
                      _fmt(None if r["estimated_exposed_comm_s"] is None
                           else r["estimated_exposed_comm_s"] * 1e3, ".1f"),
+                     _fmt(r.get("estimate_ratio"), ".2f"),
+                     _fmt(r["comm_blocked_s"] * 1e3, ".1f"),
                      _fmt(r["compile_s"], ".1f"), _fmt(r["final_loss"], ".5f"), ok])
     return rows
 
@@ -228,9 +239,11 @@ def legend(results: dict) -> list[str]:
         "blocked ms: time the profiled step was blocked inside collectives and their waits "
         "(c10d / functional collective ops and wait_tensor, union of spans, max over ranks); "
         "an eager Work.wait() is no profiler event, so for eager c10d variants (FSDP2, DDP) "
-        "it is a lower bound; host time only: on CUDA it is launch overhead, not GPU waiting; "
-        "est. ms: exposed communication estimated by the auto-wrapping "
-        "cost model (sum over graphs; auto only)",
+        "it is a lower bound; host time only: on CUDA it is launch overhead, not GPU waiting",
+        "est. ms: the auto-wrapping cost model's step beyond its one-rank compute "
+        "(exposed communication + bucket copies + compute slowed by all ranks computing at "
+        "once; sum over graphs; auto/greedy only; excludes the optimizer step); est/meas: "
+        "it over exposed ms; plan: buckets per compiled graph (F forward, B backward)",
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
         "pred. MiB: the planner's predicted active peak per rank (python -m simplefsdp.plan;"
         " simplefsdp variants without auto wrapping)",

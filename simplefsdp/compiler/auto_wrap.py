@@ -121,7 +121,7 @@ def greedy_buckets(steps: Sequence[Step], comm: cost.CommModel,
         return sum(getattr(steps[j], field) for j in idx)
 
     def hides(idx: list[int]) -> float:  # what the computation of ``idx`` can hide
-        return comm.hidden_fraction * total(idx, "compute_s")
+        return comm.hidden_fraction * comm.compute_slowdown * total(idx, "compute_s")
 
     for i in range(1, len(steps)):
         step = steps[i]
@@ -184,7 +184,10 @@ class Plan:
 
     @property
     def estimated_exposed_s(self) -> float:
-        return self.estimates[self.method].exposed_s if self.estimates else 0.0
+        """The applied plan's simulated step beyond its one-rank compute (exposed
+        communication, copies, contention): comparable with a measured step minus a
+        compute-only step (``Estimate.overhead_s``)."""
+        return self.estimates[self.method].overhead_s if self.estimates else 0.0
 
 
 def _segments(nodes: list[fx.Node], anchors: list[fx.Node]) -> list[list[int]]:

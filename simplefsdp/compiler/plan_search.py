@@ -97,7 +97,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
             out.append(out[-1] + v)
         return out
 
-    comp = prefix([sum(steps[s].compute_s for s in g) for g in groups])
+    comp = prefix([comm.compute_slowdown * sum(steps[s].compute_s for s in g) for g in groups])
     size = prefix([sum(steps[s].nbytes for s in g) for g in groups])
     rs_size = prefix([sum(steps[s].scatter_bytes for s in g) for g in groups])
     ar_size = prefix([sum(steps[s].all_reduce_bytes for s in g) for g in groups])

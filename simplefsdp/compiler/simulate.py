@@ -15,6 +15,10 @@ bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their comp
 * After the last compute, the last reduce-scatter is fully exposed.
 * A bucket of several collectives pays its copy-in and copy-out (``CommModel.copy``
   seconds per byte) on the compute stream.
+* Compute runs ``CommModel.compute_slowdown`` times slower than measured on one rank
+  alone (every rank computes at once; on a CPU host they share cores and memory
+  bandwidth). ``Estimate.overhead_s``, the step beyond its one-rank compute, is then
+  what a benchmark measures as step minus a compute-only step.
 
 Memory while bucket ``k`` computes: the step's own live bytes without its gathered
 parameters (sharded state, activations: ``Step.base_bytes``), plus bucket ``k``'s
@@ -63,17 +67,25 @@ class Step:
 class Estimate:
     """What :func:`simulate` predicts for one plan (seconds, bytes)."""
 
-    step_s: float  # compute + copies + exposed communication
-    compute_s: float
+    step_s: float  # compute + contention + copies + exposed communication
+    compute_s: float  # measured on one rank alone
     copy_s: float
     exposed_s: float  # communication not hidden by compute
     peak_bytes: int
     buckets: int
+    contention_s: float = 0.0  # compute's slowdown with every rank computing at once
+
+    @property
+    def overhead_s(self) -> float:
+        """The step beyond its one-rank compute: exposed communication, copies and
+        contention (what the benchmark measures as step minus compute-only)."""
+        return self.step_s - self.compute_s
 
     def __str__(self) -> str:
         return (f"{self.buckets} buckets: step {self.step_s * 1e3:.3f} ms (compute "
-                f"{self.compute_s * 1e3:.3f}, copies {self.copy_s * 1e3:.3f}, exposed "
-                f"communication {self.exposed_s * 1e3:.3f}), peak {self.peak_bytes / 1e9:.4g} GB")
+                f"{self.compute_s * 1e3:.3f}, contention {self.contention_s * 1e3:.3f}, "
+                f"copies {self.copy_s * 1e3:.3f}, exposed communication "
+                f"{self.exposed_s * 1e3:.3f}), peak {self.peak_bytes / 1e9:.4g} GB")
 
 
 def comm_seconds(comm: CommModel, kind: str, nbytes: float) -> float:
@@ -125,7 +137,8 @@ def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: Comm
     if not buckets:
         return Estimate(0.0, 0.0, 0.0, 0.0, 0, 0)
     f = comm.hidden_fraction
-    comp = [sum(steps[j].compute_s for j in b) for b in buckets]
+    slow = comm.compute_slowdown
+    comp = [slow * sum(steps[j].compute_s for j in b) for b in buckets]
     size = [sum(steps[j].nbytes for j in b) for b in buckets]
     rs_size = [sum(steps[j].scatter_bytes for j in b) for b in buckets]
     main = [comm_seconds(comm, kind, n) for n in size]
@@ -145,5 +158,7 @@ def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: Comm
         nxt = size[k + 1] if k + 1 < len(buckets) else 0
         prev_count, prev_rs = (len(buckets[k - 1]), rs_size[k - 1]) if k >= 1 else (0, 0)
         peak = max(peak, bucket_peak(base, len(b), size[k], nxt, prev_count, prev_rs))
-    compute = sum(comp)
-    return Estimate(total + copies, compute, copies, total - compute, peak, len(buckets))
+    slowed = sum(comp)
+    compute = sum(steps[j].compute_s for b in buckets for j in b)
+    return Estimate(total + copies, compute, copies, total - slowed, peak, len(buckets),
+                    slowed - compute)

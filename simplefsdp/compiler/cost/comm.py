@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..._torch_compat import c10d_functional, disable_current_modes
-from ...agreement import agree_across_ranks, broadcast_from_rank0, group_device, is_fake_group
+from ...agreement import (
+    agree_across_ranks,
+    broadcast_from_rank0,
+    group_device,
+    is_fake_group,
+    nothing_to_agree,
+)
 from ...hardware import KNOWN_FABRICS
 from ..collectives import COLLECTIVE_KINDS, collective_kind
 from .compute import time_callable
@@ -56,8 +62,14 @@ class CommModel:
     ``max_bytes``: the largest collective the figures were measured on (None: no
     bound); the planner makes no bucket larger, since the fit says nothing beyond it (on
     gloo a 100 MB all-gather ran ~15x slower per byte than the 4 MiB fit predicted).
-    ``source`` and ``world_size`` describe where the figures came from and take no part
-    in equality.
+    ``compute_slowdown``: how much slower computation runs when every rank of the group
+    computes at once than on one rank alone (>= 1; ``measure_compute_slowdown``): ~1 with
+    a device per rank, above 1 where ranks share a host's cores and memory bandwidth. The
+    simulated step scales its compute by it, so its estimate of the time beyond
+    computation is comparable with a measured step minus a one-rank compute-only step.
+    ``source``, ``world_size`` and ``group`` (the group's ranks relative to its first,
+    e.g. ``(0, 2)`` for a 2x2 mesh's column) describe where the figures came from and
+    take no part in equality.
     """
 
     all_gather: tuple[float, float]
@@ -66,8 +78,10 @@ class CommModel:
     hidden_fraction: float = 1.0
     copy_s_per_byte: float = 0.0
     max_bytes: float | None = None
+    compute_slowdown: float = 1.0
     world_size: int = dataclasses.field(default=1, compare=False)
     source: str = dataclasses.field(default="unknown", compare=False)
+    group: tuple[int, ...] | None = dataclasses.field(default=None, compare=False)
 
     def params(self, kind: str) -> tuple[float, float]:
         """``(alpha_s, beta_s_per_byte)`` of one kind (aliases such as
@@ -82,7 +96,9 @@ class CommModel:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(getattr(self, k)) for k in COLLECTIVE_KINDS} | {
             "hidden_fraction": self.hidden_fraction, "copy_s_per_byte": self.copy_s_per_byte,
-            "max_bytes": self.max_bytes, "world_size": self.world_size, "source": self.source}
+            "max_bytes": self.max_bytes, "compute_slowdown": self.compute_slowdown,
+            "world_size": self.world_size, "source": self.source,
+            "group": None if self.group is None else list(self.group)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommModel:
@@ -90,7 +106,17 @@ class CommModel:
         return cls(**pairs, hidden_fraction=float(d.get("hidden_fraction", 1.0)),
                    copy_s_per_byte=float(d.get("copy_s_per_byte", 0.0)),
                    max_bytes=None if d.get("max_bytes") is None else float(d["max_bytes"]),
-                   world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")))
+                   compute_slowdown=float(d.get("compute_slowdown", 1.0)),
+                   world_size=int(d.get("world_size", 1)), source=str(d.get("source", "unknown")),
+                   group=None if d.get("group") is None else tuple(int(r) for r in d["group"]))
+
+    def with_kind_from(self, kind: str, other: CommModel) -> CommModel:
+        """This model with ``kind``'s figures taken from ``other`` (a model calibrated on
+        another process group): HSDP reduce-scatters over the shard group and all-reduces
+        the shards over the replicate group, so its plan reads each kind from its group."""
+        kind = _normalize_kind(kind)
+        return dataclasses.replace(self, **{kind: other.params(kind)},
+                                   source=f"{self.source}+{kind}:{other.source}")
 
 
 def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> CommModel:
@@ -169,6 +195,50 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[f
     return max(a, 0.0), max(b, 0.0) / scale
 
 
+OUTLIER_FACTOR = 2.0  # a size whose median is off the first fit by 2x either way
+
+
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Theil-Sen line ``y ~ a + b * x``: ``b`` the median of the pairwise slopes, ``a`` the
+    median of ``y - b * x``. Exact on points that lie on a line, and a minority of wild
+    points moves neither (breakdown point ~29%). Pure Python: bit-identical on every rank.
+    """
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs))
+              for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    b = statistics.median(slopes) if slopes else 0.0
+    a = statistics.median(y - b * x for x, y in zip(xs, ys, strict=True))
+    return a, b
+
+
+def robust_fit(nbytes: Sequence[float], samples: Sequence[float | Sequence[float]]
+               ) -> tuple[tuple[float, float], list[int]]:
+    """``(alpha, beta)`` of ``seconds ~ alpha + beta * nbytes`` from noisy timings, and the
+    indices of the sizes dropped as outliers.
+
+    ``samples[i]``: one time or the repeated times of size ``nbytes[i]``. 1. the median
+    of each size's repeats (a descheduled rank stalls single timings by several x);
+    2. a Theil-Sen line through the medians; 3. sizes whose median is more than
+    ``OUTLIER_FACTOR`` off that line (either way) are dropped, as long as two sizes
+    remain; 4. :func:`fit_alpha_beta` (least squares of the relative error, both >= 0)
+    on the rest. Exact on noiseless data (every step is).
+    """
+    if len(nbytes) != len(samples) or not nbytes:
+        raise ValueError("need as many sizes as timings, at least one")
+    medians = [statistics.median(s) if isinstance(s, Sequence) else float(s) for s in samples]
+    xs = [float(n) for n in nbytes]
+    if len(set(xs)) < 2:
+        return fit_alpha_beta(xs, medians), []
+    a, b = theil_sen(xs, medians)
+    keep, dropped = [], []
+    for i, (x, y) in enumerate(zip(xs, medians, strict=True)):
+        line = a + b * x
+        ok = line > 0 and y > 0 and 1 / OUTLIER_FACTOR <= y / line <= OUTLIER_FACTOR
+        (keep if ok else dropped).append(i)
+    if len({xs[i] for i in keep}) < 2:  # the line itself is unusable: keep everything
+        keep, dropped = list(range(len(xs))), []
+    return fit_alpha_beta([xs[i] for i in keep], [medians[i] for i in keep]), dropped
+
+
 def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device,
                    dtype: torch.dtype) -> Callable[[], None]:
     """A closure that runs one synchronous functional collective (op + ``wait_tensor``)."""
@@ -192,7 +262,19 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
                         dtype: torch.dtype = torch.float32, repeats: int = 5,
                         warmup: int = 2) -> list[float]:
     """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
-    case; ``nbytes`` is the full, unsharded size for all-gather and reduce-scatter.
+    case (the medians of :func:`measure_collective_samples`)."""
+    return [statistics.median(t) for t in measure_collective_samples(
+        cases, group, device, dtype, repeats, warmup)]
+
+
+def measure_collective_samples(cases: Sequence[tuple[str, int]],
+                               group: dist.ProcessGroup | None = None,
+                               device: torch.device | str | None = None,
+                               dtype: torch.dtype = torch.float32, repeats: int = 5,
+                               warmup: int = 2) -> list[list[float]]:
+    """Seconds, on this rank, of each of ``repeats`` synchronous collectives per
+    ``(kind, nbytes)`` case; ``nbytes`` is the full, unsharded size for all-gather and
+    reduce-scatter.
 
     Times the functional collectives (``c10d_functional`` + ``wait_tensor``):
     that is what DTensor's redistribute runs in eager mode and what the compiled graphs
@@ -215,7 +297,7 @@ def measure_collectives(cases: Sequence[tuple[str, int]],
         for _ in range(max(repeats, 1)):
             for fn, times in zip(fns, samples, strict=True):
                 times.append(time_callable(fn, 1, 0, dev))
-    return [statistics.median(t) for t in samples]
+    return samples
 
 
 def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
@@ -263,6 +345,47 @@ def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
     return min(max(hidden, 0.0), 1.0)
 
 
+def measure_compute_slowdown(group: dist.ProcessGroup | None = None,
+                             device: torch.device | str | None = None, repeats: int = 5,
+                             seconds: float = 0.02) -> float:
+    """How much slower a fixed amount of computation runs when every rank of ``group``
+    runs it at once than when the group's first rank runs it alone (the others wait in
+    a barrier): ``max over ranks of t_all / t_alone``, >= 1, identical on every rank.
+
+    This is the difference between the benchmark's compute-only step (one rank on an
+    otherwise idle host) and the compute inside a data-parallel step (every rank at
+    once, sharing the host's cores, caches and memory bandwidth). One CUDA device per
+    rank shares nothing: 1.0 there, nothing is timed. Rounds alternate alone / together
+    so load from elsewhere drifts into both; medians of ``repeats``. Collective.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    if dev.type == "cuda" or dist.get_world_size(group) == 1:
+        return 1.0
+    first = dist.get_rank(group) == 0
+    with disable_current_modes():
+        a = torch.randn(128, 128, device=dev)
+        t_one = time_callable(lambda: a @ a, 5, 2, dev)
+        count = int(agree_across_ranks([max(1.0, round(seconds / max(t_one, 1e-9)))],
+                                       group)[0])
+
+        def compute() -> None:
+            for _ in range(count):
+                a @ a
+
+        alone, together = [], []
+        for _ in range(max(repeats, 1)):
+            dist.barrier(group)
+            if first:
+                alone.append(time_callable(compute, 1, 0, dev))
+            dist.barrier(group)
+            together.append(time_callable(compute, 1, 0, dev))
+        dist.barrier(group)
+    t_alone = agree_across_ranks([statistics.median(alone) if first else 0.0], group)[0]
+    t_all = agree_across_ranks([statistics.median(together)], group)[0]
+    return max(1.0, t_all / max(t_alone, 1e-12))
+
+
 def measure_copy(device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
                  repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """Seconds per byte a bucket's copy-in/copy-out costs on this rank: ``torch.cat`` of
@@ -290,11 +413,13 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     ``repeats`` timings per (kind, size) after ``warmup`` rounds (``measure_collectives``,
     sizes interleaved); the per-rank medians are combined with an all-reduce MAX (a
     collective finishes when its slowest rank does) and only then fitted, in pure Python,
-    so every rank returns bit-identical figures. Kinds not in ``kinds`` keep the fabric
-    defaults. ``sizes`` default to 4 KiB..16 MiB on CPU, 1 MiB..256 MiB on CUDA (the
-    largest becomes ``max_bytes``). The hidden fraction is ``measure_hidden_fraction`` at
-    the largest size, the MIN across ranks; the copy cost ``measure_copy`` at the largest
-    size, the MAX across ranks.
+    so every rank returns bit-identical figures (:func:`robust_fit`: Theil-Sen through
+    the medians, sizes off by 2x dropped, least squares on the rest). Kinds not in
+    ``kinds`` keep the fabric defaults. ``sizes`` default to 4 KiB..16 MiB on CPU,
+    1 MiB..256 MiB on CUDA (the largest becomes ``max_bytes``). The hidden fraction is
+    ``measure_hidden_fraction`` at the largest size, the MIN across ranks; the copy cost
+    ``measure_copy`` at the largest size, the MAX across ranks; the compute slowdown
+    ``measure_compute_slowdown``.
     """
     group = _resolve_group(group)
     dev = group_device(group, device)
@@ -311,15 +436,25 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     fitted = dict(dataclasses.asdict(default_comm_model(ws, _pick_fabric(ws, dev))))
     for i, kind in enumerate(kinds):
         times = agreed[i * len(sizes):(i + 1) * len(sizes)]
-        fitted[kind] = fit_alpha_beta(sizes, times)
+        fitted[kind] = robust_fit(sizes, times)[0]
     fitted["hidden_fraction"] = agree_across_ranks(
         [measure_hidden_fraction(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["copy_s_per_byte"] = agree_across_ranks(
         [measure_copy(dev, max(sizes), repeats, dtype)], group, op="max")[0]
+    fitted["compute_slowdown"] = measure_compute_slowdown(group, dev, repeats)
     fitted["max_bytes"] = float(max(sizes))
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
+    fitted["group"] = group_layout(group)
     return CommModel(**fitted)
+
+
+def group_layout(group: dist.ProcessGroup | None = None) -> tuple[int, ...]:
+    """``group``'s global ranks relative to its first (``(0, 1)``, ``(0, 2)``): the same
+    for every group along one mesh dimension, different between dimensions, so it tells
+    an HSDP mesh's shard groups from its replicate groups (their speeds differ)."""
+    ranks = dist.get_process_group_ranks(_resolve_group(group))
+    return tuple(r - ranks[0] for r in ranks)
 
 
 def cache_dir() -> Path:
@@ -330,9 +465,9 @@ def cache_dir() -> Path:
 
 def cache_key(group: dist.ProcessGroup | None = None,
               device: torch.device | str | None = None) -> dict[str, Any]:
-    """What a calibration depends on: world and node size, backend, device, torch version
-    (and the format, raised whenever the stored fields change: a cache written before
-    ``hidden_fraction``, ``copy_s_per_byte`` or ``max_bytes`` existed is not reused)."""
+    """What a calibration depends on: the group's size and layout (``group_layout``), node
+    size, backend, device, torch version (and the format, raised whenever the stored
+    fields or how they are measured change: an older cache is not reused)."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     ws = dist.get_world_size(group)
@@ -347,7 +482,8 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_type": dev.type,
         "device_name": name,
         "torch_version": torch.__version__,
-        "format": 5,
+        "group": list(group_layout(group)),
+        "format": 6,
     }
 
 
@@ -386,13 +522,15 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
 
 
 def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
-                   cache: bool = True, **calibrate_kwargs: Any) -> CommModel:
+                   cache: bool = True, writer: int | None = None,
+                   **calibrate_kwargs: Any) -> CommModel:
     """The communication model for ``group``: cached, freshly calibrated, or defaults.
 
     * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
       it found, so all ranks agree even when only some of them see the file.
     * on a miss with ``calibrate_on_miss=True``: every rank runs :func:`calibrate`
-      (collective) and rank 0 stores the result (tmp file + rename) when ``cache=True``.
+      (collective) and the group's rank 0 (or the global rank ``writer``) stores the
+      result (tmp file + rename) when ``cache=True``.
     * ``calibrate_on_miss=False``: nothing is timed; a cached calibration is still used when
       ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
 
@@ -419,6 +557,24 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bo
     if not calibrate_on_miss:
         return default_comm_model(ws, _pick_fabric(ws, dev))
     model = calibrate(group, **calibrate_kwargs)
-    if cache and is_rank0:
+    if cache and (is_rank0 if writer is None else dist.get_rank() == writer):
         _store_cached(key, model)
     return model
+
+
+def get_comm_models(mesh: Any, **kwargs: Any) -> dict[str, CommModel]:
+    """One :func:`get_comm_model` per dimension of a ``DeviceMesh`` (dimensions of one rank
+    have no collectives and are left out), keyed by the dimension's name: an HSDP mesh's
+    ``dp_shard`` and ``dp_replicate`` groups, or a TP group, run at different speeds
+    (e.g. within a node vs across nodes), so each is calibrated (and cached, see
+    :func:`cache_key`) on its own group. Every group along a dimension has the same
+    layout, hence the same cache file: only global rank 0 writes it, and every rank ends
+    up with rank 0's figures (one broadcast), so all ranks plan alike. Collective: call
+    it on every rank."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    mine = {name: get_comm_model(mesh.get_group(i), writer=0, **kwargs)
+            for i, name in enumerate(names) if mesh.size(i) > 1}
+    if nothing_to_agree():
+        return mine
+    agreed = broadcast_from_rank0({k: m.to_dict() for k, m in mine.items()})
+    return {k: CommModel.from_dict(d) for k, d in agreed.items()}
