@@ -325,10 +325,7 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
-            # An empty TP shard (TP gave this rank no rows) has nothing to split: it is
-            # this rank's DP shard as it is, whatever torch.chunk would make of 0 rows.
-            local = torch.chunk(local, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)] \
-                if local.shape[0] else local
+            local = _dim0_chunk(local, mesh.size(dim), mesh.get_local_rank(dim))
             tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
             # DP slices *within* the TP shard: DTensor calls that a strided shard.
             placement = StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
@@ -337,6 +334,14 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     new = DTensor.from_local(local.contiguous(), full_mesh, tuple(dp_placements) + tp_placements,
                              run_check=False, shape=param.shape, stride=param.stride())
     return new, (tp_mesh, tp_placements, tp_local.shape)
+
+
+def _dim0_chunk(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of ``tensor`` split on dim 0 into ``parts``, as ``Shard(0)``
+    splits: ``torch.chunk`` pieces, then empty ones (0 rows) for the ranks it left out
+    (3 rows over 2 ranks: 2 + 1; 1 row over 2: 1 + 0; 5 rows over 4: 2 + 2 + 1 + 0)."""
+    pieces = torch.chunk(tensor, parts, dim=0) if tensor.shape[0] else ()
+    return pieces[index] if index < len(pieces) else tensor.narrow(0, 0, 0)
 
 
 def data_parallel(

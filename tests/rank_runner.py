@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from simplefsdp.bench.launch import free_port
+from simplefsdp.net import free_port
 
 COLLECTIVE_TIMEOUT_S = 120  # one collective; a deadlock turns into an error after this
 TEST_TIMEOUT_S = 600  # the whole group of processes

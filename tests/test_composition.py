@@ -67,8 +67,8 @@ def _compiled_vs_eager(rank, world, mode, settings):
         losses = _train(torch.compile(model, fullgraph=True, backend=backend), rank)
         same = losses == eager_losses and all(
             torch.equal(a, b) for a, b in zip(_params(model), _params(eager), strict=True))
-        out.append(([(r.graph, r.collectives_before, r.collectives_after, r.buckets)
-                     for r in backend.reports[-2:]], same))
+        out.append(([(r.graph, r.collectives_before, r.collectives_after, r.buckets,
+                      r.schedule) for r in backend.reports[-2:]], same))
     return out
 
 
@@ -81,7 +81,7 @@ def test_hybrid_shard_compiles_with_manual_and_auto_bucketing():
     results = run_ranks(_compiled_vs_eager, 4, "hybrid_shard", settings)[0]
     for kwargs, (reports, same) in zip(settings, results, strict=True):
         assert same, f"{kwargs}: compiled HSDP differs from eager"
-        _, before, after, buckets = _backward(reports)
+        _, before, after, buckets, _ = _backward(reports)
         # Toy: 15 gradients; each reduce-scatter (shard group) feeds one all-reduce of
         # its shard (replicate group): bucketed alike, one all-reduce per RS bucket.
         assert before["reduce_scatter"] == before["all_reduce"] == 15, before
@@ -102,12 +102,17 @@ def test_replicate_compiles_into_size_capped_all_reduce_buckets():
     counts = []
     for kwargs, (reports, same) in zip(settings, results, strict=True):
         assert same, f"{kwargs}: compiled replicate differs from eager"
-        _, before, after, buckets = _backward(reports)
+        _, before, after, buckets, schedule = _backward(reports)
         assert before == {"all_reduce": 15}, before
         cap = kwargs.get("all_reduce_bucket_mb", 25.0) * 1e6
         assert after["all_reduce"] <= nbytes // cap + 1, (kwargs, after)
         assert after["all_reduce"] == len(buckets)
         counts.append(after["all_reduce"])
+        # Reordering (on by default) issues every bucket before the first wait: each
+        # runs under the rest of backward, and none waits for the one before (as DDP).
+        events = [event for event, _, _ in schedule]
+        assert events == ["all_reduce"] * len(buckets) + ["wait all_reduce"] * len(buckets), \
+            (kwargs, schedule)
     assert counts[:2] == [1, 1] and counts[2] >= nbytes // 500, counts
 
 

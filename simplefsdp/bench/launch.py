@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import fake_store
+from ..net import free_port
 from ..train.config_reader import ConfigError
 from .config import BenchConfig
 
@@ -98,14 +98,6 @@ def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
         main_for_rank(cfg, rank, cfg.bench.world_size, cfg.bench.world_size, backend)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, for a local rendezvous (the benchmark's
-    spawned ranks, the tests' rank runner)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:

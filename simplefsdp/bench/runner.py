@@ -103,6 +103,18 @@ def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
     raise_recompile_limits(256)
 
 
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Every variant's AdamW: the fused kernel (one op per step for all parameters).
+
+    The default on CPU is a Python loop of ~10 ops per parameter, and on DTensor
+    parameters (ours, FSDP2) each op pays DTensor's dispatch: on the debug model the
+    loop costs ~14 ms per step on our replicate parameters against ~2 ms on torch DDP's
+    plain ones, the fused step 2.4 ms against 0.65 ms. Every variant gets the same
+    kernel, so the comparison stays fair; the README recommends it to users too.
+    """
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+
 def _batches(cfg: BenchConfig, rank: int, world: int, device: torch.device):
     total = cfg.bench.warmup + cfg.bench.steps
     t = cfg.training
@@ -147,7 +159,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
         error = None
         try:
             built = spec.build(ctx)
-            optimizer = torch.optim.AdamW(built.model.parameters(), lr=cfg.training.lr)
+            optimizer = make_optimizer(built.model, cfg.training.lr)
         except Exception as e:  # noqa: BLE001 - recorded, the others go on
             error = _error_text(e)
             expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting

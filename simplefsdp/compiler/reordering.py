@@ -3,9 +3,13 @@
 Forward: bucket i+1's all-gather is issued before bucket i's wait, so it overlaps bucket
 i's copy-out and compute (the placement the paper's Table 6 found fastest).
 Backward: bucket i+1's all-gather is issued right after bucket i's wait (overlapping
-bucket i's compute), and each reduce-scatter's (all-reduce's) wait is deferred to just
-before the next reduce-scatter (all-reduce), so the reduction overlaps the following
-compute.
+bucket i's compute), and each reduce-scatter's wait is deferred to just before the next
+reduce-scatter, so the reduction overlaps the following compute while at most two
+reduce-scatter buffers live. All-reduce waits (replicate gradients, HSDP shards) go to
+the end of the graph, as DDP waits for its buckets only when backward is done: each
+bucket's all-reduce starts as soon as its last gradient exists and runs under all the
+backward that follows, and the next bucket is issued without waiting for it (the
+buffers add up to the gradients' size, which the results occupy anyway).
 
 Only all-gather starts move earlier and waits move later; each kind of collective keeps
 its order, and every decision depends only on the bucket sequence, so
@@ -33,9 +37,9 @@ def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]
         where = "before" if not backward else "after"
         moves.append(f"all_gather {nxt.name} issued {where} wait of {prev.name}")
     if backward:
-        for kind in ("reduce_scatter", "all_reduce"):
-            moves += _defer_waits(graph, [b for b in buckets if b.kind == kind])
-            stable_topological_sort(graph)  # users of a deferred wait follow it
+        moves += _defer_waits(graph, [b for b in buckets if b.kind == "reduce_scatter"])
+        stable_topological_sort(graph)  # users of a deferred wait follow it
+        moves += _waits_to_end(graph, [b for b in buckets if b.kind == "all_reduce"])
     _check_collective_order_kept(graph, buckets)
     return moves
 
@@ -54,6 +58,30 @@ def _defer_waits(graph: fx.Graph, reductions: list[Bucket]) -> list[str]:
         moves.append(f"wait of {prev.kind} {prev.name} deferred to before "
                      f"{nxt.kind} {nxt.name}")
     return moves
+
+
+def _waits_to_end(graph: fx.Graph, reductions: list[Bucket]) -> list[str]:
+    """Each wait (and its copy-out, and whatever reads them) goes to the end of the
+    graph, just before its output, in issue order."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    moves = []
+    for b in reductions:
+        if b.wait.next is output or not _has_compute_between(b.wait, output):
+            continue
+        for node in [b.wait, *b.copy_out]:
+            output.prepend(node)
+        moves.append(f"wait of {b.kind} {b.name} deferred to the end of backward")
+    stable_topological_sort(graph)  # users of a moved wait follow it
+    return moves
+
+
+def _has_compute_between(a: fx.Node, b: fx.Node) -> bool:
+    node = a.next
+    while node is not b:
+        if node.op == "call_function":
+            return True
+        node = node.next
+    return False
 
 
 def _move_gather_before(bucket: Bucket, anchor: fx.Node) -> None:
