@@ -25,12 +25,12 @@ from torch._guards import detect_fake_mode
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "FakeTensorMode", "OpOverload", "StridedShard", "aot_autograd", "allgather_base",
-    "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
+    "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode", "aot_autograd",
+    "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "default_group", "default_store",
     "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
     "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",

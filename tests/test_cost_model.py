@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from simplefsdp import agreement
 from simplefsdp.compiler.collectives import collective_kind
-from simplefsdp.compiler.cost import comm, compute, memory
+from simplefsdp.compiler.cost import comm, compute, fit, memory
 from simplefsdp.hardware import gpu_peak_flops, gpu_spec
 
 # ---------------------------------------------------------------------------- comm model
@@ -48,7 +48,7 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
         per_kind = len(sizes) + len(_CHECK_SIZES)
         for i, kind in enumerate(comm.COLLECTIVE_KINDS):
             times = medians[i * per_kind:(i + 1) * per_kind]
-            (alpha, beta), _ = comm.robust_fit(sizes, times[:len(sizes)])
+            (alpha, beta), _ = fit.robust_fit(sizes, times[:len(sizes)])
             fits[kind] = (alpha, beta)
             for n, measured in zip(_CHECK_SIZES, times[len(sizes):], strict=True):
                 ratios[f"{kind}@{n}"] = (alpha + beta * n) / measured
@@ -180,11 +180,11 @@ def test_cache_is_keyed(tmp_path, monkeypatch):
 
 def test_fit_and_defaults():
     sizes = [4096 * 4 ** i for i in range(6)]
-    alpha, beta = comm.fit_alpha_beta(sizes, [5e-5 + 2e-10 * n for n in sizes])
+    alpha, beta = fit.fit_alpha_beta(sizes, [5e-5 + 2e-10 * n for n in sizes])
     assert alpha == pytest.approx(5e-5, rel=1e-9) and beta == pytest.approx(2e-10, rel=1e-9)
     # clamping: a negative intercept is refitted through the origin, a negative slope flat
-    assert comm.fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.5])[0] == 0.0
-    assert comm.fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])[1] == 0.0
+    assert fit.fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.5])[0] == 0.0
+    assert fit.fit_alpha_beta([1, 2, 3], [3.0, 2.0, 1.0])[1] == 0.0
     nv = comm.default_comm_model(8, "nvlink_h100")
     # 1 GiB all-gather over 8 H100s: 7/8 GiB at 360 GB/s ~ 2.6 ms
     assert 2e-3 < nv.predict("all_gather_into_tensor", 2 ** 30) < 3.5e-3

@@ -8,7 +8,7 @@ import os
 import pytest
 from rank_runner import run_ranks
 
-from simplefsdp.compiler.cost import CommModel, comm
+from simplefsdp.compiler.cost import CommModel, comm, fit
 from simplefsdp.compiler.simulate import Step, simulate
 
 SIZES = [4096 * 4 ** i for i in range(7)]  # the CPU calibration sizes, 4 KiB .. 16 MiB
@@ -20,9 +20,9 @@ def line(n: float) -> float:
 
 
 def test_theil_sen_and_robust_fit_are_exact_without_noise():
-    a, b = comm.theil_sen([float(n) for n in SIZES], [line(n) for n in SIZES])
+    a, b = fit.theil_sen([float(n) for n in SIZES], [line(n) for n in SIZES])
     assert a == pytest.approx(ALPHA, rel=1e-12) and b == pytest.approx(BETA, rel=1e-12)
-    (alpha, beta), dropped = comm.robust_fit(SIZES, [line(n) for n in SIZES])
+    (alpha, beta), dropped = fit.robust_fit(SIZES, [line(n) for n in SIZES])
     assert dropped == []
     # float round-off only: the weighted least squares is exact in exact arithmetic
     assert alpha == pytest.approx(ALPHA, rel=1e-9) and beta == pytest.approx(BETA, rel=1e-9)
@@ -32,7 +32,7 @@ def test_robust_fit_rejects_outliers():
     # Repeats: every size has one sample 8x too slow (a descheduled rank) among five;
     # the median ignores it.
     samples = [[line(n)] * 4 + [8 * line(n)] for n in SIZES]
-    (alpha, beta), dropped = comm.robust_fit(SIZES, samples)
+    (alpha, beta), dropped = fit.robust_fit(SIZES, samples)
     assert dropped == []
     assert alpha == pytest.approx(ALPHA, rel=1e-9) and beta == pytest.approx(BETA, rel=1e-9)
     # A whole size off (a burst of load over every repeat of 64 KiB: 6x slow; of 16 MiB:
@@ -41,16 +41,16 @@ def test_robust_fit_rejects_outliers():
     medians = [line(n) for n in SIZES]
     medians[2] *= 6
     medians[6] *= 3
-    (alpha, beta), dropped = comm.robust_fit(SIZES, medians)
+    (alpha, beta), dropped = fit.robust_fit(SIZES, medians)
     assert dropped == [2, 6]
     assert alpha == pytest.approx(ALPHA, rel=1e-9) and beta == pytest.approx(BETA, rel=1e-9)
-    naive_alpha, naive_beta = comm.fit_alpha_beta(SIZES, medians)
+    naive_alpha, naive_beta = fit.fit_alpha_beta(SIZES, medians)
     assert max(abs(naive_beta / BETA - 1), abs(naive_alpha / ALPHA - 1)) > 0.1
     # Too few points left to drop any: all are kept (and nothing raises).
-    assert comm.robust_fit([4096, 65536], [1e-3, 9e-3])[1] == []
-    assert comm.robust_fit([4096], [[1e-3, 2e-3, 3e-3]]) == ((2e-3, 0.0), [])
+    assert fit.robust_fit([4096, 65536], [1e-3, 9e-3])[1] == []
+    assert fit.robust_fit([4096], [[1e-3, 2e-3, 3e-3]]) == ((2e-3, 0.0), [])
     with pytest.raises(ValueError, match="as many sizes as timings"):
-        comm.robust_fit([1, 2], [1.0])
+        fit.robust_fit([1, 2], [1.0])
 
 
 def test_compute_slowdown_is_contention_in_the_estimate():

@@ -9,7 +9,7 @@ bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their comp
   with ``R_{k-2}`` (issued when ``b_{k-2}``'s compute ended). ``A_0`` hides behind nothing.
 * Where communication ``D`` runs during compute ``C`` the pair takes
   ``C + D - f * min(C, D)``, ``f = CommModel.hidden_fraction``: the measured fraction
-  of the overlapped time that is really hidden (``cost.comm.measure_hidden_fraction``
+  of the overlapped time that is really hidden (``cost.probes.measure_hidden_fraction``
   defines it the same way): ~1 with a communication engine of its own (NCCL), ~0 where
   collectives and compute share the cores (gloo on a small CPU host).
 * After the last compute, the last reduce-scatter is fully exposed.

@@ -19,8 +19,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from .._torch_compat import TorchDispatchMode, tree_flatten
 
 
 @dataclass

@@ -34,6 +34,13 @@ from ...agreement import (
 from ...hardware import KNOWN_FABRICS
 from ..collectives import COLLECTIVE_KINDS, collective_kind
 from .compute import time_callable
+from .fit import robust_fit
+from .probes import (
+    _resolve_group,
+    measure_compute_slowdown,
+    measure_copy,
+    measure_hidden_fraction,
+)
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
            "get_comm_model"]
@@ -138,10 +145,6 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
     )
 
 
-def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD
-
-
 FAKE_GPUS_PER_NODE = 8  # a fake group's world is laid out on nodes of this many GPUs
 
 
@@ -161,82 +164,6 @@ def _pick_fabric(world_size: int, device: torch.device, fake: bool = False) -> s
         return "gloo_cpu_loopback"
     return "nvlink_h100" if world_size <= _local_world_size(world_size, device, fake) \
         else "infiniband_ndr"
-
-
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of ``seconds ~ alpha + beta * nbytes``, both clamped to >= 0.
-
-    Residuals are weighted by ``1 / seconds**2`` (a fit of the *relative* error): the
-    sizes span three orders of magnitude and an unweighted fit would let the largest
-    message decide everything, leaving alpha to noise. Pure Python floats, so the same
-    inputs give bit-identical output on every rank.
-    """
-    if len(nbytes) != len(seconds) or not nbytes:
-        raise ValueError("need as many sizes as times, at least one")
-    scale = max(float(n) for n in nbytes) or 1.0
-    xs = [float(n) / scale for n in nbytes]
-    ys = [float(t) for t in seconds]
-    ws = [1.0 / max(y, 1e-12) ** 2 for y in ys]
-    s = sum(ws)
-    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
-    sy = sum(w * y for w, y in zip(ws, ys, strict=True))
-    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
-    sxy = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
-    det = s * sxx - sx * sx
-    if len(xs) >= 2 and det > 0:
-        b = (s * sxy - sx * sy) / det
-        a = (sy - b * sx) / s
-    else:  # one size (or all equal): no slope information
-        a, b = sy / s, 0.0
-    if a < 0:  # refit through the origin
-        a, b = 0.0, (sxy / sxx if sxx > 0 else 0.0)
-    if b < 0:  # flat: latency only
-        a, b = sy / s, 0.0
-    return max(a, 0.0), max(b, 0.0) / scale
-
-
-OUTLIER_FACTOR = 2.0  # a size whose median is off the first fit by 2x either way
-
-
-def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Theil-Sen line ``y ~ a + b * x``: ``b`` the median of the pairwise slopes, ``a`` the
-    median of ``y - b * x``. Exact on points that lie on a line, and a minority of wild
-    points moves neither (breakdown point ~29%). Pure Python: bit-identical on every rank.
-    """
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs))
-              for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
-    b = statistics.median(slopes) if slopes else 0.0
-    a = statistics.median(y - b * x for x, y in zip(xs, ys, strict=True))
-    return a, b
-
-
-def robust_fit(nbytes: Sequence[float], samples: Sequence[float | Sequence[float]]
-               ) -> tuple[tuple[float, float], list[int]]:
-    """``(alpha, beta)`` of ``seconds ~ alpha + beta * nbytes`` from noisy timings, and the
-    indices of the sizes dropped as outliers.
-
-    ``samples[i]``: one time or the repeated times of size ``nbytes[i]``. 1. the median
-    of each size's repeats (a descheduled rank stalls single timings by several x);
-    2. a Theil-Sen line through the medians; 3. sizes whose median is more than
-    ``OUTLIER_FACTOR`` off that line (either way) are dropped, as long as two sizes
-    remain; 4. :func:`fit_alpha_beta` (least squares of the relative error, both >= 0)
-    on the rest. Exact on noiseless data (every step is).
-    """
-    if len(nbytes) != len(samples) or not nbytes:
-        raise ValueError("need as many sizes as timings, at least one")
-    medians = [statistics.median(s) if isinstance(s, Sequence) else float(s) for s in samples]
-    xs = [float(n) for n in nbytes]
-    if len(set(xs)) < 2:
-        return fit_alpha_beta(xs, medians), []
-    a, b = theil_sen(xs, medians)
-    keep, dropped = [], []
-    for i, (x, y) in enumerate(zip(xs, medians, strict=True)):
-        line = a + b * x
-        ok = line > 0 and y > 0 and 1 / OUTLIER_FACTOR <= y / line <= OUTLIER_FACTOR
-        (keep if ok else dropped).append(i)
-    if len({xs[i] for i in keep}) < 2:  # the line itself is unusable: keep everything
-        keep, dropped = list(range(len(xs))), []
-    return fit_alpha_beta([xs[i] for i in keep], [medians[i] for i in keep]), dropped
 
 
 def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device,
@@ -298,105 +225,6 @@ def measure_collective_samples(cases: Sequence[tuple[str, int]],
             for fn, times in zip(fns, samples, strict=True):
                 times.append(time_callable(fn, 1, 0, dev))
     return samples
-
-
-def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
-                    device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
-                    repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """The fraction of an all-gather's time that computation running meanwhile hides, on
-    this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1].
-
-    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: matmuls sized to
-    take about as long; ``t_both``: the all-gather started, the matmuls run, then its wait.
-    Prefetching (our reordering) only pays off as far as this fraction allows, so the
-    auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
-    """
-    group = _resolve_group(group)
-    dev = group_device(group, device)
-    ws = dist.get_world_size(group)
-    c10d = c10d_functional
-    with disable_current_modes():
-        shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
-                           dtype=dtype, device=dev)
-        a = torch.randn(256, 256, dtype=dtype, device=dev)
-
-        def comm() -> None:
-            c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
-
-        t_comm = time_callable(comm, repeats, 2, dev)
-        t_matmul = time_callable(lambda: a @ a, repeats, 2, dev)
-        # every rank must run the same number of matmuls: agree on it
-        count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
-                                       group)[0])
-
-        def compute() -> None:
-            for _ in range(count):
-                a @ a
-
-        def both() -> None:
-            work = c10d.all_gather_into_tensor(shard, ws, group.group_name)
-            compute()
-            c10d.wait_tensor(work)
-
-        t_compute = time_callable(compute, repeats, 1, dev)
-        dist.barrier(group)
-        t_both = time_callable(both, repeats, 1, dev)
-    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
-    return min(max(hidden, 0.0), 1.0)
-
-
-def measure_compute_slowdown(group: dist.ProcessGroup | None = None,
-                             device: torch.device | str | None = None, repeats: int = 5,
-                             seconds: float = 0.02) -> float:
-    """How much slower a fixed amount of computation runs when every rank of ``group``
-    runs it at once than when the group's first rank runs it alone (the others wait in
-    a barrier): ``max over ranks of t_all / t_alone``, >= 1, identical on every rank.
-
-    This is the difference between the benchmark's compute-only step (one rank on an
-    otherwise idle host) and the compute inside a data-parallel step (every rank at
-    once, sharing the host's cores, caches and memory bandwidth). One CUDA device per
-    rank shares nothing: 1.0 there, nothing is timed. Rounds alternate alone / together
-    so load from elsewhere drifts into both; medians of ``repeats``. Collective.
-    """
-    group = _resolve_group(group)
-    dev = group_device(group, device)
-    if dev.type == "cuda" or dist.get_world_size(group) == 1:
-        return 1.0
-    first = dist.get_rank(group) == 0
-    with disable_current_modes():
-        a = torch.randn(128, 128, device=dev)
-        t_one = time_callable(lambda: a @ a, 5, 2, dev)
-        count = int(agree_across_ranks([max(1.0, round(seconds / max(t_one, 1e-9)))],
-                                       group)[0])
-
-        def compute() -> None:
-            for _ in range(count):
-                a @ a
-
-        alone, together = [], []
-        for _ in range(max(repeats, 1)):
-            dist.barrier(group)
-            if first:
-                alone.append(time_callable(compute, 1, 0, dev))
-            dist.barrier(group)
-            together.append(time_callable(compute, 1, 0, dev))
-        dist.barrier(group)
-    t_alone = agree_across_ranks([statistics.median(alone) if first else 0.0], group)[0]
-    t_all = agree_across_ranks([statistics.median(together)], group)[0]
-    return max(1.0, t_all / max(t_alone, 1e-12))
-
-
-def measure_copy(device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
-                 repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Seconds per byte a bucket's copy-in/copy-out costs on this rank: ``torch.cat`` of
-    eight pieces into one buffer of ``nbytes`` (what bucketing does), median of
-    ``repeats``. Not collective."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    with disable_current_modes():
-        numel = max(nbytes // torch.empty((), dtype=dtype).element_size() // 8, 1)
-        pieces = [torch.ones(numel, dtype=dtype, device=dev) for _ in range(8)]
-        seconds = time_callable(lambda: torch.cat(pieces), repeats, 2, dev)
-    return seconds / (8 * numel * pieces[0].element_size())
 
 
 DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(7))  # 4 KiB .. 16 MiB

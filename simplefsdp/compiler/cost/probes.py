@@ -1,0 +1,121 @@
+"""Timing probes the calibration runs besides the collectives themselves: how much of
+a collective concurrent compute hides, how much slower compute runs with every rank
+computing at once, and what a bucket's copy-in/copy-out costs per byte.
+
+Each is collective on its group (except ``measure_copy``) and runs in eager code, when
+the backend is built; ``comm.calibrate`` folds the results into a ``CommModel``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..._torch_compat import c10d_functional, disable_current_modes
+from ...agreement import agree_across_ranks, group_device
+from .compute import time_callable
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
+                    device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
+                    repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """The fraction of an all-gather's time that computation running meanwhile hides, on
+    this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1].
+
+    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: matmuls sized to
+    take about as long; ``t_both``: the all-gather started, the matmuls run, then its wait.
+    Prefetching (our reordering) only pays off as far as this fraction allows, so the
+    auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    ws = dist.get_world_size(group)
+    c10d = c10d_functional
+    with disable_current_modes():
+        shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
+                           dtype=dtype, device=dev)
+        a = torch.randn(256, 256, dtype=dtype, device=dev)
+
+        def comm() -> None:
+            c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
+
+        t_comm = time_callable(comm, repeats, 2, dev)
+        t_matmul = time_callable(lambda: a @ a, repeats, 2, dev)
+        # every rank must run the same number of matmuls: agree on it
+        count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
+                                       group)[0])
+
+        def compute() -> None:
+            for _ in range(count):
+                a @ a
+
+        def both() -> None:
+            work = c10d.all_gather_into_tensor(shard, ws, group.group_name)
+            compute()
+            c10d.wait_tensor(work)
+
+        t_compute = time_callable(compute, repeats, 1, dev)
+        dist.barrier(group)
+        t_both = time_callable(both, repeats, 1, dev)
+    hidden = (t_compute + t_comm - t_both) / max(min(t_compute, t_comm), 1e-12)
+    return min(max(hidden, 0.0), 1.0)
+
+
+def measure_compute_slowdown(group: dist.ProcessGroup | None = None,
+                             device: torch.device | str | None = None, repeats: int = 5,
+                             seconds: float = 0.02) -> float:
+    """How much slower a fixed amount of computation runs when every rank of ``group``
+    runs it at once than when the group's first rank runs it alone (the others wait in
+    a barrier): ``max over ranks of t_all / t_alone``, >= 1, identical on every rank.
+
+    This is the difference between the benchmark's compute-only step (one rank on an
+    otherwise idle host) and the compute inside a data-parallel step (every rank at
+    once, sharing the host's cores, caches and memory bandwidth). One CUDA device per
+    rank shares nothing: 1.0 there, nothing is timed. Rounds alternate alone / together
+    so load from elsewhere drifts into both; medians of ``repeats``. Collective.
+    """
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    if dev.type == "cuda" or dist.get_world_size(group) == 1:
+        return 1.0
+    first = dist.get_rank(group) == 0
+    with disable_current_modes():
+        a = torch.randn(128, 128, device=dev)
+        t_one = time_callable(lambda: a @ a, 5, 2, dev)
+        count = int(agree_across_ranks([max(1.0, round(seconds / max(t_one, 1e-9)))],
+                                       group)[0])
+
+        def compute() -> None:
+            for _ in range(count):
+                a @ a
+
+        alone, together = [], []
+        for _ in range(max(repeats, 1)):
+            dist.barrier(group)
+            if first:
+                alone.append(time_callable(compute, 1, 0, dev))
+            dist.barrier(group)
+            together.append(time_callable(compute, 1, 0, dev))
+        dist.barrier(group)
+    t_alone = agree_across_ranks([statistics.median(alone) if first else 0.0], group)[0]
+    t_all = agree_across_ranks([statistics.median(together)], group)[0]
+    return max(1.0, t_all / max(t_alone, 1e-12))
+
+
+def measure_copy(device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
+                 repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds per byte a bucket's copy-in/copy-out costs on this rank: ``torch.cat`` of
+    eight pieces into one buffer of ``nbytes`` (what bucketing does), median of
+    ``repeats``. Not collective."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    with disable_current_modes():
+        numel = max(nbytes // torch.empty((), dtype=dtype).element_size() // 8, 1)
+        pieces = [torch.ones(numel, dtype=dtype, device=dev) for _ in range(8)]
+        seconds = time_callable(lambda: torch.cat(pieces), repeats, 2, dev)
+    return seconds / (8 * numel * pieces[0].element_size())
