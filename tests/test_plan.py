@@ -201,7 +201,8 @@ def _search_trace_counts():
 
     cfg = load_config(None, ["--training.seq_len", "32"])
     rows = search(cfg, 8, "h100-sxm", gpus_per_node=2)
-    return len(rows), trace.cache_info(), eager_memory.cache_info()
+    # lru_cache's CacheInfo does not pickle: send its fields
+    return len(rows), trace.cache_info()._asdict(), eager_memory.cache_info()._asdict()
 
 
 def test_search_traces_each_graph_once():
@@ -213,7 +214,7 @@ def test_search_traces_each_graph_once():
         predictions, traces, eager = pool.apply(_search_trace_counts)
     assert predictions >= 6
     # every prediction asks for 2 traces (1 and 2 blocks) per pipeline role
-    assert traces.hits + traces.misses >= 2 * predictions
-    assert traces.hits > 0 and traces.misses < traces.hits + traces.misses
-    assert traces.currsize == traces.misses  # nothing traced twice (no eviction)
-    assert eager.hits + eager.misses >= 2 * predictions
+    assert traces["hits"] + traces["misses"] >= 2 * predictions
+    assert traces["hits"] > 0 and traces["misses"] < traces["hits"] + traces["misses"]
+    assert traces["currsize"] == traces["misses"]  # nothing traced twice (no eviction)
+    assert eager["hits"] + eager["misses"] >= 2 * predictions
