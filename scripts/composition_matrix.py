@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -371,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="forget the rows of an earlier run (OUT.jsonl) instead of "
                              "resuming after them")
     args = parser.parse_args(argv)
+    # Up to 8 ranks compile at once on a few cores: Inductor's per-rank pool of compile
+    # workers would put hundreds of threads on them (load average 200-700 measured).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from rank_runner import RankFailure, run_ranks
 
