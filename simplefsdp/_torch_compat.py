@@ -23,20 +23,21 @@ from torch._C._distributed_c10d import _register_work as register_work
 from torch._C._distributed_c10d import _resolve_process_group
 from torch._guards import detect_fake_mode
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode", "aot_autograd",
+    "FakeTensor", "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode",
+    "aot_autograd",
     "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "default_group", "default_store",
     "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
     "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",
     "missing_inductor_options", "profiler_events",
     "raise_recompile_limits", "register_work", "resolve_process_group", "root_mesh",
-    "op_schema", "symint_hint", "tree_flatten", "tree_map",
+    "op_schema", "storage_key", "symint_hint", "tree_flatten", "tree_map",
 ]
 
 
@@ -161,6 +162,13 @@ def current_graph_task_id() -> int:
     """-1 outside a backward pass, else the id of the running autograd graph task.
     checked: 2.13."""
     return torch._C._current_graph_task_id()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, shared by all its views: the storage's C++ address
+    (not ``data_ptr``: fake and meta tensors have no data and all share pointer 0).
+    checked: 2.13."""
+    return t.untyped_storage()._cdata
 
 
 # --------------------------------------------------------------------------------------

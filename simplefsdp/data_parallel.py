@@ -336,12 +336,20 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     return new, (tp_mesh, tp_placements, tp_local.shape)
 
 
+def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of piece ``index`` when ``rows`` rows are split on dim 0 into
+    ``parts`` as ``Shard(0)`` splits them: ``torch.chunk`` pieces of ``ceil(rows / parts)``
+    rows, then empty ones for the ranks it left out (3 rows over 2: 2 + 1; 1 over 2: 1 + 0;
+    5 over 4: 2 + 2 + 1 + 0). The one owner of this arithmetic (sharding, weight loading)."""
+    chunk = -(-rows // parts)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
 def _dim0_chunk(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    """Rank ``index``'s piece of ``tensor`` split on dim 0 into ``parts``, as ``Shard(0)``
-    splits: ``torch.chunk`` pieces, then empty ones (0 rows) for the ranks it left out
-    (3 rows over 2 ranks: 2 + 1; 1 row over 2: 1 + 0; 5 rows over 4: 2 + 2 + 1 + 0)."""
-    pieces = torch.chunk(tensor, parts, dim=0) if tensor.shape[0] else ()
-    return pieces[index] if index < len(pieces) else tensor.narrow(0, 0, 0)
+    """Rank ``index``'s piece of ``tensor`` split on dim 0 into ``parts`` (:func:`dim0_rows`)."""
+    start, stop = dim0_rows(tensor.shape[0], parts, index)
+    return tensor.narrow(0, start, stop - start)
 
 
 def data_parallel(

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._torch_compat import current_graph_task_id
+from ._torch_compat import FakeTensor, current_graph_task_id, storage_key
 
-# storage pointer of a live gathered copy -> (sharded parameter, re-gather function)
+# storage of a live gathered copy (``storage_key``) -> (sharded parameter, re-gather)
 _gathered: dict[int, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
 _hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -46,7 +46,7 @@ def note_gathered(full: torch.Tensor, sharded: torch.Tensor,
     """Record that ``full`` is the gathered copy of ``sharded`` (forward, eager only)."""
     if _hooks is None or full.untyped_storage().nbytes() == 0:
         return
-    key = full.untyped_storage().data_ptr()
+    key = storage_key(full)
     _gathered[key] = (sharded, regather)
     # Forget the entry when the copy dies, before its memory can be reused by another
     # tensor (holding `full` itself would keep every gathered copy alive until the end).
@@ -56,11 +56,13 @@ def note_gathered(full: torch.Tensor, sharded: torch.Tensor,
 def _pack(t: torch.Tensor):
     if isinstance(t, DTensor):  # tensor-parallel activations: their locals are checked
         return t
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # e.g. an AsyncCollectiveTensor
-        return t  # (sequence-parallel activations): not a gathered copy, no storage to read
-    if t.layout != torch.strided or t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+    # Plain tensors, and the planner's fake ones (``plan/eager.py`` replays this step);
+    # not e.g. an AsyncCollectiveTensor (sequence-parallel activations, no storage to read).
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, FakeTensor):
         return t
-    hit = _gathered.get(t.untyped_storage().data_ptr())
+    if t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
+        return t
+    hit = _gathered.get(storage_key(t))
     if hit is None:
         return t
     return _Regather(hit[0], hit[1], t.size(), t.stride(), t.storage_offset(), t.dtype)

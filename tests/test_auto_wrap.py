@@ -332,8 +332,20 @@ def _hybrid_and_stages(rank: int, world: int, cache_dir: str) -> dict:
     mesh = sf.make_mesh(dp_replicate=2, dp_shard=2)
     torch.manual_seed(0)
     model = sf.data_parallel(Toy(n_layers=2), mesh, mode="hybrid_shard")
-    be = sf.compile_backend(backend="aot_eager", bucketing="auto")
+    # mesh: each kind is planned with its own group's calibration: all-gather and
+    # reduce-scatter on the shard group (ranks (0, 1) relative), all-reduce on the
+    # replicate group ((0, 2)).
+    be = sf.compile_backend(backend="aot_eager", bucketing="auto", mesh=mesh)
+    assert set(be.comm_models) == {"dp_replicate", "dp_shard"}
     _step(torch.compile(model, fullgraph=True, backend=be), rank % 2, 2)
+    bwd = next(r for r in be.reports if r.graph == "backward")
+    shard, replicate = be.comm_models["dp_shard"], be.comm_models["dp_replicate"]
+    assert (shard.group, replicate.group) == ((0, 1), (0, 2))
+    for kind, source in (("all_gather", shard), ("reduce_scatter", shard),
+                         ("all_reduce", replicate)):
+        assert tuple(bwd.comm_model[kind]) == source.params(kind), kind
+        assert f"{kind}:" in bwd.comm_model["source"], bwd.comm_model["source"]
+    assert "[0, 2]" in bwd.comm_model["source"] and "[0, 1]" in bwd.comm_model["source"]
     plans = [(r.graph, r.schedule, [str(d) for d in r.decisions]) for r in be.reports]
     everyone = [None] * world
     dist.all_gather_object(everyone, plans)

@@ -80,3 +80,17 @@ def test_tp_shard_with_fewer_rows_than_dp_ranks_trains_like_one_process():
         for name, param in reference.named_parameters():
             torch.testing.assert_close(r["full"][name], param.detach(), rtol=1e-6, atol=1e-6,
                                        msg=name)
+
+
+def test_dim0_rows_is_shard0_split():
+    """``dim0_rows`` (used for sharding and for loading weights) gives the rows that
+    ``Shard(0)`` gives each rank: ``torch.chunk`` pieces, then empty ones."""
+    from simplefsdp.data_parallel import dim0_rows
+    for rows in range(12):
+        for parts in range(1, 6):
+            pieces = torch.chunk(torch.arange(rows), parts) if rows else ()
+            for index in range(parts):
+                start, stop = dim0_rows(rows, parts, index)
+                expected = pieces[index] if index < len(pieces) else torch.arange(0)
+                assert torch.equal(torch.arange(rows)[start:stop], expected), \
+                    (rows, parts, index)

@@ -153,3 +153,43 @@ def test_bad_args_rejected():
         ModelArgs(dim=32, n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="max_seq_len"):
         _model()(torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``aten.mm`` calls while active (backward recomputation included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.mm += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_keeps_the_math_and_recomputes_its_matmuls(mode):
+    """AC changes what is kept, not what is computed: loss and every gradient equal the
+    unwrapped model's bitwise. The backward's matmul count shows the policy: a block has
+    7 linears, each 2 matmuls in backward; ``full`` recomputes the first 6 forward
+    matmuls (its recomputation stops early: w2's output is not needed by backward),
+    ``selective`` (torchtitan's rule) the 2nd, 4th and 6th of each block (wk, wo, w3)."""
+    from simplefsdp.train.parallelize import apply_ac
+
+    reference = _model()
+    wrapped = copy.deepcopy(reference)
+    apply_ac(wrapped, mode)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(1))
+    counts, losses = [], []
+    for model in (reference, wrapped):
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        with _CountMatmuls() as mm:
+            loss.backward()
+        counts.append(mm.mm)
+        losses.append(loss)
+    assert torch.equal(*losses)
+    for (name, a), b in zip(reference.named_parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    recomputed = {"selective": 3, "full": 6}[mode] * TINY.n_layers
+    assert counts[1] - counts[0] == recomputed, counts

@@ -61,10 +61,12 @@ def test_debug_model_memory_matches_a_measured_two_rank_run(ac, compiled):
     active = predicted.peak_memory_gib * 2**30
     # 10%: the issue's goal. The profiler sees torch's CPU allocations only; the
     # prediction is liveness over the same compiled graphs plus the eager loss, or
-    # (eager) the same eager step replayed on fake tensors. Eager full AC misses it:
-    # +14% and +18% on two runs (activations 6.3 MB predicted vs about 4.4 MB measured:
-    # the replay over-counts the backward's recomputation); 20% holds it, open work.
+    # (eager) the same eager step replayed on fake tensors, eager resharding included.
+    # Eager full AC misses it: +17.4% (12.52 vs 10.66 MiB; +18.9% before the replay
+    # followed the re-gathered parameters): the replay over-counts the backward's
+    # recomputation; 20% holds it, open work. Eager no AC: +6.7%; compiled: +1.1%.
     tolerance = 0.20 if (ac, compiled) == ("full", "false") else 0.10
+    print(f"predicted {active / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
     assert abs(active - measured) / measured < tolerance, (active, measured)
 
 
@@ -76,10 +78,11 @@ PUBLISHED = [  # (ac, batch, compile, tokens/s per GPU, reserved GiB)
     ("selective", 2, False, 5762, 82.4),
     ("selective", 2, True, 6667, 77.0),
 ]
-TOKENS_TOL = 0.20  # reached: worst 16.8% (torchtitan compiled)
-# goal 15%; reached: -8.6%, +5.4%, +14.7%, +15.6%. The torchtitan rows dominate: its
-# selective AC saves every other matmul output, ours saves them all (~0.6 GiB per block).
-MEMORY_TOL = 0.17
+# Reached (issue goals 20% tokens/s, 15% reserved memory), in PUBLISHED's order:
+# tokens/s -7.3%, +0.1%, -7.4%, +9.4%; reserved -9.8%, +2.0%, -10.8%, -10.3%. The
+# bounds keep a point or two over the worst so a small cost-model change does not flip them.
+TOKENS_TOL = 0.12
+MEMORY_TOL = 0.12
 
 
 def test_published_runs():
@@ -218,3 +221,53 @@ def test_search_traces_each_graph_once():
     assert traces["hits"] > 0 and traces["misses"] < traces["hits"] + traces["misses"]
     assert traces["currsize"] == traces["misses"]  # nothing traced twice (no eviction)
     assert eager["hits"] + eager["misses"] >= 2 * predictions
+
+
+def _tp_pp_last_stage():
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2",
+                             "--training.seq_len", "32", "--training.batch_size", "2"])
+    tr = trace(trace_key(cfg, "last", 1, 2, 1, 2))
+    vals = [n.meta.get("val") for n in tr.forward.graph.nodes if n.op == "placeholder"]
+    inputs = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() == 3]
+    out = next(n for n in tr.forward.graph.nodes if n.op == "output").args[0][0]
+    return [tuple(v.shape) for v in inputs], tuple(out.meta["val"].shape), \
+        cfg.model.model_args().dim
+
+
+def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states():
+    """Under TP + sequence parallel a pipeline stage receives its TP rank's piece of the
+    sequence: the last stage of tp 2 x pp 2 is traced on (batch, seq / 2, dim) (traced
+    on the whole sequence, its all-gather doubled it: "could not trace" in the search)
+    and returns logits for the whole sequence."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        inputs, logits, dim = pool.apply(_tp_pp_last_stage)
+    hidden = [shape for shape in inputs if shape[-1] == dim]  # not the RoPE table
+    assert hidden == [(2, 16, dim)], inputs
+    assert logits[:2] == (2, 32), logits
+
+
+def test_eager_reshard_recognises_fake_tensors():
+    """The planner replays the eager step on fake tensors: eager resharding must drop a
+    saved view of a fake gathered parameter (packed as a re-gather recipe) as it does a
+    real one, and keep a fake tensor that is not a gathered copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp import eager_reshard
+
+    with FakeTensorMode():
+        full, shard, other = torch.empty(8, 4), torch.empty(4, 4), torch.empty(8, 4)
+        eager_reshard.start_forward()
+        try:
+            eager_reshard.note_gathered(full, shard, lambda s: torch.cat([s, s]))
+            packed = eager_reshard._pack(full.t())
+            kept = eager_reshard._pack(other)
+        finally:
+            eager_reshard.end_forward()
+        assert isinstance(packed, eager_reshard._Regather) and packed.sharded is shard
+        assert kept is other
+        regathered = eager_reshard._unpack(packed)
+        assert regathered.shape == (4, 8) and regathered.stride() == (1, 4)

@@ -79,6 +79,23 @@ def check_memory_limit(memory_limit_gb: float | None) -> float | None:
     return float(memory_limit_gb) * GB
 
 
+def check_outside_bytes(state_bytes_outside_graphs: int,
+                        memory_limit_bytes: float | None) -> int:
+    """``state_bytes_outside_graphs`` checked: a non-negative int that leaves the graphs
+    some of ``memory_limit_bytes``."""
+    n = state_bytes_outside_graphs
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"state_bytes_outside_graphs must be a non-negative int (bytes held "
+                         f"outside the compiled graphs, e.g. cost.optimizer_state_bytes(...)); "
+                         f"got {n!r}")
+    if memory_limit_bytes is not None and n >= memory_limit_bytes:
+        raise ValueError(f"memory_limit_gb ({memory_limit_bytes / GB:.4g} GB) leaves nothing "
+                         f"for the compiled graphs: {n / GB:.4g} GB are held outside them "
+                         f"(state_bytes_outside_graphs, e.g. the optimizer state); raise "
+                         f"memory_limit_gb or shard over more ranks")
+    return n
+
+
 def _comm(model: cost.CommModel, kind: str, nbytes: int) -> float:
     """Time of one collective; no bytes means no collective, hence no latency either."""
     return model.predict(kind, nbytes) if nbytes > 0 else 0.0

@@ -18,6 +18,7 @@ pass talks to nobody and Inductor's caches stay on (a warm rerun).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -31,7 +32,12 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import fx
 
-from .._torch_compat import aot_autograd, compile_fx, custom_graph_pass_base
+from .._torch_compat import (
+    aot_autograd,
+    compile_fx,
+    custom_graph_pass_base,
+    resolve_process_group,
+)
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap, plan_cache
@@ -73,8 +79,9 @@ class GraphReport:
     comm_model: dict | None = None
     estimates: dict[str, auto_wrap.Estimate] = field(default_factory=dict)
     estimated_exposed_s: float | None = None
-    predicted_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None  # the graph's + state_bytes_outside_graphs
     memory_limit_bytes: float | None = None
+    outside_bytes: int = 0  # state_bytes_outside_graphs: held through the step
 
     def __str__(self) -> str:
         lines = [f"[simplefsdp] {self.graph}: collectives {self.collectives_before} -> "
@@ -86,9 +93,12 @@ class GraphReport:
         if self.comm_model is not None:
             limit = "none" if self.memory_limit_bytes is None else \
                 f"{self.memory_limit_bytes / 1e9:.4g} GB"
+            graph = self.predicted_peak_bytes - self.outside_bytes
             lines.append(f"  auto: comm model {self.comm_model}, estimated exposed "
                          f"communication {self.estimated_exposed_s * 1e3:.3f} ms, predicted "
-                         f"peak {self.predicted_peak_bytes / 1e9:.4g} GB (limit {limit})")
+                         f"peak {self.predicted_peak_bytes / 1e9:.4g} GB (graph "
+                         f"{graph / 1e9:.4g} + outside the graphs "
+                         f"{self.outside_bytes / 1e9:.4g}; limit {limit})")
             lines += [f"  estimate {name}: {e}" for name, e in self.estimates.items()]
         lines += [f"  decision: {d}" for d in self.decisions]
         return "\n".join(lines)
@@ -101,16 +111,23 @@ class SimpleFSDPBackend:
 
     ``backend``: "inductor" or "aot_eager". ``bucketing``: "none", "manual" (one bucket
     per entry of ``module_plan``; None: derived from the graph), "auto": the buckets of
-    least simulated step time whose predicted step peak (sharded state + activations +
-    prefetched buckets) stays under ``memory_limit_gb`` (decimal GB; None: no limit), or
-    "greedy": the paper's Algorithm 1 instead (both are reported). The comm model is
-    ``comm_model`` or, when None, one calibrated on the default process group when the
+    least simulated step time whose predicted step peak stays under ``memory_limit_gb``
+    (decimal GB; None: no limit), or "greedy": the paper's Algorithm 1 instead (both are
+    reported). The step's peak is the graph's (sharded parameters, activations,
+    gathered and prefetched buckets, gradients in flight) plus
+    ``state_bytes_outside_graphs``: bytes this rank holds through the step outside the
+    compiled graphs, above all the optimizer state (``cost.optimizer_state_bytes``
+    estimates it; the trainer passes it); the graphs get the limit less those bytes. The
+    comm model is ``comm_model`` or, when None, one calibrated on the default process group when the
     backend is built (cached on disk, see ``cost.get_comm_model``; collective: build the
     backend on every rank; a fake group is never timed: the fabric table). Decisions are
     taken by the first rank of ``group`` (every rank that compiles the same model; None:
     all ranks; under pipeline parallelism, the ranks of one stage) and cached on disk
     (``plan_cache``) so that a rerun decides nothing and compiles warm. ``reordering``:
-    prefetch all-gathers and defer reduce-scatter and all-reduce waits.
+    prefetch all-gathers and defer reduce-scatter and all-reduce waits. ``mesh`` (auto,
+    greedy; HSDP/TP): calibrate each mesh dimension's group (``cost.comm.get_comm_models``,
+    collective) and plan each collective kind with the figures of the group it runs on
+    (HSDP: all-gather and reduce-scatter on the shard group, all-reduce on the replicas).
 
     Only data-parallel collectives are bucketed and moved (those on the process groups
     ``data_parallel`` shards over); TP/SP, pipeline and user collectives stay as traced.
@@ -126,12 +143,18 @@ class SimpleFSDPBackend:
                  comm_model: cost.CommModel | None = None,
                  group: dist.ProcessGroup | None = None,
                  all_reduce_bucket_mb: float = manual_wrap.DEFAULT_ALL_REDUCE_BUCKET_MB,
-                 plan_cache: bool = True):
+                 plan_cache: bool = True, state_bytes_outside_graphs: int = 0,
+                 mesh=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if bucketing not in BUCKETING:
             raise ValueError(f"bucketing must be one of {BUCKETING}, got {bucketing!r}")
         self.memory_limit_bytes = auto_wrap.check_memory_limit(memory_limit_gb)
+        self.outside_bytes = auto_wrap.check_outside_bytes(state_bytes_outside_graphs,
+                                                           self.memory_limit_bytes)
+        # what the graphs may use: the step's limit less what lives outside them
+        self.graph_budget_bytes = None if self.memory_limit_bytes is None else \
+            self.memory_limit_bytes - self.outside_bytes
         if comm_model is not None and not isinstance(comm_model, cost.CommModel):
             raise ValueError(f"comm_model must be a cost.CommModel (or None to "
                              f"calibrate on the process group), got {type(comm_model)}")
@@ -150,8 +173,15 @@ class SimpleFSDPBackend:
         # auto/greedy: the comm model (given, or calibrated once here, through the cost
         # model's disk cache) and measured op times, shared by all graphs.
         self.comm_model = comm_model
+        # mesh: one calibration per mesh dimension's group (HSDP: shard, replicate); each
+        # collective kind is planned with the figures of the group it runs on.
+        self.comm_models: dict[str, cost.CommModel] = {}
+        if planned and comm_model is None and mesh is not None and dist.is_initialized():
+            _install_cpu_collectives()
+            self.comm_models = cost.comm.get_comm_models(mesh)
         if planned and comm_model is None:
-            self.comm_model = _calibrated_comm_model()
+            self.comm_model = next(iter(self.comm_models.values()), None) or \
+                _calibrated_comm_model()
         self._compute_cache: dict = {}
         self.plan_cache = plan_cache
 
@@ -183,10 +213,12 @@ class SimpleFSDPBackend:
         when every rank has them (one store round), else None: the pass decides live."""
         if self.bucketing not in PLANNED or not self.plan_cache:
             return None, None
-        comm = self.resolved_comm_model()
+        figures = {name: {k: v for k, v in m.to_dict().items() if k != "source"}
+                   for name, m in [("", self.resolved_comm_model()),
+                                   *sorted(self.comm_models.items())]}
         key = plan_cache.dynamo_key(gm, example_inputs, self.bucketing, self.reordering,
-                                    self.memory_limit_bytes,
-                                    {k: v for k, v in comm.to_dict().items() if k != "source"},
+                                    self.graph_budget_bytes,
+                                    figures,
                                     _world_size(), _source_hash(), self.backend)
         found = plan_cache.load(key, _rank())
         if self._agreement is not None:
@@ -218,20 +250,23 @@ class SimpleFSDPBackend:
         elif self.bucketing in PLANNED:
             plan = self._plan(graph, collectives, *cached)
             report.decisions = plan.decisions
-            report.comm_model = self.resolved_comm_model().to_dict()
+            report.comm_model = self.comm_for(collectives).to_dict()
             report.estimates = plan.estimates
             report.estimated_exposed_s = plan.estimated_exposed_s
             chosen = plan.estimates.get(plan.method)
-            report.predicted_peak_bytes = chosen.peak_bytes if chosen else 0
+            report.outside_bytes = self.outside_bytes
+            report.predicted_peak_bytes = (chosen.peak_bytes if chosen else 0) + \
+                self.outside_bytes
             report.memory_limit_bytes = self.memory_limit_bytes
             source = "plan cache" if plan.profile_s == 0.0 and plan.steps else \
                 f"compute measured in {plan.profile_s:.2f} s"
             report.notes.append(f"{plan.method}: {len(plan.steps)} steps -> "
                                 f"{len(plan.buckets)} buckets; {source}")
-            if chosen and self.memory_limit_bytes and chosen.peak_bytes > \
+            if chosen and self.memory_limit_bytes and report.predicted_peak_bytes > \
                     self.memory_limit_bytes:
-                report.notes.append(f"predicted peak {chosen.peak_bytes / 1e9:.4g} GB is over "
-                                    f"memory_limit_gb even with one collective per bucket")
+                report.notes.append(f"predicted peak {report.predicted_peak_bytes / 1e9:.4g} "
+                                    f"GB is over memory_limit_gb even with one collective "
+                                    f"per bucket")
             assignment = dict(plan.assignment)
             assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
                                                              self.all_reduce_bucket_mb))
@@ -256,17 +291,33 @@ class SimpleFSDPBackend:
         """Decide (or read from the plan cache) the buckets of one graph; store new
         decisions. With cached plans but none for this graph (Inductor's graph differs
         from the cached run's), the roofline decides: deterministic, no exchange."""
-        comm = self.resolved_comm_model()
+        comm = self.comm_for(collectives)
         gkey = plan_cache.graph_key(graph)
         cached = plans.get(gkey) if plans is not None else None
         warm = plans is not None
-        plan = auto_wrap.plan(graph, collectives, comm, self.memory_limit_bytes,
+        plan = auto_wrap.plan(graph, collectives, comm, self.graph_budget_bytes,
                               measure=not warm, compute_cache=self._compute_cache,
                               agreement=None if warm else self._agreement,
                               method=self.bucketing, cached=cached)
         if cached is None and plan.decided is not None and plans_key is not None:
             plan_cache.store(plans_key, _rank(), gkey, plan.decided)
         return plan
+
+    def comm_for(self, collectives) -> cost.CommModel:
+        """The comm model for a graph's ``collectives``: each kind's figures from the
+        calibration of the process group it runs on (``mesh``), where one was made for
+        that group's layout; the backend's model otherwise."""
+        comm = self.resolved_comm_model()
+        for kind in cost.comm.COLLECTIVE_KINDS:
+            c = next((c for c in collectives if c.kind == kind), None)
+            if c is None or not self.comm_models:
+                continue
+            layout = cost.comm.group_layout(resolve_process_group(c.start.args[-1]))
+            other = next((m for m in self.comm_models.values() if m.group == layout), None)
+            if other is not None and other is not comm:
+                comm = comm.with_kind_from(kind, other)
+                comm = dataclasses.replace(comm, source=f"{comm.source}{list(layout)}")
+        return comm
 
     def resolved_comm_model(self) -> cost.CommModel:
         """The comm model of this backend; without a process group at construction, the
@@ -367,7 +418,7 @@ def _inductor_pass_class() -> type:
                 return None  # not cacheable: the pass measures and talks to the other ranks
             plans = hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest() \
                 if found else ""
-            settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.memory_limit_gb}"
+            settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.graph_budget_bytes}"
                         f"|{o.all_reduce_bucket_mb}|{plans}")
             return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
 

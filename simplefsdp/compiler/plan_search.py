@@ -146,7 +146,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
                 if too_big(j, nxt_end):
                     break
                 nxt = bucket(j, nxt_end)
-                peak = bucket_peak(cur[6], cur[5], cur[3], nxt[3], prev[5], prev[4])
+                peak = bucket_peak(cur[6], cur[5], cur[3], nxt[3], prev[4])
                 if peak > limit:
                     continue
                 total = cost + window(cur[0], nxt[1] + prev[2], f) + nxt[7] + penalty
@@ -159,7 +159,7 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
             continue
         prev = bucket(h, i) if h < i else empty
         cur = bucket(i, j)
-        if bucket_peak(cur[6], cur[5], cur[3], 0, prev[5], prev[4]) > limit:
+        if bucket_peak(cur[6], cur[5], cur[3], 0, prev[4]) > limit:
             continue
         finals.append((cost + window(cur[0], prev[2], f) + cur[2], (h, i, j)))
     if not finals:

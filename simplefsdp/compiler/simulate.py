@@ -23,7 +23,9 @@ bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their comp
 Memory while bucket ``k`` computes: the step's own live bytes without its gathered
 parameters (sharded state, activations: ``Step.base_bytes``), plus bucket ``k``'s
 gathered bytes, bucket ``k+1``'s prefetched bytes, the flat buffer of a merged bucket
-during copy-out, and the gradient buffer of ``b_{k-1}``'s merged reduce-scatter.
+during copy-out, and the gradients of ``b_{k-1}``'s reduce-scatter, in flight until its
+deferred wait: the collective keeps its input (NCCL stashes it; gloo reduces a copy of
+it and copies the shard out on the wait), even where the graph no longer uses it.
 
 :func:`simulate` computes all of this for one plan; ``plan_search`` optimises the very
 same terms (:func:`window`, :func:`copy_seconds`, :func:`bucket_peak`), so the two agree
@@ -124,11 +126,10 @@ def copy_seconds(comm: CommModel, kind: str, count: int, nbytes: int,
 
 
 def bucket_peak(base: int, count: int, nbytes: int, next_nbytes: int,
-                prev_count: int, prev_scatter_bytes: int) -> int:
+                prev_scatter_bytes: int) -> int:
     """Live bytes while one bucket computes (see module doc)."""
     flat = nbytes if count > 1 else 0
-    rs_buffer = prev_scatter_bytes if prev_count > 1 else 0
-    return base + nbytes + next_nbytes + flat + rs_buffer
+    return base + nbytes + next_nbytes + flat + prev_scatter_bytes
 
 
 def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: CommModel,
@@ -156,8 +157,8 @@ def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: Comm
     for k, b in enumerate(buckets):
         base = max(steps[j].base_bytes for j in b)
         nxt = size[k + 1] if k + 1 < len(buckets) else 0
-        prev_count, prev_rs = (len(buckets[k - 1]), rs_size[k - 1]) if k >= 1 else (0, 0)
-        peak = max(peak, bucket_peak(base, len(b), size[k], nxt, prev_count, prev_rs))
+        prev_rs = rs_size[k - 1] if k >= 1 else 0
+        peak = max(peak, bucket_peak(base, len(b), size[k], nxt, prev_rs))
     slowed = sum(comp)
     compute = sum(steps[j].compute_s for b in buckets for j in b)
     return Estimate(total + copies, compute, copies, total - slowed, peak, len(buckets),

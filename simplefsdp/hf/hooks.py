@@ -150,7 +150,7 @@ def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     break graphs in some architectures)."""
     from ..train.parallelize import compile_backend_for
 
-    return torch.compile(model, backend=compile_backend_for(mesh, cfg))
+    return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
 
 
 def _build_llama_from_hf(cfg, mesh, device):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..data_parallel import dim0_rows
 from . import HFError
 
 LoadMode = Literal["broadcast", "all_ranks"]
@@ -165,9 +165,8 @@ def row_range(rows: int, mesh, placements, coordinate: list[int]) -> tuple[int, 
                 and placement.dim == 0):
             raise HFError(f"sharded loading handles Shard(0) and Replicate placements, not "
                           f"{placement}; tensor parallelism is not supported for these models")
-        chunk = math.ceil((stop - start) / mesh.size(dim)) if stop > start else 0
-        lo = min(start + coordinate[dim] * chunk, stop)
-        start, stop = lo, min(lo + chunk, stop)
+        lo, hi = dim0_rows(stop - start, mesh.size(dim), coordinate[dim])
+        start, stop = start + lo, start + hi
     return start, stop
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._torch_compat import TorchDispatchMode, tree_flatten
+from .._torch_compat import TorchDispatchMode, storage_key, tree_flatten
 
 
 @dataclass
@@ -53,11 +53,11 @@ class _Tracker(TorchDispatchMode):
 
     def storage_id(self, t: torch.Tensor) -> int | None:
         """The id of ``t``'s storage if it is tracked and alive."""
-        entry = self.live.get(t.untyped_storage()._cdata)
+        entry = self.live.get(storage_key(t))
         return entry[0] if entry else None
 
     def watch(self, t: torch.Tensor) -> None:
-        key = t.untyped_storage()._cdata
+        key = storage_key(t)
         if key in self.existing:
             return
         if key not in self.live:
@@ -117,7 +117,7 @@ def eager_memory(key) -> EagerMemory:
         else:
             x = torch.zeros(key.batch, key.seq, dtype=torch.long)
         params = list(model.parameters())
-        existing = {_local(t).untyped_storage()._cdata  # views of these are not new
+        existing = {storage_key(_local(t))  # views of these are not new
                     for t in [*params, *model.buffers()]}
         mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
         tracker = _Tracker(existing, {mesh[d].get_group().group_name
@@ -134,14 +134,5 @@ def eager_memory(key) -> EagerMemory:
             loss.backward(grad)
             del loss, grad
         grads = {tracker.storage_id(_local(p.grad)) for p in params if p.grad is not None}
-    if key.reshard:
-        # The library's eager resharding (``simplefsdp.eager_reshard``) drops saved
-        # gathered parameters and gathers them again in backward; its hooks recognise
-        # real tensors only, so here the gathered copies are left out of the timeline
-        # and one (the largest) is counted as the transient it is on the GPU.
-        skip = grads | set(tracker.gathered)
-        extra = max(tracker.gathered.values(), default=0)
-    else:
-        skip, extra = grads, 0
-    peak, saved = peak_of(tracker.events, skip, forward_end)
-    return EagerMemory(peak + extra, saved)
+    peak, saved = peak_of(tracker.events, grads, forward_end)
+    return EagerMemory(peak, saved)

@@ -188,8 +188,9 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     with fake_mode_cls(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         compiled = torch.compile(model, fullgraph=True, backend=capture)
-        if key.role == "last":
-            x = torch.empty(key.batch, key.seq, args.dim, dtype=dtype, requires_grad=True)
+        if key.role == "last":  # hidden states arrive sequence-sharded under TP + SP
+            x = torch.empty(key.batch, key.seq // key.tp, args.dim, dtype=dtype,
+                            requires_grad=True)
         else:
             x = torch.zeros(key.batch, key.seq, dtype=torch.long)
         try:

@@ -9,9 +9,10 @@
    sequence; the output projection is split by vocabulary columns and its logits
    gathered (replicated on every TP rank, for the loss).
 2. Activation checkpointing (``activation_checkpoint.mode``) per block: ``full``
-   recomputes the whole block in backward; ``selective`` keeps the outputs of matmuls,
-   attention and TP reductions and recomputes the cheap rest (norms, activations,
-   RoPE, and the FSDP all-gathers, so resharding still holds).
+   recomputes the whole block in backward; ``selective`` is torchtitan's per-op policy:
+   it keeps the outputs of attention, TP reduce-scatters and every other matmul, and
+   recomputes the rest (the other matmuls, norms, activations, RoPE, and the FSDP
+   all-gathers, so resharding still holds).
 3. ``simplefsdp.data_parallel`` over the data-parallel dims of the same mesh, with
    ``reduce_op="sum"``: the trainer's loss is already normalized by the global token
    count, so gradients are summed, not averaged.
@@ -23,6 +24,7 @@ Pipeline parallelism (splitting into stages) happens before all of this; see
 
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
 
@@ -33,6 +35,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import simplefsdp
 from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper
+from simplefsdp.compiler.cost.state import optimizer_state_bytes
 from simplefsdp.mesh import stage_group
 
 from ..models.llama import Transformer
@@ -111,23 +114,36 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None
 # Activation checkpointing.
 # ---------------------------------------------------------------------------------------
 def _saved_ops() -> set:
+    """Ops whose outputs selective AC keeps (torchtitan's per-op list): attention, the TP
+    reduce-scatters (not the FSDP all-gathers: those must be recomputed), ``max``; and
+    matmuls, of which ``_selective_policy`` keeps every other one."""
     aten, c10d = torch.ops.aten, c10d_functional
-    names = [(aten, "mm"), (aten, "addmm"), (aten, "bmm"),
+    names = [(aten, "mm"), (aten, "max"),
              (aten, "_scaled_dot_product_flash_attention"),
              (aten, "_scaled_dot_product_flash_attention_for_cpu"),
              (aten, "_scaled_dot_product_efficient_attention"),
              (aten, "_scaled_dot_product_cudnn_attention"),
-             # TP reductions (not the FSDP all-gathers: those must be recomputed).
-             (c10d, "all_reduce"), (c10d, "reduce_scatter_tensor")]
+             (c10d, "reduce_scatter_tensor")]
     return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
 
 
-def _selective_policy(saved: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func,
+                      *args, **kwargs) -> CheckpointPolicy:
+    """torchtitan's op-level rule: save ``saved`` ops' outputs except every second
+    ``aten.mm`` of a block's forward (its 2nd, 4th, ...; counted separately in the forward
+    and in its recomputation, so both make the same decisions). In our Llama block that
+    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory."""
+    if func is torch.ops.aten.mm.default:
+        mm_calls[ctx.is_recompute] += 1
+        if mm_calls[ctx.is_recompute] % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():
-    policy = functools.partial(_selective_policy, frozenset(_saved_ops()))
+    """A fresh policy per checkpointed call: the matmul count restarts with each block."""
+    policy = functools.partial(_selective_policy, frozenset(_saved_ops()),
+                               collections.Counter())
     return create_selective_checkpoint_contexts(policy)
 
 
@@ -167,20 +183,29 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
                                     reshard_after_forward=reshard, reduce_op="sum")
 
 
-def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig):
+def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | None = None):
     """Our ``torch.compile`` backend as ``[compile]`` configures it. A planned bucketing
-    (auto, greedy) agrees across the ranks compiling the same graph: under PP, a stage's."""
+    (auto, greedy) agrees across the ranks compiling the same graph: under PP, a stage's.
+    With ``model`` (sharded), ``memory_limit_gb`` leaves room for the trainer's AdamW
+    state, which lives outside the compiled graphs."""
     c = cfg.compile
     group = None
     if c.bucketing in ("auto", "greedy"):
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dp_mesh = None  # HSDP: plan each collective kind with its own group's figures
+    if c.bucketing in ("auto", "greedy") and cfg.parallel.dp_replicate > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+    outside = 0
+    if model is not None and c.memory_limit_gb is not None:
+        outside = optimizer_state_bytes("adamw", model.parameters())
     return simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                                       reordering=c.reordering, module_plan=None,
-                                      memory_limit_gb=c.memory_limit_gb, group=group)
+                                      memory_limit_gb=c.memory_limit_gb, group=group,
+                                      state_bytes_outside_graphs=outside, mesh=dp_mesh)
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    return torch.compile(model, fullgraph=True, backend=compile_backend_for(mesh, cfg))
+    return torch.compile(model, fullgraph=True, backend=compile_backend_for(mesh, cfg, model))
 
 
 def check_composition(ac_mode: str, compiled: bool) -> None:

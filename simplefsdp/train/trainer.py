@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
+from simplefsdp.compiler.cost.state import optimizer_state_bytes, sharded_param_bytes
 from simplefsdp.state_dict import unwrapped_name
 
 from ..hf import hooks as hf_hooks
@@ -344,9 +345,8 @@ def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
 
 def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
     """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
-    local = sum((q.to_local() if isinstance(q, DTensor) else q).numel() * q.element_size()
-                for q in params)
-    total = torch.tensor(3.0 * local, dtype=torch.float64)
+    local = sharded_param_bytes(params) + optimizer_state_bytes("adamw", params)
+    total = torch.tensor(float(local), dtype=torch.float64)
     dist.all_reduce(total)
     return preflight.too_little_space(folder, float(total)) if rank == 0 else None
 

@@ -3,7 +3,8 @@
 * :mod:`.comm`: ``alpha + beta * bytes`` per collective kind, calibrated, cached or
   from fabric defaults;
 * :mod:`.compute`: the time of one FX node, measured or by roofline;
-* :mod:`.memory`: bytes of a node's output and a liveness-based peak for a graph.
+* :mod:`.memory`: bytes of a node's output and a liveness-based peak for a graph;
+* :mod:`.state`: bytes held outside the graphs through a step (optimizer state).
 
 Every rank must take the same bucketing decisions, so anything measured is agreed
 across ranks before use (see :mod:`simplefsdp.agreement`).
@@ -12,5 +13,7 @@ across ranks before use (see :mod:`simplefsdp.agreement`).
 from .comm import CommModel, get_comm_model
 from .compute import estimate_graph_compute
 from .memory import peak_memory_estimate
+from .state import optimizer_state_bytes
 
-__all__ = ["CommModel", "estimate_graph_compute", "get_comm_model", "peak_memory_estimate"]
+__all__ = ["CommModel", "estimate_graph_compute", "get_comm_model", "optimizer_state_bytes",
+           "peak_memory_estimate"]

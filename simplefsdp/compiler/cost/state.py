@@ -1,0 +1,76 @@
+"""Bytes a training step holds outside the compiled graphs: the optimizer's state.
+
+The planner's predicted peak (``cost.memory``) counts what lives inside the forward and
+backward graphs: their inputs (the local parameter shards, saved activations), gathered
+parameters, gradients. The optimizer's state lives across the whole step outside them
+(AdamW: two fp32 tensors per parameter, twice the sharded parameters), so a
+``memory_limit_gb`` that means the step's peak must leave room for it:
+``compile_backend(state_bytes_outside_graphs=optimizer_state_bytes(...))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["STATE_TENSORS_PER_PARAM", "optimizer_state_bytes", "sharded_param_bytes"]
+
+# Full-size state tensors per parameter, in the parameter's dtype (torch's defaults:
+# scalar step counters, a few bytes per parameter, are left out).
+STATE_TENSORS_PER_PARAM = {
+    "adam": 2,  # exp_avg, exp_avg_sq (+ max_exp_avg_sq with amsgrad)
+    "adamw": 2,
+    "sgd": 0,  # + momentum_buffer with momentum != 0
+}
+
+
+def sharded_param_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's share of ``params`` (a DTensor's local shard; each tensor
+    once). Works on meta tensors, so it can run before the model is materialised."""
+    seen: set[int] = set()
+    total = 0
+    for p in params:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer: str | type | torch.optim.Optimizer,
+                          params: Iterable[torch.Tensor], *, amsgrad: bool = False,
+                          momentum: float = 0.0) -> int:
+    """Bytes of ``optimizer``'s state for the trainable ``params`` on this rank.
+
+    ``optimizer``: a name ("adamw", "adam", "sgd"), an optimizer class, or an instance
+    (its ``amsgrad`` / ``momentum`` defaults are read from it). Assumes the state has
+    the parameters' dtype and sharding (torch's optimizers on DTensor parameters):
+    Adam/AdamW 2x the sharded parameter bytes (3x with ``amsgrad``), SGD 1x with
+    ``momentum`` (0 without). Other optimizers raise: pass the bytes to
+    ``compile_backend(state_bytes_outside_graphs=...)`` yourself.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        amsgrad = bool(optimizer.defaults.get("amsgrad", amsgrad))
+        momentum = float(optimizer.defaults.get("momentum", momentum))
+        name = type(optimizer).__name__
+    elif isinstance(optimizer, type):
+        name = optimizer.__name__
+    elif isinstance(optimizer, str):
+        name = optimizer
+    else:
+        raise ValueError(f"optimizer must be a name, an optimizer class or instance, got "
+                         f"{type(optimizer).__name__}")
+    key = name.lower()
+    if key not in STATE_TENSORS_PER_PARAM:
+        raise ValueError(f"no state size known for optimizer {name!r} (known: "
+                         f"{sorted(STATE_TENSORS_PER_PARAM)}); pass the bytes its state "
+                         f"holds on this rank as compile_backend(state_bytes_outside_graphs=...)")
+    tensors = STATE_TENSORS_PER_PARAM[key]
+    if key.startswith("adam") and amsgrad:
+        tensors += 1
+    if key == "sgd" and momentum:
+        tensors += 1
+    return tensors * sharded_param_bytes(params)
