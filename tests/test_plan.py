@@ -224,6 +224,7 @@ def test_search_traces_each_graph_once():
 
 
 def _tp_pp_last_stage():
+    from simplefsdp.plan.eager import eager_memory
     from simplefsdp.plan.trace import trace, trace_key
 
     cfg = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2",
@@ -232,8 +233,13 @@ def _tp_pp_last_stage():
     vals = [n.meta.get("val") for n in tr.forward.graph.nodes if n.op == "placeholder"]
     inputs = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() == 3]
     out = next(n for n in tr.forward.graph.nodes if n.op == "output").args[0][0]
+    # the eager replay of the same stage takes the same input (its loss needs logits for
+    # exactly seq tokens, so a whole-sequence input, gathered to 2 x seq, fails there)
+    eager = eager_memory(trace_key(load_config(None, [
+        "--parallel.tp", "2", "--parallel.pp", "2", "--training.seq_len", "32",
+        "--training.batch_size", "2", "--compile.enable", "false"]), "last", 1, 2, 1, 2))
     return [tuple(v.shape) for v in inputs], tuple(out.meta["val"].shape), \
-        cfg.model.model_args().dim
+        cfg.model.model_args().dim, eager.peak
 
 
 def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states():
@@ -244,10 +250,11 @@ def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states():
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        inputs, logits, dim = pool.apply(_tp_pp_last_stage)
+        inputs, logits, dim, eager_peak = pool.apply(_tp_pp_last_stage)
     hidden = [shape for shape in inputs if shape[-1] == dim]  # not the RoPE table
     assert hidden == [(2, 16, dim)], inputs
     assert logits[:2] == (2, 32), logits
+    assert eager_peak > 0
 
 
 def test_eager_reshard_recognises_fake_tensors():

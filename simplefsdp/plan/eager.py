@@ -106,16 +106,13 @@ def eager_memory(key) -> EagerMemory:
     tensors and return its activation peak and the bytes saved for backward."""
     from .._torch_compat import FakeTensorMode
     from ..train.step import token_loss_sum
-    from .trace import _mesh, build_model, ensure_fake_world
+    from .trace import _mesh, build_model, ensure_fake_world, stage_input
 
     ensure_fake_world()
     model, args, dtype = build_model(key)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        if key.role == "last":
-            x = torch.empty(key.batch, key.seq, args.dim, dtype=dtype, requires_grad=True)
-        else:
-            x = torch.zeros(key.batch, key.seq, dtype=torch.long)
+        x = stage_input(key, args, dtype)
         params = list(model.parameters())
         existing = {storage_key(_local(t))  # views of these are not new
                     for t in [*params, *model.buffers()]}

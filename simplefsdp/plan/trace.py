@@ -154,6 +154,16 @@ def build_model(key: TraceKey):
     return parallelize(model, mesh, _job(key)), args, dtype
 
 
+def stage_input(key: TraceKey, args, dtype: torch.dtype) -> torch.Tensor:
+    """What ``key``'s model (or stage) receives, created in the caller's fake mode: token
+    ids, or for the last pipeline stage the previous stage's hidden states, which arrive
+    sequence-sharded under TP + SP (the one owner of that shape; eager replays use it)."""
+    if key.role == "last":
+        return torch.empty(key.batch, key.seq // key.tp, args.dim, dtype=dtype,
+                           requires_grad=True)
+    return torch.zeros(key.batch, key.seq, dtype=torch.long)
+
+
 def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     from ..compiler.backend import SimpleFSDPBackend
 
@@ -188,11 +198,7 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     with fake_mode_cls(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         compiled = torch.compile(model, fullgraph=True, backend=capture)
-        if key.role == "last":  # hidden states arrive sequence-sharded under TP + SP
-            x = torch.empty(key.batch, key.seq // key.tp, args.dim, dtype=dtype,
-                            requires_grad=True)
-        else:
-            x = torch.zeros(key.batch, key.seq, dtype=torch.long)
+        x = stage_input(key, args, dtype)
         try:
             compiled(x)  # compiles both graphs; running them is not needed
         except Exception:  # noqa: BLE001 - e.g. full AC saving a DeviceMesh fails to *run*
