@@ -182,7 +182,7 @@ def _run_with_broken_variant(rank, world):
         lambda ctx: variants.Built(_FailsOnRank1(variants.plain_model(ctx))))
     variants.VARIANTS["broken"] = spec
     cfg = parse_args(["--model.n_layers", "1", "--model.dim", "32", "--training.seq_len", "16",
-                      "--training.batch_size", "2", "--bench.steps", "2",
+                      "--training.batch_size", "2", "--bench.steps", "2", "--bench.warmup", "3",
                       "--world-size", str(world), "--variants", "simplefsdp-eager,fsdp2-eager"])
     cfg.bench.variants.insert(1, "broken")  # registered here, after validation
     return runner.run_benchmark(cfg, rank, world, fake=False, local_world=world)

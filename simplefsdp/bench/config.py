@@ -56,8 +56,9 @@ class BenchSection:
 
     world_size: int | None = None  # ranks; none: torchrun's world size, or 2
     # Unmeasured steps per variant: the first compiles (FSDP2 and DDP initialize lazily),
-    # the second settles (DDP rebuilds its buckets), the last one runs under the profiler.
-    warmup: int = 3
+    # the second settles (DDP rebuilds its buckets), the rest run under the profiler
+    # (memory: the least of them, see ``measure.PROFILED_STEPS``).
+    warmup: int = 5  # 2 + measure.PROFILED_STEPS
     steps: int = 10  # measured steps per variant
     variants: list[str] = field(default_factory=list)  # empty: all of them (see --list)
     fake_pg: bool = False  # one process pretends to be world_size ranks (compile/memory only)
@@ -94,7 +95,7 @@ class BenchConfig:
         require(t.lr > 0, "training.lr", t.lr, "> 0")
         require(b.steps >= 1, "bench.steps", b.steps, ">= 1")
         require(b.warmup >= 3, "bench.warmup", b.warmup,
-                ">= 3 (step 1 compiles, step 2 settles, the last warm-up step is profiled)")
+                ">= 3 (step 1 compiles, step 2 settles, the later warm-up steps are profiled)")
         require(b.threads >= 0, "bench.threads", b.threads, ">= 0 (0: cores / ranks)")
         require(b.loss_tolerance >= 0, "bench.loss_tolerance", b.loss_tolerance, ">= 0")
         require(b.timeout_s > 0, "bench.timeout_s", b.timeout_s, "> 0")
