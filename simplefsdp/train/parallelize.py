@@ -40,6 +40,7 @@ from simplefsdp.mesh import stage_group
 
 from ..models.llama import Transformer
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
+from .step import OPTIMIZER
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -186,8 +187,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
 def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | None = None):
     """Our ``torch.compile`` backend as ``[compile]`` configures it. A planned bucketing
     (auto, greedy) agrees across the ranks compiling the same graph: under PP, a stage's.
-    With ``model`` (sharded), ``memory_limit_gb`` leaves room for the trainer's AdamW
-    state, which lives outside the compiled graphs."""
+    With ``model`` (sharded), ``memory_limit_gb`` leaves room for the trainer's optimizer
+    state (``step.OPTIMIZER``), which lives outside the compiled graphs."""
     c = cfg.compile
     group = None
     if c.bucketing in ("auto", "greedy"):
@@ -197,7 +198,7 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
         dp_mesh = mesh["dp_replicate", "dp_shard"]
     outside = 0
     if model is not None and c.memory_limit_gb is not None:
-        outside = optimizer_state_bytes("adamw", model.parameters())
+        outside = optimizer_state_bytes(OPTIMIZER, model.parameters())
     return simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                                       reordering=c.reordering, module_plan=None,
                                       memory_limit_gb=c.memory_limit_gb, group=group,

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from .trainer import Setup
 
 IGNORE_INDEX = -100
+# The trainer's optimizer (``trainer.build_optimizer``); its state lives outside the
+# compiled graphs, so the memory limit and the disk check size it by this class.
+OPTIMIZER = torch.optim.AdamW
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 

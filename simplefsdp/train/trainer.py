@@ -57,7 +57,7 @@ from .guard import Preempted, StopOnSignal
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
-from .step import token_loss_sum, train_step
+from .step import OPTIMIZER, token_loss_sum, train_step
 
 
 @dataclass
@@ -162,7 +162,7 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     # foreach kernels need every DTensor of one call on one mesh; with TP the params
     # live on two meshes (DP-only and DP x TP), so fall back to the per-tensor loop.
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
+    optimizer = OPTIMIZER(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
                                   weight_decay=t.weight_decay, foreach=len(meshes) <= 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_lambda, warmup=t.warmup_steps, total=t.steps))
@@ -345,7 +345,7 @@ def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
 
 def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
     """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
-    local = sharded_param_bytes(params) + optimizer_state_bytes("adamw", params)
+    local = sharded_param_bytes(params) + optimizer_state_bytes(OPTIMIZER, params)
     total = torch.tensor(float(local), dtype=torch.float64)
     dist.all_reduce(total)
     return preflight.too_little_space(folder, float(total)) if rank == 0 else None
