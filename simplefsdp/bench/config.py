@@ -59,7 +59,7 @@ class BenchSection:
     # the second settles (DDP rebuilds its buckets), the rest run under the profiler
     # (memory: the least of them, see ``measure.PROFILED_STEPS``).
     warmup: int = 5  # 2 + measure.PROFILED_STEPS
-    steps: int = 10  # measured steps per variant
+    steps: int = 20  # measured steps per variant
     variants: list[str] = field(default_factory=list)  # empty: all of them (see --list)
     fake_pg: bool = False  # one process pretends to be world_size ranks (compile/memory only)
     compile_cache: bool = False  # False: Inductor/AOT caches off, so compile time is cold
