@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -44,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="search: skip layouts whose speed bound cannot reach the "
                              "KEEP-th best found (the first KEEP rows are exact); 0: "
                              "predict every layout")
-    parser.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 4),
-                        help="search: processes tracing (one tensor-parallel size each)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="search: processes tracing (one tensor-parallel size each; "
+                             "helps on idle cores only: on 2 loaded cores 2 were slower)")
     args, overrides = parser.parse_known_args(argv)
     try:
         dev = gpu_profile(args.gpu)
