@@ -198,32 +198,6 @@ def test_bench_predicted_column_matches_the_measured_peak(tmp_path):
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
-def _search_trace_counts():
-    from simplefsdp.plan.eager import eager_memory
-    from simplefsdp.plan.search import search
-    from simplefsdp.plan.trace import trace
-
-    cfg = load_config(None, ["--training.seq_len", "32"])
-    rows = search(cfg, 8, "h100-sxm", gpus_per_node=2)
-    # lru_cache's CacheInfo does not pickle: send its fields
-    return len(rows), trace.cache_info()._asdict(), eager_memory.cache_info()._asdict()
-
-
-def test_search_traces_each_graph_once():
-    """Layouts that differ only in data-parallel sizes (dp_replicate 2 x 4 and 4 x 2)
-    or in pipeline depth share their graphs: each distinct graph is traced once."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        predictions, traces, eager = pool.apply(_search_trace_counts)
-    assert predictions >= 6
-    # every prediction asks for 2 traces (1 and 2 blocks) per pipeline role
-    assert traces["hits"] + traces["misses"] >= 2 * predictions
-    assert traces["hits"] > 0 and traces["misses"] < traces["hits"] + traces["misses"]
-    assert traces["currsize"] == traces["misses"]  # nothing traced twice (no eviction)
-    assert eager["hits"] + eager["misses"] >= 2 * predictions
-
-
 def _tp_pp_last_stage():
     from simplefsdp.plan.eager import eager_memory
     from simplefsdp.plan.trace import trace, trace_key

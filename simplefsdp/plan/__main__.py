@@ -39,15 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write one object per configuration here")
     parser.add_argument("--png", help="write memory vs tokens/s here")
     parser.add_argument("--top", type=int, default=20, help="rows of the search table")
+    parser.add_argument("--keep", type=int, default=3,
+                        help="search: skip layouts whose speed bound cannot reach the "
+                             "KEEP-th best found (the first KEEP rows are exact); 0: "
+                             "predict every layout")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="search: processes tracing (one tensor-parallel size each; "
+                             "helps on idle cores only: on 2 loaded cores 2 were slower)")
     args, overrides = parser.parse_known_args(argv)
     try:
         dev = gpu_profile(args.gpu)
         cfg = load_config(args.config, overrides)
         started = time.perf_counter()
         failures: list[str] = []
+        stats: dict = {}
+        if args.keep < 0 or args.workers < 1:
+            raise ConfigError(f"--keep ({args.keep}) must be >= 0 and --workers "
+                              f"({args.workers}) >= 1")
         if args.search:
             rows = search(cfg, args.gpus, args.gpu, args.gpus_per_node, failures=failures,
-                          progress=_progress(started))
+                          progress=_progress(started), keep=args.keep, stats=stats,
+                          workers=args.workers)
         else:
             rows = [predict(cfg, args.gpus, args.gpu, args.gpus_per_node)]
     except (ConfigError, ValueError) as e:
@@ -56,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cfg.model.name} on {args.gpus} x {args.gpu} ({dev.note}), "
           f"{args.gpus_per_node} per node; {time.perf_counter() - started:.1f} s")
     print(report.table(rows, args.top if args.search else None))
+    if args.search:
+        print(report.search_note(stats, args.keep, args.workers))
     if cfg.compile.enable and cfg.compile.bucketing == "auto":
         print("note: compile.bucketing = 'auto' is planned as 'manual' (one bucket per block)")
     for failure in failures:

@@ -19,13 +19,14 @@ microbatches in flight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER
-from ..compiler.cost.memory import alias_roots, live_bytes
+from ..compiler.cost.memory import _alias_bases, alias_roots, live_bytes
 from .trace import Trace
 
 
@@ -47,18 +48,22 @@ def _tensor_bytes(val) -> int:
     return 0
 
 
-def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
-    """Nodes whose size is a parameter shard's: shard placeholders, reduce-scatter
-    outputs, and anything computed from those alone (casts, bucket copy-ins)."""
+def shard_nodes(graph: fx.Graph, shards: set, dp_groups: set[str],
+                seeds: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """Nodes whose size is a parameter shard's: shard placeholders, ``seeds`` (the
+    backward's saved inputs that were shard-sized in the forward, e.g. a bf16 cast of a
+    shard), outputs of reduce-scatters over a data-parallel group (``dp_groups``; the
+    tensor-parallel ones are sequence-parallel activations), and anything computed
+    from those alone (casts, bucket copy-ins)."""
     found: set[fx.Node] = set()
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            if isinstance(val, torch.Tensor) and (
+            if node in seeds or isinstance(val, torch.Tensor) and (
                     tuple(int(d) for d in val.shape), val.dtype) in shards:
                 found.add(node)
         elif node.op == "call_function":
-            if node.target == REDUCE_SCATTER:
+            if node.target == REDUCE_SCATTER and node.args[-1] in dp_groups:
                 found.add(node)
             elif node.target != ALL_GATHER:
                 inputs = [a for a in node.all_input_nodes if "val" in a.meta]
@@ -67,21 +72,57 @@ def shard_nodes(graph: fx.Graph, shards: set) -> set[fx.Node]:
     return found
 
 
-def _live(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node]) -> list[int]:
+def saved_inputs(tr: Trace) -> dict[fx.Node, fx.Node]:
+    """Backward placeholder -> the forward node it was saved from (the partitioner names
+    a saved tensor's backward input after its forward node)."""
+    outputs = next(n for n in tr.forward.graph.nodes if n.op == "output").args[0]
+    by_name = {a.name: a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)}
+    return {n: by_name[n.name] for n in tr.backward.graph.nodes
+            if n.op == "placeholder" and n.name in by_name}
+
+
+def trace_shards(tr: Trace) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Shard-sized nodes of the forward and backward graphs. A shard-sized tensor saved
+    for backward stays shard-sized there even when its dtype is no parameter's (the
+    bf16 casts of the shards): without that, the backward counted it at the traced
+    ``dp_shard`` (the 405B search's batch-2 rows came out ~3x their batch-1 rows)."""
+    dp = {name for name, dim in tr.groups.items() if dim != "tp"}
+    fw = shard_nodes(tr.forward.graph, tr.shards, dp)
+    seeds = {p for p, a in saved_inputs(tr).items() if a in fw}
+    return fw, shard_nodes(tr.backward.graph, tr.shards, dp, seeds)
+
+
+def _backward_aliases(tr: Trace) -> Callable:
+    """``alias_of`` for the backward graph: a saved input whose forward allocation
+    another saved input already holds (a tensor and its view or wait, both saved) is
+    that input's alias, so the allocation is counted once, as the forward counts it."""
+    root = alias_roots(tr.forward.graph)
+    first: dict[fx.Node, fx.Node] = {}
+    alias: dict[fx.Node, fx.Node] = {}
+    for p, a in saved_inputs(tr).items():
+        for r in root[a]:
+            if r in first:
+                alias[p] = first[r]
+            else:
+                first[r] = p
+    return lambda n: [alias[n]] if n in alias else _alias_bases(n)
+
+
+def _live(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node],
+          alias_of: Callable = _alias_bases) -> list[int]:
     """Live bytes per node; ``skip``: tensors not counted (model states)."""
-    return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0))
+    return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0), alias_of=alias_of)
 
 
 def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
     """Liveness of ``tr``'s graphs with shard-sized tensors scaled to ``dp_shard``."""
     scale = tr.key.dp_shard / dp_shard
     sizes, skips = [], []
-    for gm in (tr.forward, tr.backward):
-        shard = shard_nodes(gm.graph, tr.shards)
+    for gm, shard in zip((tr.forward, tr.backward), trace_shards(tr), strict=True):
         size = {n: int(_tensor_bytes(n.meta.get("val")) * (scale if n in shard else 1))
                 for n in gm.graph.nodes}
         # model states: parameter shards in, gradient shards out
-        skip = {n for n in shard if n.op == "placeholder"}
+        skip = {n for n in shard if n.op == "placeholder" and _is_param_shard(n, tr.shards)}
         out = next(n for n in gm.graph.nodes if n.op == "output")
         skip |= {a for a in out.all_input_nodes if a in shard}
         sizes.append(size)
@@ -99,8 +140,14 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
 
     user_bytes = held(user)
     saved_bytes = held(saved)
-    bw_live = _live(bw, sizes[1], skips[1])
+    bw_live = _live(bw, sizes[1], skips[1], _backward_aliases(tr))
     return GraphMemory(max(fw_live, default=0), saved_bytes, user_bytes, max(bw_live, default=0))
+
+
+def _is_param_shard(node: fx.Node, shards: set) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (
+        tuple(int(d) for d in val.shape), val.dtype) in shards
 
 
 def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int) -> tuple[int, int]:

@@ -70,9 +70,9 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         tr = trace(trace_key(cfg, role, k, mb, dp_rep_t, dp_shard_t))
         gm = memory.graph_memory(tr, p.dp_shard)
         scale = tr.key.dp_shard / p.dp_shard
-        times = [timing.simulate(g, dev, fabric, tr.groups, tr.key.compile, scale,
-                                 memory.shard_nodes(g.graph, tr.shards))
-                 for g in (tr.forward, tr.backward)]
+        times = [timing.simulate(g, dev, fabric, tr.groups, tr.key.compile, scale, shard)
+                 for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
+                                     strict=True)]
         fig = {**vars(gm), "seconds": sum(t for t, _ in times),
                "exposed": sum(e for _, e in times)}
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps

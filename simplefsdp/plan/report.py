@@ -26,6 +26,17 @@ def table(rows: list[Prediction], limit: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def search_note(stats: dict, keep: int, workers: int) -> str:
+    """What the search traced and what it skipped untraced (``search``'s ``stats``)."""
+    bound = (f"; {stats.get('bound', 0)} could not reach the {keep} best (speed bound: "
+             f"the first {keep} rows are exact, later rows are those traced)" if keep else "")
+    return (f"search: {stats.get('predicted', 0)} layouts predicted ({stats.get('traces', 0)}"
+            f" traces, {stats.get('eager_replays', 0)} eager replays, {workers} "
+            f"process{'es' if workers > 1 else ''}); skipped untraced: "
+            f"{stats.get('memory', 0)} cannot fit, {stats.get('fits_with_less_ac', 0)} fit "
+            f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}")
+
+
 def write_json(rows: list[Prediction], path: str | Path) -> None:
     Path(path).write_text(json.dumps([r.to_dict() for r in rows], indent=1))
 

@@ -7,7 +7,10 @@ node otherwise), each AC mode, and local batch sizes 1 and 2 (under PP: as many
 microbatches of one sequence as 1x and 2x the stages). Skipped untraced: layouts whose
 model states (and the loss's logits) alone exceed the GPU; a batch whose smaller batch
 did not fit with the same AC mode; AC modes recomputing more than one that already fits
-(never faster).
+(never faster); a batch, or a replication (smaller shards), larger than one that did
+not fit with the same tp, pp and AC mode; with ``keep``, layouts whose speed bound
+(compute FLOPs at the roofline, no communication) cannot reach the ``keep``-th best row
+found so far. Layouts are visited fastest bound first, so the bar rises early.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Iterator
 from ..hardware import gpu_profile
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
-from . import memory
+from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 AC_MODES = ("none", "selective", "full")
@@ -73,41 +76,201 @@ def _lower_bound(c: JobConfig) -> float:
     return bound
 
 
-def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
-           progress=None, failures: list[str] | None = None) -> list[Prediction]:
-    """Predictions for every layout that was worth tracing, best tokens/s first among
-    those that fit. A layout that fails to trace (the library cannot compile it) is
-    described in ``failures``, and the other layouts with its ``tp`` are skipped."""
-    failures = [] if failures is None else failures
-    dev = gpu_profile(gpu)
-    results: list[Prediction] = []
-    too_big: set[tuple] = set()  # (layout, ac): this batch did not fit, larger won't
-    fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
-    broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
+def speed_bound(c: JobConfig, gpus: int, dev) -> float:
+    """Tokens/s per GPU that ``predict`` cannot exceed for ``c``: its step time with each
+    stage's simulated forward + backward replaced by ``timing.compute_floor_seconds``
+    (the loss, optimizer and pipeline schedule terms are predict's own)."""
+    args, t = c.model.model_args(), c.training
+    p = c.parallel.resolve(gpus)
+    micro = p.pp_microbatches if p.pp > 1 else 1
+    mb = t.batch_size // micro
+    seconds = 0.0
+    for role in ["full"] if p.pp == 1 else ["first", "last"]:
+        n = args.n_layers if role == "full" else len(stage_layers(
+            args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+        step = timing.compute_floor_seconds(args, mb * t.seq_len, t.seq_len, p.tp, n,
+                                            c.activation_checkpoint.mode == "full", dev)
+        if role != "first":
+            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev)
+        stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
+            step, p.pp, micro * t.grad_accum_steps)
+        params = memory.stage_params(args, role, n, p.tp) / p.dp_shard
+        stage += timing.optimizer_seconds(params, dev)
+        seconds = max(seconds, stage)
+    return t.batch_size * t.seq_len * t.grad_accum_steps * p.dp_degree / seconds / gpus
+
+
+def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev) -> list[list[JobConfig]]:
+    """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
+    groups fastest bound first, so the layouts likely to win are traced first and set the
+    bar the others' bounds must reach."""
+    groups: dict[tuple, list[JobConfig]] = {}
     for c in layouts(cfg, gpus, gpus_per_node):
         p = c.parallel
+        groups.setdefault((p.tp, p.pp, p.dp_replicate, p.dp_shard), []).append(c)
+
+    def best(group: list[JobConfig]) -> float:
+        try:
+            return max(speed_bound(c, gpus, dev) for c in group)
+        except ConfigError:
+            return 0.0
+    return sorted(groups.values(), key=best, reverse=True)
+
+
+class _Bar:
+    """The ``keep`` best fitting tokens/s found so far, in this process or shared by the
+    search's worker processes (an ``mp.Array`` and its lock)."""
+
+    def __init__(self, keep: int, shared=None, lock=None):
+        self.keep, self.values, self.lock = keep, shared, lock
+        if shared is None:
+            self.values = [0.0] * keep
+
+    def beaten(self, bound: float) -> bool:
+        """Whether a layout with this speed bound cannot make the ``keep`` best."""
+        return self.keep > 0 and bound < self.values[self.keep - 1]
+
+    def add(self, tokens_per_s: float) -> None:
+        if not self.keep:
+            return
+        if self.lock is not None:
+            with self.lock:
+                self._insert(tokens_per_s)
+        else:
+            self._insert(tokens_per_s)
+
+    def _insert(self, x: float) -> None:
+        top = sorted([*self.values, x], reverse=True)[:self.keep]
+        for i, v in enumerate(top):
+            self.values[i] = v
+
+
+STATS = ("predicted", "bound", "memory", "fits_with_less_ac", "invalid", "broken_tp")
+
+
+def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
+                   bar: _Bar, progress=None) -> tuple[list[Prediction], list[str], dict]:
+    """The search over ``groups`` (layouts, see ``_groups``): (rows, failures, stats)."""
+    dev = gpu_profile(gpu)
+    stats = dict.fromkeys(STATS, 0)
+    failures: list[str] = []
+    results: list[Prediction] = []
+    too_big: list[tuple] = []  # (tp, pp, ac, batch, dp_shard) that did not fit
+    fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
+    broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
+    for c in (c for group in groups for c in group):
+        p = c.parallel
         layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard)
-        shape = layout + (c.activation_checkpoint.mode,)
-        if shape in too_big or layout + (c.training.batch_size,) in fitted or p.tp in broken_tp:
+        ac, batch = c.activation_checkpoint.mode, c.training.batch_size
+        if p.tp in broken_tp:
+            stats["broken_tp"] += 1
+            continue
+        # a larger batch, or smaller shards (more replication), than a layout that did
+        # not fit with the same tp, pp and AC holds more: it does not fit either
+        if any(k[:3] == (p.tp, p.pp, ac) and batch >= k[3] and p.dp_shard <= k[4]
+               for k in too_big):
+            stats["memory"] += 1
+            continue
+        if layout + (batch,) in fitted:
+            stats["fits_with_less_ac"] += 1
             continue
         try:
             c.validate()
         except ConfigError:
+            stats["invalid"] += 1
             continue  # e.g. tp does not divide the heads
         if _lower_bound(c) + CONTEXT_BYTES > dev.memory_bytes:
+            stats["memory"] += 1
+            continue
+        if bar.beaten(speed_bound(c, gpus, dev)):
+            stats["bound"] += 1
             continue
         try:
             r = predict(c, gpus, gpu, gpus_per_node)
         except Exception as e:  # noqa: BLE001 - a layout the library cannot compile
-            failures.append(f"tp={p.tp} pp={p.pp} ac={c.activation_checkpoint.mode}: "
-                            f"{_cause(e)}")
+            failures.append(f"tp={p.tp} pp={p.pp} ac={ac}: {_cause(e)}")
             broken_tp.add(p.tp)  # the failures seen are TP-wide: skip its other layouts
             continue
         results.append(r)
+        stats["predicted"] += 1
         if progress is not None:
             progress(r)
         if not r.fits:
-            too_big.add(shape)
+            too_big.append((p.tp, p.pp, ac, batch, p.dp_shard))
         else:  # more recomputation only costs time: never faster, not worth tracing
-            fitted.add(layout + (c.training.batch_size,))
+            fitted.add(layout + (batch,))
+            bar.add(r.tokens_per_s_per_gpu)
+    return results, failures, stats
+
+
+def _cache_counts() -> dict:
+    from .eager import eager_memory
+    from .trace import trace
+
+    return {"traces": trace.cache_info().misses, "eager_replays": eager_memory.cache_info().misses}
+
+
+_SHARED: tuple = ()  # a worker's (shared array, lock), set by ``_init_worker``
+
+
+def _init_worker(shared, lock) -> None:
+    global _SHARED
+    _SHARED = (shared, lock)
+
+
+def _worker(args) -> tuple[list[Prediction], list[str], dict]:
+    groups, gpus, gpu, gpus_per_node, keep = args
+    before = _cache_counts()
+    rows, failures, stats = _search_groups(groups, gpus, gpu, gpus_per_node,
+                                           _Bar(keep, *_SHARED))
+    after = _cache_counts()
+    stats.update({k: after[k] - before[k] for k in after})
+    return rows, failures, stats
+
+
+def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
+           progress=None, failures: list[str] | None = None, keep: int = 0,
+           stats: dict | None = None, workers: int = 1) -> list[Prediction]:
+    """Predictions for every layout that was worth tracing, best tokens/s first among
+    those that fit. A layout that fails to trace (the library cannot compile it) is
+    described in ``failures``, and the other layouts with its ``tp`` are skipped.
+
+    ``keep`` > 0: a layout whose ``speed_bound`` is below the ``keep``-th best fitting
+    tokens/s found so far is skipped untraced; the first ``keep`` rows are then exactly
+    those of the exhaustive search (``keep = 0``). ``workers`` > 1: that many processes
+    (spawned, each with its own fake process group) take one tensor-parallel size at a
+    time (no trace is shared across ``tp``), sharing the ``keep`` best. ``stats`` gets
+    the counts of layouts predicted and skipped by reason, and of traces and eager
+    replays run."""
+    failures = [] if failures is None else failures
+    stats = {} if stats is None else stats
+    dev = gpu_profile(gpu)
+    groups = _groups(cfg, gpus, gpus_per_node, dev)
+    by_tp: dict[int, list[list[JobConfig]]] = {}
+    for g in groups:
+        by_tp.setdefault(g[0].parallel.tp, []).append(g)
+    if workers <= 1 or len(by_tp) == 1:
+        before = _cache_counts()
+        results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node, _Bar(keep),
+                                            progress)
+        after = _cache_counts()
+        parts = [(results, fails, {**st, **{k: after[k] - before[k] for k in after}})]
+    else:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        shared, lock = ctx.Array("d", max(keep, 1), lock=False), ctx.Lock()
+        tasks = [(g, gpus, gpu, gpus_per_node, keep) for g in by_tp.values()]
+        parts = []
+        with ctx.Pool(min(workers, len(tasks)), _init_worker, (shared, lock)) as pool:
+            for part in pool.imap_unordered(_worker, tasks):
+                parts.append(part)
+                for r in part[0] if progress is not None else []:
+                    progress(r)
+    results = []
+    for rows, fails, st in parts:
+        results += rows
+        failures += fails
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0) + v
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))

@@ -158,3 +158,24 @@ def optimizer_seconds(params_per_rank: float, dev: GpuProfile) -> float:
 def pp_step_seconds(stage_seconds: float, pp: int, microbatches: int) -> float:
     """1F1B / GPipe: ``microbatches + pp - 1`` slots of the slowest stage's fwd+bwd."""
     return (microbatches + pp - 1) * stage_seconds
+
+
+def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
+                          recompute: bool, dev: GpuProfile) -> float:
+    """A lower bound on the simulated forward + backward of ``blocks`` blocks for
+    ``tokens`` tokens on one tensor-parallel rank: only the FLOP term of their matmuls
+    and attention (``node_seconds`` takes the max of that and the memory term, and
+    ``simulate`` adds memory-bound ops, kernel floors and exposed communication), at the
+    bf16 peak. ``recompute``: full activation checkpointing runs each block's forward
+    again in backward. Lets the search skip layouts that cannot win without tracing."""
+    from ..models.llama import ffn_hidden_dim
+
+    hd = args.head_dim
+    params = args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) \
+        + 3 * args.dim * ffn_hidden_dim(args)
+    passes = 4 if recompute else 3  # forward 1, backward 2 (grad input, grad weight)
+    matmul = 2 * passes * params / tp * tokens
+    # per query token: 4 * heads * seq * head_dim / 2 (causal), backward 2.5x forward
+    attention = 2 * (args.n_heads / tp) * seq * hd * tokens * (1 + 2.5 + recompute)
+    peak = dev.spec.bf16_flops
+    return blocks * (matmul / (peak * MATMUL_EFF) + attention / (peak * ATTENTION_EFF))

@@ -1,0 +1,115 @@
+"""The planner's search and its exact shortcuts: shard rescaling with bf16 compute (the
+casts of the shards saved for backward), and the trace counts of a search.
+
+Each trace costs a few seconds of Dynamo + AOTAutograd, so every check runs in one
+spawned worker (its own fake process group) and traces as little as it can.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+from simplefsdp.train.config import load_config
+
+# The anomaly's own layout: 405B, tp 8 (sequence parallel), bf16 compute, selective AC,
+# batch 2 (fake tensors: tracing costs the same at any width).
+LLAMA_405B = ("configs/llama3_405b.toml", [
+    "--parallel.tp", "8", "--parallel.dp_replicate", "1", "--parallel.dp_mode",
+    "fully_shard", "--activation_checkpoint.mode", "selective", "--compile.bucketing",
+    "manual", "--training.batch_size", "2"])
+
+
+def _in_worker(fn, *args):
+    """``fn(*args)`` in a spawned process with its own fake process group (not a daemon:
+    the search's own worker processes start from it)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _rescaled_vs_traced(path, overrides):
+    from simplefsdp.plan.memory import graph_memory
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(path, overrides)
+    two = trace(trace_key(cfg, "full", 1, 2, 1, 2))
+    four = trace(trace_key(cfg, "full", 1, 2, 1, 4))
+    return vars(graph_memory(two, 4)), vars(graph_memory(four, 4))
+
+
+def test_bf16_saved_shard_casts_are_rescaled():
+    """With bf16 compute, selective AC saves the bf16 casts of the parameter shards for
+    backward. They are shard-sized in the backward graph too, and tp 8's sequence-parallel
+    reduce-scatters are not: traced at dp_shard 2 and rescaled to 4, every figure equals
+    a trace at 4 (exact: the sizes divide evenly).
+    Before the fix the backward counted them at the traced size: the 405B search on
+    1024 GPUs (tp 8, dp_shard 128) predicted 121.8 GiB for batch 2 against 41.3 GiB for
+    batch 1; with it, 72.3 vs 39.3 GiB (activations 66.0 vs 33.0: twice)."""
+    rescaled, traced = _in_worker(_rescaled_vs_traced, *LLAMA_405B)
+    assert rescaled == traced
+
+
+# Llama 3 8B's width (traces cost the same at any width; compute dominates the step, as
+# on the real runs) with 8 blocks, on 4 GPUs of 2 per node: tp 1-2, pp 1-4, hybrid.
+SMALL = ("configs/llama3_8b.toml", ["--model.n_layers", "8", "--compile.bucketing", "manual"])
+
+
+def _keep_vs_exhaustive(path, overrides, gpus, per_node):
+    from simplefsdp.hardware import gpu_profile
+    from simplefsdp.plan.search import layouts, search, speed_bound
+    from simplefsdp.plan.trace import trace
+
+    cfg = load_config(path, overrides)
+    pruned_stats, full_stats = {}, {}
+    pruned = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=pruned_stats)
+    full = search(cfg, gpus, "h100-sxm", per_node, keep=0, stats=full_stats)
+    configs = {(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.pp,
+                c.activation_checkpoint.mode, c.training.batch_size): c
+               for c in layouts(cfg, gpus, per_node)}
+    dev = gpu_profile("h100-sxm")
+    bounds = [(speed_bound(configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac,
+                                    r.batch_size)], gpus, dev), r.tokens_per_s_per_gpu)
+              for r in full]
+    return ([r.to_dict() for r in pruned], [r.to_dict() for r in full], pruned_stats,
+            full_stats, bounds, trace.cache_info()._asdict())
+
+
+def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once():
+    """``keep = 1`` skips the layouts whose speed bound (compute FLOPs at the roofline)
+    cannot beat the best found, and gives the exhaustive search's best row; the bound
+    holds for every layout predicted; layouts sharing graphs (data-parallel sizes,
+    pipeline depth, batch sizes under PP) trace them once."""
+    pruned, full, pruned_stats, full_stats, bounds, traces = _in_worker(
+        _keep_vs_exhaustive, *SMALL, 4, 2)
+    assert pruned[0] == full[0] and full[0]["fits"]
+    assert pruned_stats["bound"] > 0 and pruned_stats["predicted"] < full_stats["predicted"]
+    # the exhaustive search traced only what the pruned one skipped: sharing within and
+    # across the two searches, nothing traced twice
+    assert 0 < full_stats["traces"] < pruned_stats["traces"]
+    assert traces["misses"] == pruned_stats["traces"] + full_stats["traces"]
+    assert traces["currsize"] == traces["misses"] and traces["hits"] > 0
+    # every prediction asks for 2 traces (1 and 2 blocks) per pipeline role
+    assert traces["hits"] + traces["misses"] >= 2 * (pruned_stats["predicted"]
+                                                     + full_stats["predicted"])
+    assert all(bound >= tps for bound, tps in bounds), bounds
+    assert full_stats["memory"] + full_stats["fits_with_less_ac"] > 0
+
+
+def _workers_vs_one(path, overrides):
+    from simplefsdp.plan.search import search
+
+    cfg = load_config(path, overrides)
+    one, two = {}, {}
+    rows_one = search(cfg, 2, "h100-sxm", 2, keep=1, stats=one)
+    rows_two = search(cfg, 2, "h100-sxm", 2, keep=1, stats=two, workers=2)
+    return [r.to_dict() for r in rows_one], [r.to_dict() for r in rows_two], one, two
+
+
+def test_search_workers_split_by_tp():
+    """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
+    best row as one process, and report their traces."""
+    one, two, stats_one, stats_two = _in_worker(
+        _workers_vs_one, SMALL[0], ["--model.n_layers", "2", "--compile.bucketing", "manual"])
+    assert one[0] == two[0]
+    assert stats_one["traces"] > 0 and stats_two["traces"] > 0
+    assert stats_one["predicted"] == len(one) and stats_two["predicted"] == len(two)
