@@ -18,6 +18,10 @@ from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
 __all__ = ["alias_roots", "live_bytes", "peak_memory_estimate", "tensor_bytes"]
 
 # Ops that return metadata or a view of their input without a kernel of their own.
+FUNCTIONAL_COLLECTIVES = frozenset({
+    "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_reduce",
+})
 METADATA_ONLY = frozenset({
     "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
     "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -74,13 +78,41 @@ def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [n for n in node.all_input_nodes if "val" in n.meta]
 
 
+# View ops by schema that copy when no view of the input has the asked shape (a
+# reshape of a non-contiguous slice: the copy-out of an all-gather bucket).
+COPY_IF_NEEDED = frozenset({"aten::reshape"})
+
+
+def _reshape_copies(node: torch.fx.Node) -> bool:
+    """Whether ``node`` (a reshape) allocates: no view of its input's strides has the
+    output's shape. Decided on meta tensors of the same sizes and strides."""
+    inputs = _tensor_input_nodes(node)
+    src, out = (inputs[0].meta.get("val") if inputs else None), node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    try:
+        probe = torch.empty_strided([concrete_int(s) for s in src.shape],
+                                    [concrete_int(s) for s in src.stride()],
+                                    dtype=src.dtype, device="meta")
+        probe.view([concrete_int(s) for s in out.shape])
+    except Unmeasurable:
+        return False
+    except (RuntimeError, ValueError):  # eager meta kernels / refs (under a fake mode)
+        return True
+    return False
+
+
 def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The input nodes whose memory ``node``'s output shares, or None for fresh memory.
 
     getitem, waits, views and ops whose schema marks every return as aliasing an input
     (in-place ``foo_``, ``out=`` variants) produce no new memory; they keep their bases
-    alive instead.
+    alive instead. So does the graph's output node: it returns tensors made earlier
+    (Inductor's graphs give it a ``meta["val"]`` of all of them, which is no
+    allocation). A reshape that cannot be a view copies (fresh memory).
     """
+    if node.op == "output":
+        return _tensor_input_nodes(node) or None
     if node.op != "call_function":
         return None
     target = node.target
@@ -88,6 +120,8 @@ def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
         base = node.args[0]
         return [base] if isinstance(base, torch.fx.Node) else None
     if not isinstance(target, OpOverload):
+        return None
+    if op_name(target) in COPY_IF_NEEDED and _reshape_copies(node):
         return None
     if op_name(target).endswith("wait_tensor") or getattr(target, "is_view", False) \
             or op_name(target) in METADATA_ONLY:
@@ -104,6 +138,27 @@ def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
                 bases.append(value)
         return bases or None
     return None
+
+
+def _collective_wait(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The wait of a functional collective ``node`` (None for other nodes): its input
+    stays allocated until then (the process group reads it while the collective runs;
+    Inductor frees it after the wait)."""
+    if node.op != "call_function" or op_name(node.target) not in FUNCTIONAL_COLLECTIVES:
+        return None
+    waits = [u for u in node.users if op_name(u.target).endswith("wait_tensor")]
+    return waits[0] if waits else None
+
+
+def held_by_caller(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], bool]:
+    """Which of ``graph``'s inputs stay allocated for the whole graph because the caller
+    holds them: every input of a forward graph (parameters, the batch), and the
+    ``primals_*`` inputs of an AOTAutograd backward (the same parameters). A backward's
+    saved activations and incoming gradients (``tangents_*``) are handed over to it
+    (AOTAutograd clears its saved tensors, Inductor deletes each after its last use)."""
+    backward = any(n.op == "placeholder" and n.name.startswith("tangents")
+                   for n in graph.nodes)
+    return lambda n: n.op == "placeholder" and (not backward or n.name.startswith("primals"))
 
 
 def alias_roots(graph: torch.fx.Graph, alias_of: Callable = _alias_bases
@@ -136,6 +191,11 @@ def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
         for user in n.users:
             for r in roots[n]:
                 end[r] = max(end[r], index[user])
+        until = _collective_wait(n)
+        if until is not None:  # the collective reads its input until it is waited on
+            for a in _tensor_input_nodes(n):
+                for r in roots[a]:
+                    end[r] = max(end[r], index[until])
     delta = [0] * (len(nodes) + 1)
     for n in nodes:
         if roots[n] != [n]:
@@ -155,8 +215,9 @@ def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
 def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
                          ) -> tuple[int, list[int]]:
     """``(peak_bytes, live_bytes_per_node)``: ``live_bytes`` with every node's output at
-    ``tensor_bytes`` and the placeholders (inputs) live throughout the graph."""
+    ``tensor_bytes`` and the inputs the caller holds (``held_by_caller``) live
+    throughout the graph; a backward's saved activations die after their last use."""
     if isinstance(graph, torch.fx.GraphModule):
         graph = graph.graph
-    live = live_bytes(graph, tensor_bytes, lambda n: n.op == "placeholder")
+    live = live_bytes(graph, tensor_bytes, held_by_caller(graph))
     return max(live, default=0), live
