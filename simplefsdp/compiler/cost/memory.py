@@ -15,13 +15,22 @@ import torch.fx
 
 from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
 
-__all__ = ["alias_roots", "live_bytes", "peak_memory_estimate", "tensor_bytes"]
+__all__ = ["IN_FLIGHT_SCRATCH", "alias_bases", "alias_roots", "held_by_caller", "live_bytes",
+           "peak_memory_estimate", "scratch_bytes", "sunk_copies", "tensor_bytes"]
 
 # Ops that return metadata or a view of their input without a kernel of their own.
 FUNCTIONAL_COLLECTIVES = frozenset({
     "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
     "_c10d_functional::all_reduce",
 })
+# Bytes a collective allocates while in flight (from its start to its wait), per byte of
+# its full tensor (an all-gather's output, a reduce-scatter's input), by process-group
+# backend. gloo: ``_allgather_base`` gathers into a temporary the size of its output,
+# and its reduce-scatter reduces a clone of its input (profiled on 2 gloo ranks:
+# tests/test_auto_wrap_memory.py). NCCL writes into the output: nothing extra.
+IN_FLIGHT_SCRATCH = {"gloo": {"all_gather": 1.0, "reduce_scatter": 1.0}}
+_SCRATCH_KIND = {"_c10d_functional::all_gather_into_tensor": "all_gather",
+                 "_c10d_functional::reduce_scatter_tensor": "reduce_scatter"}
 METADATA_ONLY = frozenset({
     "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
     "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -102,7 +111,17 @@ def _reshape_copies(node: torch.fx.Node) -> bool:
     return False
 
 
-def _alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+def sunk_copies(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """``alias_bases`` for a compiler that sinks copies into their consumers (Inductor
+    fuses a bucket's copy-out reshape into each parameter's first use, so the gathered
+    buffer lives until the bucket's last use instead of the copies living after it):
+    every reshape aliases its input."""
+    if node.op == "call_function" and op_name(node.target) in COPY_IF_NEEDED:
+        return _tensor_input_nodes(node)[:1] or None
+    return alias_bases(node)
+
+
+def alias_bases(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The input nodes whose memory ``node``'s output shares, or None for fresh memory.
 
     getitem, waits, views and ops whose schema marks every return as aliasing an input
@@ -161,7 +180,7 @@ def held_by_caller(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], bool]:
     return lambda n: n.op == "placeholder" and (not backward or n.name.startswith("primals"))
 
 
-def alias_roots(graph: torch.fx.Graph, alias_of: Callable = _alias_bases
+def alias_roots(graph: torch.fx.Graph, alias_of: Callable = alias_bases
                 ) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     """For each node, the fresh-memory nodes its output is (itself if it allocates)."""
     roots: dict[torch.fx.Node, list[torch.fx.Node]] = {}
@@ -172,16 +191,36 @@ def alias_roots(graph: torch.fx.Graph, alias_of: Callable = _alias_bases
     return roots
 
 
+def scratch_bytes(factors: dict[str, float] | None) -> Callable[[torch.fx.Node], int]:
+    """``node -> bytes`` it allocates while in flight, from ``factors`` (kind -> bytes per
+    byte of the full tensor; an ``IN_FLIGHT_SCRATCH`` entry; None: nothing)."""
+    if not factors:
+        return lambda n: 0
+
+    def of(node: torch.fx.Node) -> int:
+        kind = _SCRATCH_KIND.get(op_name(node.target)) if node.op == "call_function" \
+            else None
+        if kind is None or not factors.get(kind):
+            return 0
+        full = node if kind == "all_gather" else node.args[0]
+        return int(factors[kind] * tensor_bytes(full)) if isinstance(full, torch.fx.Node) \
+            else 0
+    return of
+
+
 def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
                pinned: Callable[[torch.fx.Node], bool] = lambda n: False,
-               alias_of: Callable = _alias_bases) -> list[int]:
+               alias_of: Callable = alias_bases,
+               scratch: Callable[[torch.fx.Node], int] = lambda n: 0) -> list[int]:
     """Live bytes during each node of ``graph``, in graph order: the one liveness pass.
 
     A fresh-memory node's output (``size_of(node)`` bytes; 0: not counted) is live from
     its definition to its last user, both inclusive, so during a node both its inputs
     and its output count; ``pinned`` nodes are live for the whole graph. Aliasing
     outputs (``alias_of``: views, getitem, waits, in-place ops) cost nothing and extend
-    their bases' lifetimes to their own last use instead.
+    their bases' lifetimes to their own last use instead. A collective's input stays
+    live until its wait, and ``scratch(node)`` bytes (the process group's temporaries,
+    see ``scratch_bytes``) are live from the collective to its wait.
     """
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -191,12 +230,17 @@ def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
         for user in n.users:
             for r in roots[n]:
                 end[r] = max(end[r], index[user])
-        until = _collective_wait(n)
-        if until is not None:  # the collective reads its input until it is waited on
-            for a in _tensor_input_nodes(n):
-                for r in roots[a]:
-                    end[r] = max(end[r], index[until])
     delta = [0] * (len(nodes) + 1)
+    for n in nodes:
+        until = _collective_wait(n)
+        if until is None:
+            continue
+        for a in _tensor_input_nodes(n):  # the collective reads its input until its wait
+            for r in roots[a]:
+                end[r] = max(end[r], index[until])
+        extra = scratch(n)
+        delta[index[n]] += extra
+        delta[index[until] + 1] -= extra
     for n in nodes:
         if roots[n] != [n]:
             continue  # aliases own no memory
@@ -212,12 +256,21 @@ def live_bytes(graph: torch.fx.Graph, size_of: Callable[[torch.fx.Node], int],
     return live
 
 
-def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule
-                         ) -> tuple[int, list[int]]:
+def peak_memory_estimate(graph: torch.fx.Graph | torch.fx.GraphModule,
+                         scratch: dict[str, float] | None = None,
+                         alias_of: Callable = alias_bases) -> tuple[int, list[int]]:
     """``(peak_bytes, live_bytes_per_node)``: ``live_bytes`` with every node's output at
     ``tensor_bytes`` and the inputs the caller holds (``held_by_caller``) live
-    throughout the graph; a backward's saved activations die after their last use."""
+    throughout the graph; a backward's saved activations die after their last use.
+    ``scratch``: the collectives' in-flight temporaries (an ``IN_FLIGHT_SCRATCH`` entry);
+    ``alias_of``: ``sunk_copies`` for Inductor's placement of copies. A backward also
+    counts, throughout, the forward's outputs its incoming gradients (``tangents_*``)
+    belong to: the caller holds them while backward runs (the logits a loss was
+    computed on), and they have their gradients' sizes."""
     if isinstance(graph, torch.fx.GraphModule):
         graph = graph.graph
-    live = live_bytes(graph, tensor_bytes, held_by_caller(graph))
+    outputs_held = sum(tensor_bytes(n) for n in graph.nodes
+                       if n.op == "placeholder" and n.name.startswith("tangents"))
+    live = [b + outputs_held for b in live_bytes(
+        graph, tensor_bytes, held_by_caller(graph), alias_of, scratch_bytes(scratch))]
     return max(live, default=0), live
