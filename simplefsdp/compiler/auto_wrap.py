@@ -419,7 +419,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     step_names = [c.module for c in (primary[::-1] if reverse else primary)]
 
     def peak_of(buckets: list[list[int]]) -> int:
-        return applied_peak(graph, collectives, _assignment(
+        return applied_peak(graph, collectives, bucket_assignment(
             primary, mirrored, owner, reverse, buckets, step_names), reordering, scratch)
 
     def measure_and_decide() -> dict[str, Any]:
@@ -442,7 +442,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
         raise ValueError(f"the plan has {len(steps)} steps but the graph {len(primary)} "
                          f"collectives: a stale plan cache? Delete it (see "
                          f"simplefsdp.compiler.plan_cache) and compile again")
-    assignment = _assignment(primary, mirrored, owner, reverse, buckets,
+    assignment = bucket_assignment(primary, mirrored, owner, reverse, buckets,
                              [s.name for s in steps])
     return Plan(assignment, steps, buckets, [Decision(**d) for d in decided["decisions"]],
                 {k: Estimate(**e) for k, e in decided["estimates"].items()},
@@ -450,7 +450,7 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
                 decided.get("peak_bytes"))
 
 
-def _assignment(primary: list[Collective], mirrored: list[Collective],
+def bucket_assignment(primary: list[Collective], mirrored: list[Collective],
                 owner: dict[fx.Node, int], reverse: bool, buckets: list[list[int]],
                 names: list[str]) -> dict[fx.Node, str]:
     """``{collective start: bucket name}`` for ``buckets`` of step indices (``names``:
