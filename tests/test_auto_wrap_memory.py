@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rank_runner import run_ranks
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
@@ -30,3 +31,118 @@ def test_outside_bytes_shrink_the_budget():
                            state_bytes_outside_graphs=100_000_000)
     with pytest.raises(ValueError, match="must be a non-negative int"):
         aw.check_outside_bytes(-1, None)
+
+
+# ------------------------------------------------------------------ a measured limit
+
+
+def _build(cfg, mesh, make_backend):
+    """The debug model on ``mesh`` compiled with ``make_backend(model)``, the model, the
+    trainer's AdamW and the backend."""
+    from simplefsdp.train.trainer import build_model, build_optimizer
+
+    runnable, model = build_model(cfg, mesh, torch.device("cpu"))
+    optimizer, _ = build_optimizer(model, cfg)
+    backend = make_backend(model)
+    return torch.compile(runnable, fullgraph=True, backend=backend), model, optimizer, backend
+
+
+def _measured_step_peak(runnable, model, optimizer, x) -> int:
+    """Held state + the profiled transient peak of the third training step (the first
+    compiles, the second creates the optimizer state)."""
+    from simplefsdp.bench.measure import held_bytes, profiled_step
+    from simplefsdp.train.step import token_loss_sum
+
+    def step():
+        logits = runnable(x)  # held through backward, as a training loop does
+        loss = token_loss_sum(logits, x) / x.numel()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    step()
+    step()
+    held = held_bytes(model, optimizer)
+    return held + profiled_step(step, torch.device("cpu"))[2]
+
+
+# Every collective costs 50 ms and compute hides none of it: unlimited, the search puts
+# each graph's collectives in as few buckets as it can (the largest peak), so a limit
+# near manual bucketing's peak must split them. Fixed figures: the plan does not depend
+# on this host's calibration.
+LATENCY_BOUND = CommModel((0.05, 1e-9), (0.05, 1e-9), (0.05, 1e-9), hidden_fraction=0.0,
+                          world_size=2)
+
+
+def _limit_above_manual(rank, world):
+    import gc
+
+    import simplefsdp
+    from simplefsdp.compiler import auto_wrap
+    from simplefsdp.compiler.plan_search import optimal_buckets
+    from simplefsdp.compiler.simulate import simulate
+    from simplefsdp.train.config import load_config
+
+    cfg = load_config(None, ["--model.name", "debug", "--training.batch_size", "4",
+                             "--training.seq_len", "128"])
+    mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
+    x = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(rank))
+    runnable, model, optimizer, _ = _build(
+        cfg, mesh, lambda m: simplefsdp.compile_backend(bucketing="manual"))
+    manual_peak = _measured_step_peak(runnable, model, optimizer, x)
+    del runnable, model, optimizer
+    # every rank takes rank 0's figure, so the ranks compile with the same limit
+    agreed = torch.tensor([float(manual_peak)], dtype=torch.float64)
+    torch.distributed.broadcast(agreed, 0)
+    limit_gb = 1.02 * agreed.item() / 1e9
+    gc.collect()
+
+    plans = []
+    original = auto_wrap.plan
+
+    def recording(*args, **kwargs):
+        plans.append(original(*args, **kwargs))
+        return plans[-1]
+
+    auto_wrap.plan = recording
+    try:
+        runnable, model, optimizer, backend = _build(
+            cfg, mesh, lambda m: simplefsdp.compile_backend(
+                bucketing="auto", memory_limit_gb=limit_gb, comm_model=LATENCY_BOUND,
+                plan_cache=False,
+                state_bytes_outside_graphs=optimizer_state_bytes("adamw", m.parameters())))
+        auto_peak = _measured_step_peak(runnable, model, optimizer, x)
+    finally:
+        auto_wrap.plan = original
+    unlimited = [(p.buckets, optimal_buckets(p.steps, LATENCY_BOUND, None, p.kind),
+                  simulate(p.steps, optimal_buckets(p.steps, LATENCY_BOUND, None, p.kind),
+                           LATENCY_BOUND, p.kind).peak_bytes) for p in plans]
+    reports = [(r.graph, r.predicted_peak_bytes, r.memory_limit_bytes)
+               for r in backend.reports]
+    return manual_peak, limit_gb * 1e9, auto_peak, unlimited, reports
+
+
+def test_measured_peak_stays_under_a_limit_just_above_manual_bucketing():
+    """Issue 13: 2 gloo ranks, Inductor. Measure manual bucketing's step peak, set
+    ``memory_limit_gb`` 2% above it, compile auto wrapping under that limit: the
+    measured step peak (held state + profiled transient, as the benchmark measures it)
+    stays under the limit, the graph reports predict under it, and the limit changed
+    the plan (unlimited, the search takes fewer, larger buckets).
+
+    Open (measured 15:23 UTC, under load): passed 3 of 4 runs; in the other, rank 0's
+    manual peak measured 26.13 MB (26.55-26.63 in the others), the limit fell to
+    26.65 MB and auto measured 27.25 MB. Reproduced with a fixed limit of 27.0 MB:
+    the backward plan [3,3,1,1,6,6,6,6,22,23] was predicted 26.30 MB and measured
+    27.26 MB (-3.6%): the model still misses ~1 MB with the last, largest buckets."""
+    results = run_ranks(_limit_above_manual, 2)
+    for manual_peak, limit, auto_peak, unlimited, reports in results:
+        print(f"manual {manual_peak / 1e6:.3f} MB, limit {limit / 1e6:.3f} MB, auto "
+              f"{auto_peak / 1e6:.3f} MB; predicted " + ", ".join(
+                  f"{g} {p / 1e6:.3f}" for g, p, _ in reports))
+        assert auto_peak <= limit, (auto_peak, limit)
+        assert len(reports) == 2 and all(p <= lim == limit for _, p, lim in reports), reports
+        # the limit binds: some graph's plan is not the unlimited optimum, which has
+        # fewer buckets
+        assert any(chosen != free for chosen, free, _ in unlimited), unlimited
+        assert all(len(free) <= len(chosen) for chosen, free, _ in unlimited), unlimited

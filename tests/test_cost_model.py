@@ -320,3 +320,37 @@ def test_gpu_table_and_collective_names():
                        ("allreduce_coalesced", "all_reduce"), ("all_reduce", "all_reduce"),
                        ("_c10d_functional::wait_tensor", None), ("aten::mm", None)]:
         assert collective_kind(name) == kind, name
+
+
+def test_liveness_output_backward_inputs_and_copying_reshape():
+    def f(a, b):
+        return (a * b).relu()  # [64] fp32 = 256 B each
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64), torch.randn(64))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # Inductor's graphs give the output node a val of every output: no allocation
+    out.meta["val"] = (next(n for n in gm.graph.nodes if n.name == "relu").meta["val"],)
+    peak, live = memory.peak_memory_estimate(gm)
+    # inputs held (512) + mul, then mul + relu, then relu until the output
+    assert live == [512, 512, 768, 1024, 768] and peak == 1024
+    # as an AOTAutograd backward: saved activations and tangents die after their last use;
+    # the forward output the tangent belongs to (256 B) is held by the caller throughout
+    ph[0].name, ph[1].name = "getitem", "tangents_1"
+    peak, live = memory.peak_memory_estimate(gm)
+    assert live == [256 + 256, 256 + 512, 256 + 768, 256 + 512, 256 + 256]
+
+    # a reshape that cannot be a view copies (a bucket's copy-out); one that can is free
+    from simplefsdp._torch_compat import FakeTensorMode
+    from simplefsdp.compiler.collectives import call
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode() as mode:
+        x.meta["val"] = mode.from_tensor(torch.empty(4, 8))
+    aten = torch.ops.aten
+    copied = call(graph, aten.reshape.default, (call(graph, aten.t.default, (x,)), [-1]))
+    viewed = call(graph, aten.reshape.default, (x, [-1]))
+    graph.output((copied, viewed))
+    assert memory.peak_memory_estimate(graph)[0] == 2 * 128  # x (held) + the copy
+    # sunk copies (Inductor fuses them into their users): every reshape aliases its input
+    assert memory.peak_memory_estimate(graph, alias_of=memory.sunk_copies)[0] == 128

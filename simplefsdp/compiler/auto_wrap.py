@@ -25,21 +25,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
 
 from ..agreement import StoreAgreement
+from ..gloo_kernel import uses_gloo
 from . import cost
-from .collectives import Collective, feeding_reduce_scatter
+from .bucketing import bucket_collectives
+from .collectives import Collective, feeding_reduce_scatter, is_backward, stable_topological_sort
+from .manual_wrap import assign_all_reduces
 from .plan_search import optimal_buckets
+from .reordering import reorder
 from .simulate import Estimate, Step, reduction_seconds, simulate
 
 METHODS = ("auto", "greedy")
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
+FIT_ROUNDS = 4  # re-plans under a tighter limit when the applied graph's peak is over
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,9 @@ class Plan:
     memory_limit_bytes: float | None = None
     profile_s: float = 0.0  # time spent measuring the graph's compute (0: from a cache)
     decided: dict | None = None  # the JSON form, for the plan cache
+    # the liveness peak of the graph as bucketed and reordered (``applied_peak``): what
+    # ``memory_limit_bytes`` is held to; None from a plan cache written before it existed
+    peak_bytes: int | None = None
 
     @property
     def estimated_exposed_s(self) -> float:
@@ -282,11 +290,6 @@ def owner_steps(graph: fx.Graph, primary: list[Collective], mirrored: list[Colle
     return owner
 
 
-def _bucket_name(k: int, steps: list[Step], members: list[int]) -> str:
-    first, last = steps[members[0]].name, steps[members[-1]].name
-    return f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
-
-
 def quantise_seconds(t: float, steps_per_decade: int = 20) -> float:
     """``t`` rounded to a geometric grid (20 per decade: within 6%), so that run-to-run
     noise in measured compute rarely changes the numbers a plan is chosen from."""
@@ -295,29 +298,105 @@ def quantise_seconds(t: float, steps_per_decade: int = 20) -> float:
     return 10.0 ** (round(math.log10(t) * steps_per_decade) / steps_per_decade)
 
 
+def fit_to_limit(steps: list[Step], comm: cost.CommModel, memory_limit_bytes: float,
+                 kind: str, buckets: list[list[int]],
+                 peak_of: Callable[[list[list[int]]], int]) -> tuple[list[list[int]], int]:
+    """``buckets`` (the search's plan under ``memory_limit_bytes``) or, when ``peak_of``
+    (the peak of the graph as those buckets leave it) is over the limit, the search's
+    plan under a limit lowered by the overshoot, up to ``FIT_ROUNDS`` times; failing
+    that, one collective per bucket if it peaks lower. Returns the plan and its peak.
+
+    The search's step model (``simulate.bucket_peak``) sees each bucket's neighbours
+    only; the applied graph also holds what the passes add around them (copy-out
+    buffers, collective inputs until their deferred waits, the process group's
+    temporaries), so the limit is checked on it."""
+    peak, target = peak_of(buckets), memory_limit_bytes
+    for _ in range(FIT_ROUNDS):
+        if peak <= memory_limit_bytes:
+            return buckets, peak
+        target -= peak - memory_limit_bytes
+        if target <= 0:
+            break
+        buckets = optimal_buckets(steps, comm, target, kind)
+        peak = peak_of(buckets)
+    singles = [[i] for i in range(len(steps))]
+    single_peak = peak_of(singles) if buckets != singles else peak
+    if peak > memory_limit_bytes and single_peak < peak:
+        return singles, single_peak
+    return buckets, peak
+
+
 def decide(steps: list[Step], comm: cost.CommModel, memory_limit_bytes: float | None,
-           method: str, kind: str) -> dict[str, Any]:
+           method: str, kind: str,
+           peak_of: Callable[[list[list[int]]], int] | None = None) -> dict[str, Any]:
     """Both planners over ``steps`` (compute quantised first), simulated: the JSON form of
-    a decision (what ranks share through the store and the plan cache keeps)."""
+    a decision (what ranks share through the store and the plan cache keeps).
+    ``peak_of``: the peak of the graph a plan leaves (``applied_peak``); with it the
+    "auto" plan is held to ``memory_limit_bytes`` on that peak (``fit_to_limit``) and
+    the applied plan's peak is kept as ``peak_bytes``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     steps = [dataclasses.replace(s, compute_s=quantise_seconds(s.compute_s)) for s in steps]
     greedy, decisions = greedy_buckets(steps, comm, memory_limit_bytes, kind)
     best = optimal_buckets(steps, comm, memory_limit_bytes, kind)
+    peak = None
+    if peak_of is not None and method == "auto" and memory_limit_bytes is not None:
+        best, peak = fit_to_limit(steps, comm, memory_limit_bytes, kind, best, peak_of)
+    applied = best if method == "auto" else greedy
+    if peak_of is not None and peak is None:
+        peak = peak_of(applied)
     return {"kind": kind, "method": method, "steps": [dataclasses.asdict(s) for s in steps],
-            "buckets": best if method == "auto" else greedy,
+            "buckets": applied, "peak_bytes": peak,
             "decisions": [dataclasses.asdict(d) for d in decisions],
             "estimates": {"auto": dataclasses.asdict(simulate(steps, best, comm, kind)),
                           "greedy": dataclasses.asdict(simulate(steps, greedy, comm, kind))}}
 
 
+def in_flight_scratch(collectives: Sequence[Collective]) -> dict[str, float] | None:
+    """The process group's in-flight temporaries for these collectives
+    (``cost.memory.IN_FLIGHT_SCRATCH``): gloo's for CPU tensors on a gloo group."""
+    for c in collectives:
+        val = c.start.meta.get("val")
+        if getattr(val, "device", None) is not None and val.device.type == "cpu" \
+                and uses_gloo(c.group_name):
+            return cost.memory.IN_FLIGHT_SCRATCH["gloo"]
+    return None
+
+
+def applied_peak(graph: fx.Graph, collectives: list[Collective],
+                 assignment: dict[fx.Node, str], reordering: bool = True,
+                 scratch: dict[str, float] | None = None) -> int:
+    """Liveness peak (``cost.peak_memory_estimate``) of ``graph`` once bucketed by
+    ``assignment`` (all-reduces as the backend buckets them) and reordered, as the
+    backend's passes leave it; computed on a copy, ``graph`` is not changed. The larger
+    of two placements of a bucket's copy-out: where the pass puts it (eager execution)
+    and sunk into each parameter's use (Inductor: the gathered buffer then lives until
+    the bucket's last use)."""
+    copy = fx.Graph()
+    nodes: dict[fx.Node, fx.Node] = {}
+    copy.output(copy.graph_copy(graph, nodes))
+    mapped = [dataclasses.replace(c, start=nodes[c.start], wait=nodes[c.wait])
+              for c in collectives]
+    moved = {nodes[n]: name for n, name in assignment.items()}
+    moved.update(assign_all_reduces(mapped, moved))
+    buckets = bucket_collectives(copy, mapped, moved)
+    stable_topological_sort(copy)
+    if reordering:
+        reorder(copy, buckets, is_backward(graph))
+    return max(cost.peak_memory_estimate(copy, scratch, alias_of)[0]
+               for alias_of in (cost.memory.alias_bases, cost.memory.sunk_copies))
+
+
 def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
          memory_limit_bytes: float | None, measure: bool = True,
          compute_cache: dict | None = None, agreement: StoreAgreement | None = None,
-         method: str = "auto", cached: dict | None = None) -> Plan:
+         method: str = "auto", cached: dict | None = None, reordering: bool = True) -> Plan:
     """Bucket assignment for one graph (before bucketing).
 
     ``cached``: a decision from the plan cache (then nothing is measured or exchanged).
+    ``memory_limit_bytes`` holds the peak of the graph as the passes leave it
+    (``applied_peak``, with the process group's in-flight temporaries and, with
+    ``reordering``, the prefetches and deferred waits): ``Plan.peak_bytes``.
     Otherwise the first rank of ``agreement`` measures its nodes' compute, decides, and
     shares the decision through the store; the other ranks wait for it. Without an
     agreement (one rank, a fake group) this rank decides alone.
@@ -335,13 +414,20 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
     all_reduces = [(owner[source], c.nbytes) for c in collectives if c.kind == "all_reduce"
                    for source in [feeding_reduce_scatter(c.start)] if source in owner]
     profile_s = [0.0]
+    scratch = in_flight_scratch(primary)
+
+    step_names = [c.module for c in (primary[::-1] if reverse else primary)]
+
+    def peak_of(buckets: list[list[int]]) -> int:
+        return applied_peak(graph, collectives, bucket_assignment(
+            primary, mirrored, owner, reverse, buckets, step_names), reordering, scratch)
 
     def measure_and_decide() -> dict[str, Any]:
         started = time.perf_counter()
         seconds = cost.estimate_graph_compute(graph, measure=measure, cache=compute_cache)
         profile_s[0] = time.perf_counter() - started
         steps = profile_steps(graph, primary, mirrored, seconds, owner, reverse, all_reduces)
-        return decide(steps, comm, memory_limit_bytes, method, kind)
+        return decide(steps, comm, memory_limit_bytes, method, kind, peak_of)
 
     if cached is not None:
         decided = cached
@@ -356,16 +442,28 @@ def plan(graph: fx.Graph, collectives: list[Collective], comm: cost.CommModel,
         raise ValueError(f"the plan has {len(steps)} steps but the graph {len(primary)} "
                          f"collectives: a stale plan cache? Delete it (see "
                          f"simplefsdp.compiler.plan_cache) and compile again")
-    in_graph_order = primary[::-1] if reverse else primary
-    assignment: dict[fx.Node, str] = {}
-    names = {}
-    for k, members in enumerate(buckets):
-        name = _bucket_name(k, steps, members)
-        for j in members:
-            assignment[in_graph_order[j].start] = name
-            names[j] = name
-    for c in mirrored:
-        assignment[c.start] = names[owner[c.start]]
+    assignment = bucket_assignment(primary, mirrored, owner, reverse, buckets,
+                             [s.name for s in steps])
     return Plan(assignment, steps, buckets, [Decision(**d) for d in decided["decisions"]],
                 {k: Estimate(**e) for k, e in decided["estimates"].items()},
-                decided["method"], kind, memory_limit_bytes, profile_s[0], decided)
+                decided["method"], kind, memory_limit_bytes, profile_s[0], decided,
+                decided.get("peak_bytes"))
+
+
+def bucket_assignment(primary: list[Collective], mirrored: list[Collective],
+                owner: dict[fx.Node, int], reverse: bool, buckets: list[list[int]],
+                names: list[str]) -> dict[fx.Node, str]:
+    """``{collective start: bucket name}`` for ``buckets`` of step indices (``names``:
+    the steps' modules); reduce-scatters follow their owner step's bucket."""
+    in_graph_order = primary[::-1] if reverse else primary
+    assignment: dict[fx.Node, str] = {}
+    bucket_of = {}
+    for k, members in enumerate(buckets):
+        first, last = names[members[0]], names[members[-1]]
+        name = f"auto{k}:{first}" + (f"..{last}" if len(members) > 1 else "")
+        for j in members:
+            assignment[in_graph_order[j].start] = name
+            bucket_of[j] = name
+    for c in mirrored:
+        assignment[c.start] = bucket_of[owner[c.start]]
+    return assignment

@@ -255,8 +255,9 @@ class SimpleFSDPBackend:
             report.estimated_exposed_s = plan.estimated_exposed_s
             chosen = plan.estimates.get(plan.method)
             report.outside_bytes = self.outside_bytes
-            report.predicted_peak_bytes = (chosen.peak_bytes if chosen else 0) + \
-                self.outside_bytes
+            graph_peak = plan.peak_bytes if plan.peak_bytes is not None else \
+                (chosen.peak_bytes if chosen else 0)  # the bucketed, reordered graph's
+            report.predicted_peak_bytes = graph_peak + self.outside_bytes
             report.memory_limit_bytes = self.memory_limit_bytes
             source = "plan cache" if plan.profile_s == 0.0 and plan.steps else \
                 f"compute measured in {plan.profile_s:.2f} s"
@@ -298,7 +299,8 @@ class SimpleFSDPBackend:
         plan = auto_wrap.plan(graph, collectives, comm, self.graph_budget_bytes,
                               measure=not warm, compute_cache=self._compute_cache,
                               agreement=None if warm else self._agreement,
-                              method=self.bucketing, cached=cached)
+                              method=self.bucketing, cached=cached,
+                              reordering=self.reordering)
         if cached is None and plan.decided is not None and plans_key is not None:
             plan_cache.store(plans_key, _rank(), gkey, plan.decided)
         return plan
