@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER
-from ..compiler.cost.memory import _alias_bases, alias_roots, live_bytes
+from ..compiler.cost.memory import alias_bases, alias_roots, live_bytes
 from .trace import Trace
 
 
@@ -105,11 +105,11 @@ def _backward_aliases(tr: Trace) -> Callable:
                 alias[p] = first[r]
             else:
                 first[r] = p
-    return lambda n: [alias[n]] if n in alias else _alias_bases(n)
+    return lambda n: [alias[n]] if n in alias else alias_bases(n)
 
 
 def _live(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node],
-          alias_of: Callable = _alias_bases) -> list[int]:
+          alias_of: Callable = alias_bases) -> list[int]:
     """Live bytes per node; ``skip``: tensors not counted (model states)."""
     return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0), alias_of=alias_of)
 
