@@ -21,7 +21,8 @@ from simplefsdp.train.config_reader import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_VARIANTS = ["simplefsdp-eager", "simplefsdp-reordering", "simplefsdp-auto",
-                  "fsdp2-eager", "ddp-replicate", "torch-ddp", "compute-only"]
+                  "fsdp2-eager", "ddp-replicate", "torch-ddp", "compute-only",
+                  "compute-only-compiled"]
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -60,6 +61,12 @@ def test_smoke_two_ranks(tmp_path):
         assert row["compiles_in_measured_steps"] == 0, name
     # Communication shows up where it should, and nowhere else.
     assert rows["compute-only"]["collectives_per_step"] == {}
+    assert rows["compute-only-compiled"]["collectives_per_step"] == {}
+    # exposed: against the compute-only step of the same execution, eager or compiled
+    for name, reference in [("simplefsdp-eager", "compute-only"),
+                            ("simplefsdp-reordering", "compute-only-compiled")]:
+        assert rows[name]["exposed_comm_s"] == pytest.approx(
+            rows[name]["median_step_s"] - rows[reference]["median_step_s"]), name
     assert rows["fsdp2-eager"]["collectives_per_step"].get("all_gather", 0) > 0
     assert rows["simplefsdp-eager"]["collectives_per_step"].get("reduce_scatter", 0) > 0
     assert rows["ddp-replicate"]["collectives_per_step"].get("all_reduce", 0) > 0
@@ -83,9 +90,10 @@ def test_smoke_two_ranks(tmp_path):
     assert "blocked ms" in proc.stdout and "est. ms" in proc.stdout
     # Same weights, same data: every data-parallel variant trains the same model.
     for name, row in rows.items():
-        if row["status"] == "ok" and name != "compute-only":
+        if row["status"] == "ok" and not name.startswith("compute-only"):
             assert row["loss_match"], (name, row["max_loss_diff"])
     assert rows["compute-only"]["loss_match"] is None
+    assert rows["compute-only-compiled"]["loss_match"] is None
     assert "simplefsdp-eager" in proc.stdout and "tokens/s" in proc.stdout
 
 

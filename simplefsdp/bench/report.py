@@ -6,8 +6,10 @@ Derived columns (per variant):
   the compute-only reference the same global count over its one-rank step time: the
   throughput ``world`` ranks would reach without any communication.
 * ``ratio_vs_fsdp2``: tokens/s over FSDP2-eager's.
-* ``exposed_comm_s``: median step time minus the compute-only median: the time the
-  step spends beyond its computation (exposed communication plus framework overhead).
+* ``exposed_comm_s``: median step time minus the compute-only median of the same
+  execution (``compute-only-compiled`` for compiled variants when it ran, else
+  ``compute-only``): the time the step spends beyond its computation (exposed
+  communication, compute slowed by every rank computing at once, framework overhead).
 * ``comm_blocked_s``: time the profiled step spent blocked in collectives and their
   waits (max over ranks; see ``measure.profiled_step``).
 * ``estimated_exposed_comm_s``: ``bucketing="auto"`` only: the cost model's simulated
@@ -33,7 +35,7 @@ import torch
 
 from .config import BenchConfig
 from .measure import CPU_MEMORY_MEASURE, CUDA_MEMORY_MEASURE
-from .variants import BASELINE, LOSS_REFERENCE, VARIANTS
+from .variants import BASELINE, COMPUTE_ONLY, LOSS_REFERENCE, VARIANTS
 
 MIB = 2**20
 
@@ -74,7 +76,6 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
     args = cfg.model_args()
     tokens = cfg.bench.world_size * cfg.training.batch_size * cfg.training.seq_len
     measured = raw["variants"]
-    compute = measured.get("compute-only")
     baseline = measured.get(BASELINE)
     reference_name = LOSS_REFERENCE if LOSS_REFERENCE in measured else next(
         (n for n in measured if VARIANTS[n].communicates), None)
@@ -96,6 +97,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                    min_step_s=min(m["step_times_s"]), max_step_s=max(m["step_times_s"]),
                    step_times_s=m["step_times_s"], first_step_s=m["first_step_s"])
         row["ratio_vs_fsdp2"] = tps / (tokens / baseline["median_step_s"]) if baseline else None
+        compute = measured.get(COMPUTE_ONLY[spec.compiled]) or \
+            measured.get(COMPUTE_ONLY[False])
         row["exposed_comm_s"] = (median - compute["median_step_s"]
                                  if compute and spec.communicates else None)
         row["compile_s"] = max(m["first_step_s"] - median, 0.0) if spec.compiled else None
@@ -235,7 +238,8 @@ def legend(results: dict) -> list[str]:
         "tokens per step / median (compute-only: the same global tokens over its one-rank "
         "step, i.e. the no-communication limit)",
         f"vs FSDP2: tokens/s ratio to {m['baseline']}; exposed ms: step minus compute-only "
-        "step (communication not hidden + framework overhead)",
+        "step, compute-only-compiled's for compiled variants where it ran (communication "
+        "not hidden + compute slowed by all ranks at once + framework overhead)",
         "blocked ms: time the profiled step was blocked inside collectives and their waits "
         "(c10d / functional collective ops and wait_tensor, union of spans, max over ranks); "
         "an eager Work.wait() is no profiler event, so for eager c10d variants (FSDP2, DDP) "
@@ -344,7 +348,7 @@ def plot(results: dict, path: Path) -> bool:
 def _color(name: str) -> str:
     """Ours blue, torch's upstream passes green, FSDP2 / torch DDP orange, compute-only
     gray."""
-    if name == "compute-only":
+    if name.startswith("compute-only"):
         return "tab:gray"
     if name.startswith(("fsdp2", "torch-")):
         return "tab:orange"

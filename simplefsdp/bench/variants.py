@@ -179,8 +179,16 @@ def _torch_ddp(ctx: BuildContext) -> Built:
     return Built(DistributedDataParallel(model, device_ids=device_ids, **no_sync))
 
 
-def _compute_only(ctx: BuildContext) -> Built:
-    return Built(plain_model(ctx))
+def _compute_only(compiled: bool) -> Callable[[BuildContext], Built]:
+    """The unsharded model on one rank: eager, or compiled as our compiled variants are
+    (``ctx.compile_backend``, one graph), so each is measured against the computation it
+    really runs (Inductor's fused kernels are faster than eager's)."""
+    def build(ctx: BuildContext) -> Built:
+        model = plain_model(ctx)
+        if compiled:
+            model = torch.compile(model, fullgraph=True, backend=ctx.compile_backend)
+        return Built(model)
+    return build
 
 
 _SPECS = [
@@ -211,8 +219,12 @@ _SPECS = [
                 "bucketing + reordering (world >= 4)", _hybrid_shard, compiled=True),
     VariantSpec("torch-ddp", "torch DistributedDataParallel, eager", _torch_ddp),
     VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
-                _compute_only, communicates=False, rank0_only=True),
+                _compute_only(False), communicates=False, rank0_only=True),
+    VariantSpec("compute-only-compiled", "compute-only, torch.compile'd (the limit of the "
+                "compiled variants)", _compute_only(True), compiled=True,
+                communicates=False, rank0_only=True),
 ]
 VARIANTS: dict[str, VariantSpec] = {s.name: s for s in _SPECS}
 BASELINE = "fsdp2-eager"  # the ratio column divides by this one
 LOSS_REFERENCE = "simplefsdp-eager"  # losses are compared against this one
+COMPUTE_ONLY = {False: "compute-only", True: "compute-only-compiled"}  # by compiled

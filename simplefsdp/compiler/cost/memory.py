@@ -172,12 +172,15 @@ def _collective_wait(node: torch.fx.Node) -> torch.fx.Node | None:
 def held_by_caller(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], bool]:
     """Which of ``graph``'s inputs stay allocated for the whole graph because the caller
     holds them: every input of a forward graph (parameters, the batch), and the
-    ``primals_*`` inputs of an AOTAutograd backward (the same parameters). A backward's
-    saved activations and incoming gradients (``tangents_*``) are handed over to it
-    (AOTAutograd clears its saved tensors, Inductor deletes each after its last use)."""
+    ``primals_*`` and ``tangents_*`` inputs of an AOTAutograd backward (the same
+    parameters; the incoming gradients, which ``CompiledFunction.backward(ctx,
+    *flat_args)`` keeps referenced until the compiled backward returns). Its saved
+    activations are handed over (AOTAutograd clears them, Inductor deletes each after
+    its last use)."""
     backward = any(n.op == "placeholder" and n.name.startswith("tangents")
                    for n in graph.nodes)
-    return lambda n: n.op == "placeholder" and (not backward or n.name.startswith("primals"))
+    return lambda n: n.op == "placeholder" and (
+        not backward or n.name.startswith(("primals", "tangents")))
 
 
 def alias_roots(graph: torch.fx.Graph, alias_of: Callable = alias_bases
