@@ -44,7 +44,7 @@ from .simulate import Estimate, Step, reduction_seconds, simulate
 METHODS = ("auto", "greedy")
 
 GB = 1e9  # memory_limit_gb counts decimal gigabytes
-FIT_ROUNDS = 4  # re-plans under a tighter limit when the applied graph's peak is over
+FIT_ROUNDS = 6  # searches under lower targets when the applied graph's peak is over
 
 
 @dataclass(frozen=True)
@@ -302,28 +302,52 @@ def fit_to_limit(steps: list[Step], comm: cost.CommModel, memory_limit_bytes: fl
                  kind: str, buckets: list[list[int]],
                  peak_of: Callable[[list[list[int]]], int]) -> tuple[list[list[int]], int]:
     """``buckets`` (the search's plan under ``memory_limit_bytes``) or, when ``peak_of``
-    (the peak of the graph as those buckets leave it) is over the limit, the search's
-    plan under a limit lowered by the overshoot, up to ``FIT_ROUNDS`` times; failing
-    that, one collective per bucket if it peaks lower. Returns the plan and its peak.
+    (the peak of the graph as those buckets leave it) is over the limit, the fastest
+    plan found whose peak is under it: the search is re-run under lower targets, first
+    the plan's own step-model peak lowered by its overshoot (until a plan fits), then
+    bisecting between the highest target whose plan fits and the lowest whose plan does
+    not, ``FIT_ROUNDS`` searches in all; failing that, the lowest-peaking plan tried,
+    one collective per bucket included. Returns the plan and its peak.
 
     The search's step model (``simulate.bucket_peak``) sees each bucket's neighbours
     only; the applied graph also holds what the passes add around them (copy-out
     buffers, collective inputs until their deferred waits, the process group's
-    temporaries), so the limit is checked on it."""
-    peak, target = peak_of(buckets), memory_limit_bytes
+    temporaries), so the limit is checked on it. Lowering by the overshoot alone
+    undershoots: on the debug model it jumped from a 2-bucket backward over the limit
+    straight to 38 single collectives, where 6 buckets fit."""
+    peak = peak_of(buckets)
+    if peak <= memory_limit_bytes:
+        return buckets, peak
+    def lowered(plan: list[list[int]], peak: int) -> float:
+        """A target that excludes ``plan``: its step-model peak less its overshoot."""
+        return simulate(steps, plan, comm, kind).peak_bytes - (peak - memory_limit_bytes)
+
+    plans = {_plan_key(buckets): (buckets, peak)}  # every plan tried, with its peak
+    over, under = memory_limit_bytes, None  # search targets whose plans are over / fit
+    target = lowered(buckets, peak)
     for _ in range(FIT_ROUNDS):
-        if peak <= memory_limit_bytes:
-            return buckets, peak
-        target -= peak - memory_limit_bytes
         if target <= 0:
             break
-        buckets = optimal_buckets(steps, comm, target, kind)
-        peak = peak_of(buckets)
+        candidate = optimal_buckets(steps, comm, target, kind)
+        key = _plan_key(candidate)
+        if key not in plans:
+            plans[key] = (candidate, peak_of(candidate))
+        peak = plans[key][1]
+        if peak <= memory_limit_bytes:
+            under = target
+        else:
+            over = target
+        target = (under + over) / 2 if under is not None else lowered(candidate, peak)
+    fitting = [p for p in plans.values() if p[1] <= memory_limit_bytes]
+    if fitting:
+        return min(fitting, key=lambda p: simulate(steps, p[0], comm, kind).step_s)
     singles = [[i] for i in range(len(steps))]
-    single_peak = peak_of(singles) if buckets != singles else peak
-    if peak > memory_limit_bytes and single_peak < peak:
-        return singles, single_peak
-    return buckets, peak
+    plans.setdefault(_plan_key(singles), (singles, peak_of(singles)))
+    return min(plans.values(), key=lambda p: p[1])
+
+
+def _plan_key(buckets: list[list[int]]) -> tuple:
+    return tuple(map(tuple, buckets))
 
 
 def decide(steps: list[Step], comm: cost.CommModel, memory_limit_bytes: float | None,
