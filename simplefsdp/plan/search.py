@@ -78,20 +78,29 @@ def _lower_bound(c: JobConfig) -> float:
 
 def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     """Tokens/s per GPU that ``predict`` cannot exceed for ``c``: its step time with each
-    stage's simulated forward + backward replaced by ``timing.compute_floor_seconds``
-    (the loss, optimizer and pipeline schedule terms are predict's own)."""
+    stage's simulated forward + backward replaced by the FLOP floors of its blocks and
+    output projection and its exposed tensor-parallel communication
+    (``timing.compute_floor_seconds``, ``head_floor_seconds``, ``tp_comm_floor_seconds``;
+    the loss, optimizer and pipeline schedule terms are predict's own)."""
     args, t = c.model.model_args(), c.training
     p = c.parallel.resolve(gpus)
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro
+    elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
+    fabric = timing.Fabric(dev, {"pp": p.pp, "dp_replicate": p.dp_replicate,
+                                 "dp_shard": p.dp_shard, "tp": p.tp}, p.tp)
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:
         n = args.n_layers if role == "full" else len(stage_layers(
             args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
         step = timing.compute_floor_seconds(args, mb * t.seq_len, t.seq_len, p.tp, n,
-                                            c.activation_checkpoint.mode == "full", dev)
+                                            c.activation_checkpoint.mode == "full", dev) \
+            + timing.tp_comm_floor_seconds(args, mb * t.seq_len, n, role != "first", elem,
+                                           fabric)
         if role != "first":
-            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev)
+            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev) \
+                + timing.head_floor_seconds(args, mb * t.seq_len, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
         params = memory.stage_params(args, role, n, p.tp) / p.dp_shard
@@ -216,6 +225,9 @@ _SHARED: tuple = ()  # a worker's (shared array, lock), set by ``_init_worker``
 def _init_worker(shared, lock) -> None:
     global _SHARED
     _SHARED = (shared, lock)
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: tracing is single-threaded Python
 
 
 def _worker(args) -> tuple[list[Prediction], list[str], dict]:
@@ -238,17 +250,20 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     ``keep`` > 0: a layout whose ``speed_bound`` is below the ``keep``-th best fitting
     tokens/s found so far is skipped untraced; the first ``keep`` rows are then exactly
     those of the exhaustive search (``keep = 0``). ``workers`` > 1: that many processes
-    (spawned, each with its own fake process group) take one tensor-parallel size at a
-    time (no trace is shared across ``tp``), sharing the ``keep`` best. ``stats`` gets
+    (spawned, each with its own fake process group) take one tensor-parallel size, with
+    or without pipeline parallelism, at a time (no trace is shared across these), sharing
+    the ``keep`` best. ``stats`` gets
     the counts of layouts predicted and skipped by reason, and of traces and eager
     replays run."""
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
     groups = _groups(cfg, gpus, gpus_per_node, dev)
-    by_tp: dict[int, list[list[JobConfig]]] = {}
+    # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
+    # roles: "full" vs "first"/"last"), so no graph is traced by two workers
+    by_tp: dict[tuple, list[list[JobConfig]]] = {}
     for g in groups:
-        by_tp.setdefault(g[0].parallel.tp, []).append(g)
+        by_tp.setdefault((g[0].parallel.tp, g[0].parallel.pp > 1), []).append(g)
     if workers <= 1 or len(by_tp) == 1:
         before = _cache_counts()
         results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node, _Bar(keep),

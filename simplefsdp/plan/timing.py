@@ -179,3 +179,29 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     attention = 2 * (args.n_heads / tp) * seq * hd * tokens * (1 + 2.5 + recompute)
     peak = dev.spec.bf16_flops
     return blocks * (matmul / (peak * MATMUL_EFF) + attention / (peak * ATTENTION_EFF))
+
+
+def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
+    """A lower bound on the simulated output projection of ``tokens`` tokens on one
+    tensor-parallel rank (split by vocabulary columns): its forward and two backward
+    matmuls' FLOPs at the bf16 roofline. At 8B it is ~4% of the step, and leaving it
+    out of the search's speed bound let layouts that cannot win be traced."""
+    return 3 * 2 * tokens * args.dim * args.vocab_size / tp / (dev.spec.bf16_flops * MATMUL_EFF)
+
+
+def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
+                          fabric: Fabric) -> float:
+    """A lower bound on the exposed tensor-parallel communication of ``blocks`` blocks
+    (and the output projection when ``head``): each block's forward all-gathers the
+    normed input before attention and before the MLP and reduce-scatters both outputs
+    (sequence parallelism), its backward does the converse, and the output all-gathers
+    the logits. Each feeds the very next matmul, so the simulation exposes it whole
+    (measured on the 8B traces at tp 2-8: forward exposure >= these sums; the backward
+    has two more per block, not counted here)."""
+    if fabric.sizes["tp"] <= 1:
+        return 0.0
+    act = tokens * args.dim * elem
+    per_block = 4 * (fabric.seconds("all_gather", "tp", act)
+                     + fabric.seconds("reduce_scatter", "tp", act))
+    logits = fabric.seconds("all_gather", "tp", tokens * args.vocab_size * elem)
+    return blocks * per_block + (logits if head else 0.0)
