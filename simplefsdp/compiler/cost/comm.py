@@ -268,8 +268,8 @@ def calibrate(group: dist.ProcessGroup | None = None, sizes: Sequence[int] | Non
     fitted["hidden_fraction"] = agree_across_ranks(
         [measure_hidden_fraction(group, dev, max(sizes), repeats, dtype)], group, op="min")[0]
     fitted["copy_s_per_byte"] = agree_across_ranks(
-        [measure_copy(dev, max(sizes), repeats, dtype)], group, op="max")[0]
-    fitted["compute_slowdown"] = measure_compute_slowdown(group, dev, repeats)
+        [measure_copy(dev, max(sizes), repeats, dtype, group=group)], group, op="max")[0]
+    fitted["compute_slowdown"] = measure_compute_slowdown(group, dev)
     fitted["max_bytes"] = float(max(sizes))
     fitted["source"] = "calibrated"
     fitted["world_size"] = ws
@@ -311,7 +311,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_name": name,
         "torch_version": torch.__version__,
         "group": list(group_layout(group)),
-        "format": 6,
+        "format": 7,
     }
 
 
