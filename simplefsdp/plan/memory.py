@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER
-from ..compiler.cost.memory import alias_bases, alias_roots, live_bytes
+from ..compiler.cost.memory import alias_bases, alias_roots, held_by_caller, live_bytes
 from .trace import Trace
 
 
@@ -110,8 +110,12 @@ def _backward_aliases(tr: Trace) -> Callable:
 
 def _live(graph: fx.Graph, size: dict[fx.Node, int], skip: set[fx.Node],
           alias_of: Callable = alias_bases) -> list[int]:
-    """Live bytes per node; ``skip``: tensors not counted (model states)."""
-    return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0), alias_of=alias_of)
+    """Live bytes per node; ``skip``: tensors not counted (model states). Inputs the
+    caller holds for the whole graph (``held_by_caller``: the batch, a backward's
+    incoming gradient, e.g. the logits') stay live throughout, as the cost model counts
+    them."""
+    return live_bytes(graph, lambda n: 0 if n in skip else size.get(n, 0),
+                      pinned=held_by_caller(graph), alias_of=alias_of)
 
 
 def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
