@@ -9,6 +9,7 @@ the backend is built; ``comm.calibrate`` folds the results into a ``CommModel``.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,28 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+def _model_mix(group: dist.ProcessGroup, dev: torch.device, seconds: float,
+               dtype: torch.dtype = torch.float32) -> Callable[[], None]:
+    """Computation of about ``seconds`` mixed as a model's is: 3/4 of the time 256x256
+    matmuls (compute-bound), 1/4 elementwise passes over 16 MiB (memory-bound, where
+    ranks, and a rank's compute and its collectives, contend most). The counts are
+    agreed across ``group``: every rank runs the same work. Collective."""
+    a = torch.randn(256, 256, dtype=dtype, device=dev)
+    big = torch.ones(16 * 2 ** 20 // a.element_size(), dtype=dtype, device=dev)
+    t_mm = time_callable(lambda: a @ a, 5, 2, dev)
+    t_pass = time_callable(lambda: big.mul_(1.0), 5, 2, dev)
+    counts = agree_across_ranks([max(1.0, round(seconds * share / max(t, 1e-9)))
+                                 for t, share in ((t_mm, 0.75), (t_pass, 0.25))], group)
+    mms, passes = (int(c) for c in counts)
+
+    def compute() -> None:
+        for _ in range(mms):
+            a @ a
+        for _ in range(passes):
+            big.mul_(1.0)
+    return compute
+
+
 def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
                     device: torch.device | str | None = None, nbytes: int = 4 * 2 ** 20,
                     repeats: int = 5, dtype: torch.dtype = torch.float32,
@@ -30,8 +53,11 @@ def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
     this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1], the
     median of ``rounds`` rounds (one round on 2 gloo ranks of 2 cores read 0.00-0.26).
 
-    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: matmuls sized to
-    take about as long; ``t_both``: the all-gather started, the matmuls run, then its wait.
+    ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: a model's mix of
+    work (``_model_mix``) sized to take about as long; ``t_both``: the all-gather
+    started, the work run, then its wait. (With matmuls alone, 2 gloo ranks on 2 cores
+    read 0.0-0.55 while bench_medium's reordered steps hid nothing: blocked time
+    exceeded the collectives' isolated time.)
     Prefetching (our reordering) only pays off as far as this fraction allows, so the
     auto-wrapping greedy scales its compute windows by it. Collective on ``group``.
     """
@@ -42,20 +68,12 @@ def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
     with disable_current_modes():
         shard = torch.ones(max(nbytes // torch.empty((), dtype=dtype).element_size() // ws, 1),
                            dtype=dtype, device=dev)
-        a = torch.randn(256, 256, dtype=dtype, device=dev)
 
         def comm() -> None:
             c10d.wait_tensor(c10d.all_gather_into_tensor(shard, ws, group.group_name))
 
         t_comm = time_callable(comm, repeats, 2, dev)
-        t_matmul = time_callable(lambda: a @ a, repeats, 2, dev)
-        # every rank must run the same number of matmuls: agree on it
-        count = int(agree_across_ranks([max(1.0, round(t_comm / max(t_matmul, 1e-9)))],
-                                       group)[0])
-
-        def compute() -> None:
-            for _ in range(count):
-                a @ a
+        compute = _model_mix(group, dev, t_comm, dtype)
 
         def both() -> None:
             work = c10d.all_gather_into_tensor(shard, ws, group.group_name)
@@ -96,20 +114,7 @@ def measure_compute_slowdown(group: dist.ProcessGroup | None = None,
         return 1.0
     first = dist.get_rank(group) == 0
     with disable_current_modes():
-        a = torch.randn(256, 256, device=dev)
-        big = torch.ones(4 * 2 ** 20, device=dev)
-        t_mm = time_callable(lambda: a @ a, 5, 2, dev)
-        t_pass = time_callable(lambda: big.mul_(1.0), 5, 2, dev)
-        counts = agree_across_ranks([max(1.0, round(seconds * share / max(t, 1e-9)))
-                                     for t, share in ((t_mm, 0.75), (t_pass, 0.25))], group)
-        mms, passes = (int(c) for c in counts)
-
-        def compute() -> None:
-            for _ in range(mms):
-                a @ a
-            for _ in range(passes):
-                big.mul_(1.0)
-
+        compute = _model_mix(group, dev, seconds)
         alone, together = [], []
         for _ in range(max(repeats, 1)):
             dist.barrier(group)
