@@ -100,11 +100,10 @@ def measure_compute_slowdown(group: dist.ProcessGroup | None = None,
 
     This is the difference between the benchmark's compute-only step (one rank on an
     otherwise idle host) and the compute inside a data-parallel step (every rank at
-    once, sharing the host's cores, caches and memory bandwidth). The work is a model's
-    mix: 3/4 of its time matmuls, 1/4 an elementwise pass over 16 MiB (memory-bound,
-    where ranks contend most: on 2 gloo ranks of a 2-core host a 128x128 matmul alone
-    read 1.00-1.08, the pass alone 1.35-2.1, the compiled debug and bench_medium steps
-    1.03-1.14, half and half 1.15-1.26). One CUDA
+    once, sharing the host's cores, caches and memory bandwidth). The work is
+    ``_model_mix`` (on 2 gloo ranks of a 2-core host a 128x128 matmul alone read
+    1.00-1.08, a memory-bound pass alone 1.35-2.1, the compiled debug and bench_medium
+    steps 1.03-1.14, the mix 1.03-1.33 from one calibration to the next). One CUDA
     device per rank shares nothing: 1.0 there, nothing is timed. Rounds alternate alone /
     together so load from elsewhere drifts into both; medians of ``repeats``. Collective.
     """
