@@ -180,6 +180,12 @@ def stage_params(args, role: str, layers: int, tp: int) -> float:
     return total
 
 
+def activation_elem_bytes(training) -> int:
+    """Bytes per activation element (logits, TP-collective activations): the mixed
+    precision parameter dtype the compiled step computes in."""
+    return 2 if training.mixed_precision_param == "bfloat16" else 4
+
+
 def states_bytes(params_per_rank: float) -> float:
     """float32 shard + gradient + AdamW exp_avg and exp_avg_sq."""
     return 16 * params_per_rank

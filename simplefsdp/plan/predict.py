@@ -127,7 +127,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     mb = t.batch_size // micro
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
     fabric = timing.Fabric(dev, sizes, gpus_per_node)
-    logits_elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    logits_elem = memory.activation_elem_bytes(t)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:

@@ -65,7 +65,7 @@ def _lower_bound(c: JobConfig) -> float:
     args, p, t = c.model.model_args(), c.parallel, c.training
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     mb = t.batch_size // (p.pp_microbatches if p.pp > 1 else 1)
-    elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    elem = memory.activation_elem_bytes(t)
     bound = 0.0
     for role in roles:
         layers = len(stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
@@ -86,7 +86,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     p = c.parallel.resolve(gpus)
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro
-    elem = 2 if t.mixed_precision_param == "bfloat16" else 4
+    elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
     fabric = timing.Fabric(dev, {"pp": p.pp, "dp_replicate": p.dp_replicate,
                                  "dp_shard": p.dp_shard, "tp": p.tp}, p.tp)
@@ -261,10 +261,10 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     groups = _groups(cfg, gpus, gpus_per_node, dev)
     # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
     # roles: "full" vs "first"/"last"), so no graph is traced by two workers
-    by_tp: dict[tuple, list[list[JobConfig]]] = {}
+    by_task: dict[tuple, list[list[JobConfig]]] = {}
     for g in groups:
-        by_tp.setdefault((g[0].parallel.tp, g[0].parallel.pp > 1), []).append(g)
-    if workers <= 1 or len(by_tp) == 1:
+        by_task.setdefault((g[0].parallel.tp, g[0].parallel.pp > 1), []).append(g)
+    if workers <= 1 or len(by_task) == 1:
         before = _cache_counts()
         results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node, _Bar(keep),
                                             progress)
@@ -275,7 +275,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
 
         ctx = multiprocessing.get_context("spawn")
         shared, lock = ctx.Array("d", max(keep, 1), lock=False), ctx.Lock()
-        tasks = [(g, gpus, gpu, gpus_per_node, keep) for g in by_tp.values()]
+        tasks = [(g, gpus, gpu, gpus_per_node, keep) for g in by_task.values()]
         parts = []
         with ctx.Pool(min(workers, len(tasks)), _init_worker, (shared, lock)) as pool:
             for part in pool.imap_unordered(_worker, tasks):

@@ -51,7 +51,8 @@ def measure_hidden_fraction(group: dist.ProcessGroup | None = None,
                     rounds: int = 3) -> float:
     """The fraction of an all-gather's time that computation running meanwhile hides, on
     this rank: ``(t_compute + t_comm - t_both) / min(t_compute, t_comm)`` in [0, 1], the
-    median of ``rounds`` rounds (one round on 2 gloo ranks of 2 cores read 0.00-0.26).
+    median of ``rounds`` rounds (still 0.0-0.52 from one calibration to the next on 2
+    gloo ranks of a 2-core host).
 
     ``t_comm``: one all-gather of ``nbytes`` (full size); ``t_compute``: a model's mix of
     work (``_model_mix``) sized to take about as long; ``t_both``: the all-gather
