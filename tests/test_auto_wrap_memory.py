@@ -10,6 +10,7 @@ from rank_runner import run_ranks
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
+from simplefsdp.compiler.backend import INDUCTOR_SCHEDULE_MARGIN
 from simplefsdp.compiler.cost import CommModel, optimizer_state_bytes
 
 
@@ -25,7 +26,11 @@ def test_outside_bytes_shrink_the_budget():
     be = sf.compile_backend(bucketing="auto", memory_limit_gb=1.0,
                             state_bytes_outside_graphs=300_000_000,
                             comm_model=CommModel((0, 0), (0, 0), (0, 0)))
-    assert be.graph_budget_bytes == 700_000_000  # the planner gets the rest
+    # the graphs get the rest; under Inductor less its rescheduling margin
+    assert be.graph_budget_bytes == pytest.approx(700_000_000 * (1 - INDUCTOR_SCHEDULE_MARGIN))
+    assert sf.compile_backend("aot_eager", bucketing="auto", memory_limit_gb=1.0,
+                              state_bytes_outside_graphs=300_000_000,
+                              comm_model=be.comm_model).graph_budget_bytes == 700_000_000
     with pytest.raises(ValueError, match="leaves nothing for the compiled graphs"):
         sf.compile_backend(bucketing="auto", memory_limit_gb=0.1,
                            state_bytes_outside_graphs=100_000_000)
@@ -120,7 +125,8 @@ def _limit_above_manual(rank, world):
                            LATENCY_BOUND, p.kind).peak_bytes) for p in plans]
     reports = [(r.graph, r.predicted_peak_bytes, r.memory_limit_bytes)
                for r in backend.reports]
-    return manual_peak, limit_gb * 1e9, auto_peak, unlimited, reports
+    planned = backend.graph_budget_bytes + backend.outside_bytes
+    return manual_peak, limit_gb * 1e9, auto_peak, unlimited, reports, planned
 
 
 def test_measured_peak_stays_under_a_limit_just_above_manual_bucketing():
@@ -134,14 +140,20 @@ def test_measured_peak_stays_under_a_limit_just_above_manual_bucketing():
     backward's tangent (the logits' gradient, 0.5 MB here) was missing from the model
     until AOTAutograd was found to hold it for the whole backward: then a backward plan
     with its largest buckets last ([3,3,1,1,6,6,6,6,22,23]) was predicted 26.30 MB and
-    measured 27.26 MB, over a 27.0 MB limit."""
+    measured 27.26 MB, over a 27.0 MB limit. Then Inductor's rescheduling: a backward plan
+    predicted 26.76 MB under a 27.08 MB limit measured 27.17 MB (1.07 MB more live at
+    its last all-gather than in the FX order), so under Inductor the graphs are planned
+    ``INDUCTOR_SCHEDULE_MARGIN`` (5%) under their budget."""
     results = run_ranks(_limit_above_manual, 2)
-    for manual_peak, limit, auto_peak, unlimited, reports in results:
-        print(f"manual {manual_peak / 1e6:.3f} MB, limit {limit / 1e6:.3f} MB, auto "
+    for manual_peak, limit, auto_peak, unlimited, reports, planned in results:
+        print(f"manual {manual_peak / 1e6:.3f} MB, limit {limit / 1e6:.3f} MB (planned "
+              f"{planned / 1e6:.3f}), auto "
               f"{auto_peak / 1e6:.3f} MB; predicted " + ", ".join(
                   f"{g} {p / 1e6:.3f}" for g, p, _ in reports))
         assert auto_peak <= limit, (auto_peak, limit)
         assert len(reports) == 2 and all(p <= lim == limit for _, p, lim in reports), reports
+        assert planned < limit  # Inductor's rescheduling margin (a target: where no plan
+        # predicts under it, the lowest-peaking plan tried is taken)
         # the limit binds: some graph's plan is not the unlimited optimum, which has
         # fewer buckets
         assert any(chosen != free for chosen, free, _ in unlimited), unlimited
