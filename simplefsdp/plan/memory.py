@@ -125,10 +125,13 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
     for gm, shard in zip((tr.forward, tr.backward), trace_shards(tr), strict=True):
         size = {n: int(_tensor_bytes(n.meta.get("val")) * (scale if n in shard else 1))
                 for n in gm.graph.nodes}
-        # model states: parameter shards in, gradient shards out
+        # model states: parameter shards in, gradient shards out of the backward. The
+        # forward's shard-sized outputs are activations saved for backward (the bf16
+        # casts of the shards, under mixed precision): counted.
         skip = {n for n in shard if n.op == "placeholder" and _is_param_shard(n, tr.shards)}
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        skip |= {a for a in out.all_input_nodes if a in shard}
+        if gm is tr.backward:
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            skip |= {a for a in out.all_input_nodes if a in shard}
         sizes.append(size)
         skips.append(skip)
     fw, bw = tr.forward.graph, tr.backward.graph

@@ -26,7 +26,7 @@ from .trace import FAKE_WORLD, trace, trace_key
 
 # Caching-allocator reserve over the active peak: fitted, the one constant fitted to the
 # published runs (their reserved / our predicted active peak: 1.18 full AC, 1.22 no AC,
-# 1.24 and 1.17 selective eager / compiled; see README).
+# 1.24 and 1.14 selective eager / compiled; see README).
 ALLOC_OVERHEAD = 0.20
 CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserved figure
 
