@@ -49,6 +49,46 @@ def test_bf16_saved_shard_casts_are_rescaled():
     assert rescaled == traced
 
 
+def _saved_slope_vs_block(path, overrides):
+    import re
+
+    from torch import fx
+
+    from simplefsdp.compiler.cost.memory import alias_roots
+    from simplefsdp.plan.memory import _tensor_bytes, graph_memory, trace_shards
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(path, overrides)
+    one, two = (trace(trace_key(cfg, "full", k, 1, 1, 2)) for k in (1, 2))
+    slope = graph_memory(two, 8).saved - graph_memory(one, 8).saved
+    # the second block's own saved allocations (made by its nodes), each counted once,
+    # shard-sized ones at dp_shard 8
+    out = next(n for n in two.forward.graph.nodes if n.op == "output").args[0]
+    roots = alias_roots(two.forward.graph)
+    shard = trace_shards(two)[0]
+    saved = {r for a in out[two.n_forward_outputs:] if isinstance(a, fx.Node) for r in roots[a]}
+
+    def in_block_1(node):
+        stack = node.meta.get("nn_module_stack") or {}
+        return any(re.search(r"layers(\.|\[')1\b", str(path)) for path, _ in stack.values())
+
+    block = [r for r in saved if in_block_1(r)]
+    size = {r: _tensor_bytes(r.meta.get("val")) * (2 / 8 if r in shard else 1) for r in block}
+    return slope, sum(size.values()), sum(size[r] for r in block if r in shard)
+
+
+def test_saved_bf16_shard_casts_count_as_activations():
+    """Selective AC in bf16 saves the bf16 casts of a block's parameter shards for
+    backward (the all-gathers are recomputed from them). They are shard-sized outputs of
+    the forward, which ``graph_memory`` took for model states and left out: 8B's saved
+    bytes grew by 433 MiB per block where the block's own saved allocations are 485 MiB
+    (52 MiB of casts at dp 8). Now one block's saved allocations are the slope."""
+    slope, block, casts = _in_worker(_saved_slope_vs_block, "configs/llama3_8b.toml", [
+        "--activation_checkpoint.mode", "selective", "--compile.bucketing", "manual"])
+    assert casts > 0
+    assert slope == block, (slope, block, casts)
+
+
 # Llama 3 8B's width (traces cost the same at any width; compute dominates the step, as
 # on the real runs) with 8 blocks, on 4 GPUs of 2 per node: tp 1-2, pp 1-4, hybrid.
 SMALL = ("configs/llama3_8b.toml", ["--model.n_layers", "8", "--compile.bucketing", "manual"])
