@@ -52,10 +52,8 @@ def test_bf16_saved_shard_casts_are_rescaled():
 def _saved_slope_vs_block(path, overrides):
     import re
 
-    from torch import fx
-
     from simplefsdp.compiler.cost.memory import alias_roots
-    from simplefsdp.plan.memory import _tensor_bytes, graph_memory, trace_shards
+    from simplefsdp.plan.memory import _tensor_bytes, forward_outputs, graph_memory, trace_shards
     from simplefsdp.plan.trace import trace, trace_key
 
     cfg = load_config(path, overrides)
@@ -63,10 +61,9 @@ def _saved_slope_vs_block(path, overrides):
     slope = graph_memory(two, 8).saved - graph_memory(one, 8).saved
     # the second block's own saved allocations (made by its nodes), each counted once,
     # shard-sized ones at dp_shard 8
-    out = next(n for n in two.forward.graph.nodes if n.op == "output").args[0]
     roots = alias_roots(two.forward.graph)
     shard = trace_shards(two)[0]
-    saved = {r for a in out[two.n_forward_outputs:] if isinstance(a, fx.Node) for r in roots[a]}
+    saved = {r for a in forward_outputs(two)[1] for r in roots[a]}
 
     def in_block_1(node):
         stack = node.meta.get("nn_module_stack") or {}

@@ -72,11 +72,19 @@ def shard_nodes(graph: fx.Graph, shards: set, dp_groups: set[str],
     return found
 
 
+def forward_outputs(tr: Trace) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The forward graph's (user outputs, tensors saved for backward): AOTAutograd's
+    forward returns the user's outputs first, then what the backward takes."""
+    outputs = next(n for n in tr.forward.graph.nodes if n.op == "output").args[0]
+    nodes = [(i, a) for i, a in enumerate(outputs) if isinstance(a, fx.Node)]
+    return ([a for i, a in nodes if i < tr.n_forward_outputs],
+            [a for i, a in nodes if i >= tr.n_forward_outputs])
+
+
 def saved_inputs(tr: Trace) -> dict[fx.Node, fx.Node]:
     """Backward placeholder -> the forward node it was saved from (the partitioner names
     a saved tensor's backward input after its forward node)."""
-    outputs = next(n for n in tr.forward.graph.nodes if n.op == "output").args[0]
-    by_name = {a.name: a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)}
+    by_name = {a.name: a for a in forward_outputs(tr)[1]}
     return {n: by_name[n.name] for n in tr.backward.graph.nodes
             if n.op == "placeholder" and n.name in by_name}
 
@@ -136,9 +144,7 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
         skips.append(skip)
     fw, bw = tr.forward.graph, tr.backward.graph
     fw_live = _live(fw, sizes[0], skips[0])
-    outputs = next(n for n in fw.nodes if n.op == "output").args[0]
-    user = [a for a in outputs[:tr.n_forward_outputs] if isinstance(a, fx.Node)]
-    saved = [a for a in outputs[tr.n_forward_outputs:] if isinstance(a, fx.Node)]
+    user, saved = forward_outputs(tr)
     root = alias_roots(fw)
 
     def held(nodes: list[fx.Node]) -> int:  # each allocation once, model states left out
