@@ -1,23 +1,53 @@
-"""Pipeline parallel composed with tensor + sequence parallel in the trainer, compiled.
+"""Pipeline parallel composed with tensor + sequence parallel in the trainer.
 
 PP 2 x TP 2 on 4 ranks (one data-parallel rank per stage, so FSDP's collectives are
 over a group of one, and every TP/SP activation all-gather and reduce-scatter stays as
-traced): each stage is compiled on its own with aot_eager and manual bucketing. The
-pairwise CI cells of the composition matrix never put pp = 2 with tp = 2 (that needs
-8 processes there, with 2 data-parallel ranks).
+traced). The pairwise CI cells of the composition matrix never put pp = 2 with tp = 2
+(that needs 8 processes there, with 2 data-parallel ranks).
 
-Tolerance: none. aot_eager runs the ops eager runs, bucketing only concatenates and
-slices, and every reduction is over the same ranks in the same order, so losses and
-gradient norms must be equal (``==``).
+Two checks share one eager PP 2 x TP 2 run (a tiny Llama: dim 32, 2 layers, one per
+stage; 3 steps, 2 sequences of 16 tokens, 2 pipeline microbatches of one sequence):
+
+* eager vs the FSDP reference: 2 ranks, plain FSDP (no PP, no TP), the same global
+  batch (1 sequence per rank), the same initial model (built from ``training.seed`` on
+  every layout) and the same data order. This is the comparison tests/test_trainer.py's
+  ``test_tp_and_pp_match_fsdp`` makes for TP and PP alone, with its tolerances: the math
+  is the same but float32 sums are split differently (row-wise TP partial sums, the
+  sequence split, per-microbatch gradients summed by the schedule), so 1e-5 relative on
+  each step's loss and 1e-4 on each step's gradient norm (float32 rounding is ~1e-7 per
+  op; the TP-alone and PP-alone runs measure 0 and 1.2e-7 on the loss), and the
+  exported model after the last step within 1e-4 absolute per weight (3 AdamW steps at
+  lr 1e-2 move a weight by up to ~3e-2; rounding moves it by ~1e-7). A bug at the stage
+  boundary, in the sequence split or in the loss/gradient scaling changes the losses
+  or the gradient norms by far more.
+* compiled vs eager: each stage compiled on its own with aot_eager and manual
+  bucketing. Tolerance: none. aot_eager runs the ops eager runs, bucketing only
+  concatenates and slices, and every reduction is over the same ranks in the same
+  order, so losses and gradient norms must be equal (``==``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from rank_runner import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def _argv(out: Path, *extra: str, batch_size: int) -> list[str]:
+    return ["--config", str(ROOT / "configs/debug.toml"),
+            "--training.steps", str(STEPS), "--training.batch_size", str(batch_size),
+            "--training.seq_len", "16", "--training.lr", "1e-2",
+            "--training.warmup_steps", "1", "--model.dim", "32", "--model.n_layers", "2",
+            "--metrics.log_every", "1", "--checkpoint.enable", "false",
+            "--metrics.output_dir", str(out), *extra]
+
+
+PP_TP = ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_microbatches", "2")
 
 
 def _trainer(rank: int, world: int, argv: list[str]) -> tuple[list[float], list[float]]:
@@ -27,19 +57,43 @@ def _trainer(rank: int, world: int, argv: list[str]) -> tuple[list[float], list[
     return result.losses, result.grad_norms
 
 
-def test_pp2_tp2_sequence_parallel_compiled_matches_eager(tmp_path):
-    base = ["--config", str(ROOT / "configs/debug.toml"), "--parallel.pp", "2",
-            "--parallel.tp", "2", "--parallel.pp_microbatches", "2",
-            "--training.steps", "2", "--training.batch_size", "2",
-            "--training.seq_len", "16", "--model.dim", "32", "--model.n_layers", "2",
-            "--metrics.log_every", "1", "--checkpoint.enable", "false"]
-    runs = {}
-    for name, extra in (("eager", []), ("compiled", [
-            "--compile.enable", "true", "--compile.backend", "aot_eager",
-            "--compile.bucketing", "manual"])):
-        argv = base + extra + ["--metrics.output_dir", str(tmp_path / name)]
-        runs[name] = run_ranks(_trainer, 4, argv)
-    eager, compiled = runs["eager"], runs["compiled"]
-    losses = eager[-1][0]  # the last stage computes the loss
-    assert len(losses) == 2 and all(loss > 0 for loss in losses), eager
-    assert compiled == eager, runs
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == STEPS, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> tuple[Path, list]:
+    """The eager PP 2 x TP 2 run (4 ranks, 2 sequences per step), with its export."""
+    out = tmp_path_factory.mktemp("pp_tp_eager")
+    argv = _argv(out, *PP_TP, "--checkpoint.export_safetensors", "true", batch_size=2)
+    return out, run_ranks(_trainer, 4, argv)
+
+
+def test_pp2_tp2_sequence_parallel_eager_matches_fsdp(eager, tmp_path):
+    from safetensors.torch import load_file
+
+    out, runs = eager
+    # Every rank reports the same all-reduced loss and the same global norm.
+    assert all(r == runs[0] for r in runs), runs
+    losses, grad_norms = runs[0]
+    ref_losses, ref_norms = run_ranks(_trainer, 2, _argv(
+        tmp_path, "--checkpoint.export_safetensors", "true", batch_size=1))[0]
+    diff = _rel_diff(losses, ref_losses)
+    print(f"PP2 x TP2 vs FSDP: losses {losses} vs {ref_losses}, max relative diff "
+          f"{diff:.2e}; grad norms {grad_norms} vs {ref_norms}")
+    assert diff <= 1e-5
+    assert _rel_diff(grad_norms, ref_norms) <= 1e-4
+    # The consolidated export (PP stages and TP shards gathered) is the same model.
+    mine, theirs = load_file(out / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key], value, rtol=0, atol=1e-4, msg=key)
+
+
+def test_pp2_tp2_sequence_parallel_compiled_matches_eager(eager, tmp_path):
+    _, runs = eager
+    compiled = run_ranks(_trainer, 4, _argv(
+        tmp_path, *PP_TP, "--compile.enable", "true", "--compile.backend", "aot_eager",
+        "--compile.bucketing", "manual", batch_size=2))
+    assert compiled == runs, (compiled, runs)
