@@ -3,9 +3,30 @@
 # training job: the debug Llama on Shakespeare, 2 CPU processes, ~200 steps.
 # Extra arguments are config overrides, e.g.:
 #   bash scripts/train.sh --training.steps 50 --metrics.output_dir outputs/short
-# Output (metrics.csv, loss.png, memory.png) goes to outputs/ unless overridden.
+# Output (metrics.csv, loss.png, memory.png) goes to outputs/ unless overridden; the last
+# two lines of a run say its loss and where everything went. A configuration error stops
+# before anything starts, with exit status 78.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "root user" || true
-python -m pip install -q -e ".[train]" 2>&1 | grep -v "root user" || true
-exec torchrun --standalone --nproc_per_node=2 -m simplefsdp.train --config configs/debug.toml "$@"
+
+# pip, without its warning about running as root (a container's usual user); on failure
+# everything it said is shown and the script stops.
+quiet_pip() {
+    local said
+    if ! said=$(PIP_ROOT_USER_ACTION=ignore python -m pip install -q "$@" 2>&1); then
+        printf '%s\n' "$said" >&2
+        return 1
+    fi
+    printf '%s\n' "$said" | grep -v -e "Running pip as the 'root' user" -e '^$' || true
+}
+quiet_pip "torch==2.13.0"
+quiet_pip -e ".[train]"
+
+NPROC=2
+# One process checks the config for NPROC processes first: a mistake is one plain line
+# (and exit status 78), not one per rank under torchrun's failure report.
+python -m simplefsdp.train --check --world-size "$NPROC" --config configs/debug.toml "$@"
+# torchrun would set 1 thread per process anyway, with a warning banner saying so.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec torchrun --standalone --nproc_per_node="$NPROC" -m simplefsdp.train \
+    --config configs/debug.toml "$@"

@@ -19,9 +19,14 @@ import os
 import sys
 
 from ..train.config_reader import ConfigError
+from ..train.trainer import quiet_our_checkpoint_warning
 from .config import BenchConfig, bench_help, parse_args
 from .launch import run_fake, run_spawned, run_torchrun, under_torchrun
 from .variants import VARIANTS
+
+# Our compiled variants checkpoint the gather: torch's warning about our checkpointed
+# regions is noise, here and in the spawned ranks (which import this module again).
+quiet_our_checkpoint_warning()
 
 
 def _gpus() -> int:

@@ -15,9 +15,14 @@ import time
 
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
 from ..train.config import ConfigError, load_config
+from ..train.trainer import quiet_our_checkpoint_warning
 from . import report
 from .predict import ALLOC_OVERHEAD, predict
 from .search import search
+
+# The planner traces our compiled graphs, here and in its spawned search workers (which
+# import this module again): torch's warning about our checkpointed regions is noise.
+quiet_our_checkpoint_warning()
 
 
 def _progress(started: float):
@@ -52,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         dev = gpu_profile(args.gpu)
-        cfg = load_config(args.config, overrides)
+        # one layout: its sizes must fill the GPUs (checked before the model's shapes);
+        # --search chooses the sizes itself
+        cfg = load_config(args.config, overrides,
+                          world_size=None if args.search else args.gpus)
         started = time.perf_counter()
         failures: list[str] = []
         stats: dict = {}

@@ -29,33 +29,75 @@ default) so a hung collective aborts after the process-group timeout
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .guard import NonFiniteError, Preempted
 from .trainer import main
 
+# Exit statuses of a known failure (README, "Training"): a configuration error is 78,
+# sysexits.h's EX_CONFIG, which no other failure here (Python's 1, a usage error's 2,
+# a signal's 128 + N) shares.
+CONFIG_ERROR = 78
+NON_FINITE = 3
+CHECKPOINT_ERROR = 4
+
 
 def run(argv: list[str]) -> int:
     """Train; a known failure prints one line on stderr and gives its exit status:
-    2 bad config (nothing was run), 3 non-finite loss/gradients, 4 checkpoint I/O,
-    128 + signal number after a SIGTERM/SIGINT stop (checkpoint saved if enabled)."""
+    78 configuration error (nothing was trained), 3 non-finite loss/gradients,
+    4 checkpoint I/O, 128 + signal number after a SIGTERM/SIGINT stop (checkpoint saved
+    if enabled). ``--check`` validates the config and exits (0 if it is good)."""
     try:
         main(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return configuration_error(e)
     except NonFiniteError as e:
         print(f"training stopped: {e}", file=sys.stderr)
-        return 3
+        return NON_FINITE
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
-        return 4
+        return CHECKPOINT_ERROR
     except Preempted as e:
         print(f"[simplefsdp] {e}", file=sys.stderr)
         return 128 + e.signum
     return 0
+
+
+def configuration_error(error: ConfigError) -> int:
+    """Report a configuration error once and return its exit status.
+
+    Every rank finds the same error (the config is read alike everywhere), so only the
+    first local rank prints it. Under torchrun each rank also leaves it in its error file
+    (``TORCHELASTIC_ERROR_FILE``), which torchrun shows as the failure's "traceback" at
+    the end of its ``ChildFailedError`` report: its last lines say what went wrong."""
+    message = (f"configuration error: {error}\n(nothing was trained; exit status "
+               f"{CONFIG_ERROR}. Check a config without launching: python -m "
+               f"simplefsdp.train --check --world-size N --config ...)")
+    _leave_for_torchrun(message)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    return CONFIG_ERROR
+
+
+def _leave_for_torchrun(message: str) -> None:
+    """Write ``message`` where torchrun's elastic agent reads a worker's failure (the
+    JSON layout of ``torch.distributed.elastic``'s error handler)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message.splitlines()[0],
+                        "extraInfo": {"py_callstack": message,
+                                      "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the message is on stderr all the same
 
 
 if __name__ == "__main__":

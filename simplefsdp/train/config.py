@@ -183,8 +183,10 @@ class JobConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> None:
-        """Range and consistency checks that types alone cannot express."""
+    def validate(self, world_size: int | None = None) -> None:
+        """Range and consistency checks that types alone cannot express. With
+        ``world_size``, the parallel sizes must multiply to it, checked before the model's
+        shapes: a world the sizes cannot fill is the first thing to fix."""
         t, p = self.training, self.parallel
         args = self.model.model_args()
         for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
@@ -197,6 +199,8 @@ class JobConfig:
         if not hf_model:
             check_seq_len(t.seq_len, args)
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
+        if world_size is not None:
+            p = p.resolve(world_size)  # the world first; then dp_mode on the sizes
         with config_errors():
             check_mesh_sizes(p.pp, p.dp_replicate, p.dp_shard, p.tp, "parallel.")
             check_dp_mode(p.dp_mode, p.dp_replicate, p.dp_shard, "parallel.")
@@ -262,23 +266,31 @@ def _check_shapes(args: ModelArgs, p: ParallelConfig) -> None:
     check_pipeline(args, p.pp)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                world_size: int | None = None) -> JobConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated
+    (for ``world_size`` processes, if given: see ``JobConfig.validate``)."""
     cfg = read_config(JobConfig(), path, overrides)
-    cfg.validate()
+    cfg.validate(world_size)
     return cfg
 
 
 ALIASES = {"--resume": "--checkpoint.resume=true"}
-USAGE = "[--config FILE.toml] [--resume] [--section.key value ...]"
+USAGE = ("python -m simplefsdp.train [--config FILE.toml] [--resume] [--section.key value ...]\n"
+         "       python -m simplefsdp.train --check [--world-size N] [--config FILE.toml] "
+         "[--section.key value ...]\n"
+         "  (or torchrun [torchrun options] -m simplefsdp.train ...)\n"
+         "  --check validates the config for N processes (default 1) and exits, launching "
+         "nothing")
 
 
-def parse_args(argv: list[str]) -> JobConfig:
-    """Command line -> config: ``[--config FILE] [--resume] [--section.key value ...]``.
+def parse_args(argv: list[str], world_size: int | None = None) -> JobConfig:
+    """Command line -> config: ``[--config FILE] [--resume] [--section.key value ...]``,
+    validated for ``world_size`` processes if given.
 
     ``--resume`` is short for ``--checkpoint.resume true``.
     """
-    return load_config(*split_argv(argv, ALIASES))
+    return load_config(*split_argv(argv, ALIASES), world_size=world_size)
 
 
 def config_help() -> str:

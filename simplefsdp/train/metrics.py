@@ -84,7 +84,11 @@ class MetricsLogger:
         self.csv_path = self.out / "metrics.csv"
         self._tb = None
         self._bar = None
+        self._progress = progress
+        self._total_steps, self._start_step = total_steps, start_step
         self.plots = False
+        self.written: list[Path] = []  # the plots, once ``close`` drew them
+        self.tensorboard_dir: Path | None = None
         if not self.active:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -104,17 +108,31 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.out / "tensorboard"))
+                self.tensorboard_dir = self.out / "tensorboard"
             except ImportError:
                 print("metrics.tensorboard = true but tensorboard is not installed; skipping",
                       file=sys.stderr)
-        if progress:
-            try:
-                from tqdm import tqdm
 
-                self._bar = tqdm(total=total_steps, initial=start_step, desc="train",
-                                 dynamic_ncols=True, mininterval=1.0)
-            except ImportError:
-                self._bar = None
+    def start_progress(self) -> None:
+        """Show the progress bar (rank 0, with tqdm): called once the run's header lines
+        are printed, so that none of them lands on the bar's line."""
+        if not (self.active and self._progress) or self._bar is not None:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=self._total_steps, initial=self._start_step, desc="train",
+                         dynamic_ncols=True, mininterval=1.0)
+
+    def note(self, line: str) -> None:
+        """Print a line (rank 0) above the progress bar, if one is showing."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -169,7 +187,7 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-        self.plot()
+        self.written = self.plot()
 
     def plot(self) -> list[Path]:
         """Draw the plots (if matplotlib imported at start); returns the files written."""
@@ -189,6 +207,10 @@ class MetricsLogger:
             ax.plot(steps, values, marker="o", markersize=3)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
+            if key == self.mem_column:  # from 0: a few MiB of drift is not a cliff
+                finite = [v for v in values if math.isfinite(v)]
+                ax.set_ylim(bottom=0, top=1.1 * max(finite) if finite and max(finite) > 0
+                            else None)
             ax.grid(alpha=0.3)
             fig.tight_layout()
             fig.savefig(self.out / name, dpi=100)

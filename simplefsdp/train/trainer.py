@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import operator
 import os
+import re
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -96,6 +100,89 @@ def init_distributed(device_type: str) -> bool:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     return True
+
+
+# ---------------------------------------------------------------------------------------
+# torch's warning about our own checkpointed regions.
+# ---------------------------------------------------------------------------------------
+# torch logs this once per process when it compiles a torch.utils.checkpoint region that
+# has a context_fn, asking the user to make sure the region holds no in-place op. Ours do
+# not: the data-parallel gather (recomputed in backward, even with ac = none) and our
+# selective AC policy on blocks without in-place ops. Left alone, every compiled run and
+# the planner print it on every rank, and the user can do nothing about it.
+_CONTEXT_FN_WARNING = re.compile(
+    r"\s*Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile")
+_CONTEXT_FN_LOGGER = "torch._higher_order_ops.wrap"  # where torch logs it
+_IN_PLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.imatmul}
+
+
+def _our_context_fns() -> tuple:
+    """The checkpoint context functions this library passes (looked up when needed)."""
+    import importlib
+
+    # the module by name: ``simplefsdp.data_parallel`` the attribute is the function
+    gather = importlib.import_module("simplefsdp.data_parallel")
+    from . import parallelize as ours
+
+    return tuple(fn for fn in (getattr(gather, "_gather_policy_contexts", None),
+                               getattr(ours, "_selective_context", None)) if fn is not None)
+
+
+def _has_in_place_op(region: nn.Module) -> bool:
+    """Whether a checkpointed region's graph (as Dynamo captured it) writes in place:
+    ``x.relu_()``, ``torch.relu_``, ``x += y``, ``x[i] = y``, an ``out=`` argument."""
+    for module in region.modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if graph is not None else ():
+            if node.op not in ("call_function", "call_method"):
+                continue
+            name = node.target if isinstance(node.target, str) else \
+                getattr(node.target, "__name__", "")
+            if node.target in _IN_PLACE_FUNCTIONS or "out" in node.kwargs or \
+                    (name.endswith("_") and not name.endswith("__")) or \
+                    name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
+                return True
+    return False
+
+
+class _OurCheckpointRegions(logging.Filter):
+    """Drops torch's context_fn warning where the region is ours and holds no in-place
+    op; any other region's warning passes, as does everything else on that logger.
+
+    It reads the region from the frame of torch's ``tag_activation_checkpoint_impl``
+    (torch 2.13), which logs the warning; where that frame is not found (another torch),
+    the warning passes. torch logs it once per process: after ours is dropped, a later
+    region of someone else's in the same process is not warned about (in the trainer and
+    the planner every region is ours)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _CONTEXT_FN_WARNING.match(record.getMessage()):
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "tag_activation_checkpoint_impl" and \
+                    frame.f_globals.get("__name__") == _CONTEXT_FN_LOGGER:
+                fn, region = frame.f_locals.get("context_fn"), frame.f_locals.get("gmod")
+                ours = any(fn is mine for mine in _our_context_fns())
+                return not (ours and isinstance(region, nn.Module) and
+                            not _has_in_place_op(region))
+            frame = frame.f_back
+        return True
+
+
+def quiet_our_checkpoint_warning() -> logging.Filter:
+    """Install (once per process) the filter of torch's warning about our checkpointed
+    regions; the trainer, the planner and the benchmark call it before compiling."""
+    logger = logging.getLogger(_CONTEXT_FN_LOGGER)
+    for existing in logger.filters:
+        if isinstance(existing, _OurCheckpointRegions):
+            return existing
+    quiet = _OurCheckpointRegions()
+    logger.addFilter(quiet)
+    return quiet
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,10 +333,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
     args = cfg.model.model_args()
-    model_facts = dataclasses.asdict(args)  # a Hugging Face model: its folder names it
-    if cfg.model.hf_path is not None:
-        model_facts = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
-    fingerprint = config_fingerprint(model_facts)
+    fingerprint = _fingerprint(cfg)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
@@ -300,6 +384,14 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
               f"({metrics.peak_source})", flush=True)
     return Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
                   scheduler, schedule, ckpt, metrics, start_step, n_params)
+
+
+def _fingerprint(cfg: JobConfig) -> str:
+    """The model config a checkpoint was written for (a Hugging Face model: its folder)."""
+    model_facts = dataclasses.asdict(cfg.model.model_args())
+    if cfg.model.hf_path is not None:
+        model_facts = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
+    return config_fingerprint(model_facts)
 
 
 def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
@@ -354,13 +446,24 @@ def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str |
 def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
            tokenizer: Tokenizer | None) -> TrainResult:
     started = time.perf_counter()
+    if cfg.compile.enable:
+        quiet_our_checkpoint_warning()
     s = setup(cfg, tokenizer)
     cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
     t = cfg.training
+    rank0 = dist.get_rank() == 0
     result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
-    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last report
+    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last flush
     window_start, window_steps = time.perf_counter(), 0
+    saved: Path | None = None  # the newest checkpoint written
+    compiling = _CompileReports() if cfg.compile.enable else None
+    if compiling is not None and rank0:
+        print(f"[simplefsdp] step {s.start_step + 1} compiles the model (torch.compile, "
+              f"{cfg.compile.backend}, bucketing {cfg.compile.bucketing}): expect it to "
+              f"take a while (a minute or more on CPU); later steps reuse the compiled "
+              f"graphs", flush=True)
+    metrics.start_progress()
 
     with StopOnSignal() as signal_:
         try:
@@ -368,7 +471,17 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]
-                contribution, grad_norm, stop = train_step(s, step, batches, signal_.requested)
+                step_started = time.perf_counter()
+                if compiling is not None:
+                    with compiling:
+                        contribution, grad_norm, stop = train_step(s, step, batches,
+                                                                   signal_.requested)
+                    metrics.note(_compile_summary(compiling.reports, cfg,
+                                                  time.perf_counter() - step_started, step))
+                    compiling = None
+                else:
+                    contribution, grad_norm, stop = train_step(s, step, batches,
+                                                               signal_.requested)
                 pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
                 window_steps += 1
                 metrics.advance()
@@ -376,40 +489,125 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 is_last = step == t.steps or stop
                 logs = step % cfg.metrics.log_every == 0 or is_last
                 if logs or (ckpt and ckpt.due(step)):
-                    # One all-reduce for every step since the last report.
+                    # One all-reduce for every step since the last flush.
                     stacked = torch.stack([c for c, _, _ in pending])
                     dist.all_reduce(stacked)
-                    values = stacked.tolist()
-                    result.losses.extend(values)
+                    result.losses.extend(stacked.tolist())
                     result.grad_norms.extend(float(g) for _, g, _ in pending)
-                    if logs:
+                    if logs:  # the row's loss: the mean since the previous row
                         if s.device.type == "cuda":
                             torch.cuda.synchronize()
                         elapsed = time.perf_counter() - window_start
-                        metrics.log(step, sum(values) / len(values), result.grad_norms[-1],
+                        window = result.losses[-window_steps:]
+                        metrics.log(step, sum(window) / len(window), result.grad_norms[-1],
                                     pending[-1][2], window_steps, elapsed)
                         window_start, window_steps = time.perf_counter(), 0
                     pending.clear()
                 if ckpt is not None and (ckpt.due(step) or is_last):
-                    ckpt.save(step)
+                    saved = ckpt.save(step)
                 if stop:
                     raise _preempted(s, step, signal_.signum)
         finally:
             metrics.close()
 
+    outputs = [metrics.csv_path, *metrics.written]
     if cfg.checkpoint.export_safetensors:
-        export_safetensors(s.model, Path(cfg.metrics.output_dir) / "model.safetensors",
-                           s.pp_group)
-    hf_hooks.export(cfg, s.model, s.tokenizer)
+        path = Path(cfg.metrics.output_dir) / "model.safetensors"
+        export_safetensors(s.model, path, s.pp_group)
+        outputs.append(path)
+    exported = hf_hooks.export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
-    if dist.get_rank() == 0 and result.losses:
-        rows = result.metrics["rows"]
-        tps = rows[-1]["tokens_per_s"] if rows else float("nan")
-        print(f"[simplefsdp] done: steps {s.start_step}->{t.steps}, final loss "
-              f"{result.losses[-1]:.4f}, {tps:.0f} tokens/s, "
-              f"{result.wall_time_s:.1f}s", flush=True)
+    if rank0 and result.losses:
+        if metrics.tensorboard_dir is not None:
+            outputs.append(metrics.tensorboard_dir)
+        if saved is not None:
+            outputs.append(saved)
+        if exported is not None:
+            outputs.append(exported)
+        print(_done_line(s.start_step, t.steps, result, outputs), flush=True)
     return result
+
+
+def _done_line(start_step: int, steps: int, result: TrainResult, outputs: list) -> str:
+    """The end-of-run lines: the loss as ``metrics.csv``'s last row and the progress bar
+    show it (the mean over the last logging window), the last step's own loss, where
+    every output went."""
+    rows = result.metrics.get("rows") or []
+    last = rows[-1] if rows and int(rows[-1]["step"]) == steps else None
+    tps = f"{last['tokens_per_s']:.0f} tokens/s" if last else "no metrics row"
+    if last is not None:
+        first = int(rows[-2]["step"]) + 1 if len(rows) > 1 else start_step + 1
+        first = max(first, start_step + 1)
+        span = f"step {steps}" if first == steps else f"steps {first}-{steps}"
+        loss = (f"loss {last['loss']:.4f} (mean of {span}, as in metrics.csv and the "
+                f"progress bar; step {steps} alone: {result.losses[-1]:.4f})")
+    else:
+        loss = f"loss {result.losses[-1]:.4f} (step {steps})"
+    where = ", ".join(str(p) for p in outputs)
+    return (f"[simplefsdp] done: steps {start_step}->{steps} in {result.wall_time_s:.1f} s, "
+            f"{loss}, {tps}\n[simplefsdp] outputs: {where}")
+
+
+class _CompileReports(logging.Handler):
+    """The reports our compile backend logs for each graph it compiles (one object per
+    graph, at INFO on the ``simplefsdp.compiler`` logger; see ``compiler/backend.py``),
+    collected while the first step compiles. Where that logger is not already shown at
+    INFO, the records go to this handler alone: nobody sees them twice."""
+
+    LOGGER = "simplefsdp.compiler"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reports: list[Any] = []
+        self._saved: tuple[int, bool] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        for arg in args:
+            if hasattr(arg, "graph") and hasattr(arg, "buckets"):
+                self.reports.append(arg)
+
+    def __enter__(self) -> _CompileReports:
+        logger = logging.getLogger(self.LOGGER)
+        self._saved = (logger.level, logger.propagate)
+        if not logger.isEnabledFor(logging.INFO):
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.setLevel(self._saved[0])
+        logger.propagate = self._saved[1]
+
+
+def _compile_summary(reports: list, cfg: JobConfig, seconds: float, step: int) -> str:
+    """One line on what the first step's compile did: per graph, its collectives and
+    buckets; for planned bucketing (auto, greedy) the predicted exposed communication and
+    whether the plan came from the plan cache."""
+    head = f"[simplefsdp] step {step} compiled and ran in {seconds:.1f} s"
+    planned = cfg.compile.bucketing in ("auto", "greedy")
+    if not reports:
+        warm = "; its plans came from the plan cache" if planned else ""
+        return (f"{head}; our passes did not run: Inductor's cache held these graphs (a "
+                f"warm compile{warm})")
+    parts = []
+    for r in reports:
+        before = sum(getattr(r, "collectives_before", {}).values())
+        part = f"{r.graph} {before} collectives -> {len(r.buckets)} buckets"
+        exposed = getattr(r, "estimated_exposed_s", None)
+        if exposed is not None:
+            part += f", predicted exposed communication {exposed * 1e3:.2f} ms"
+        if planned:
+            cached = any("plan cache" in note for note in getattr(r, "notes", ()))
+            part += (", plan from the plan cache (hit)" if cached else
+                     ", plan decided now and cached for the next run (miss)")
+        parts.append(part)
+    return (f"{head} (bucketing {cfg.compile.bucketing}): " + "; ".join(parts) +
+            " (details: the simplefsdp.compiler logger at INFO)")
 
 
 def _preempted(s: Setup, step: int, signum: int | None) -> Preempted:
@@ -435,11 +633,75 @@ def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
 def main(argv: list[str] | None = None,
          batch_transform: BatchTransform | None = None,
          tokenizer: Tokenizer | None = None) -> TrainResult | None:
-    """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``."""
-    import sys
-
+    """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``; with
+    ``--check [--world-size N]``, validate the config for N processes and return None."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(config_help())
         return None
-    return train(parse_args(argv), batch_transform, tokenizer)
+    check, world_size, argv = _check_flags(argv)
+    if check:
+        check_config(argv, world_size)
+        return None
+    return train(parse_args(argv, _launched_world()), batch_transform, tokenizer)
+
+
+def _launched_world() -> int:
+    """The number of processes this run has: the process group's, torchrun's, or 1."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def _check_flags(argv: list[str]) -> tuple[bool, int, list[str]]:
+    """``--check`` and ``--world-size N`` taken out of ``argv``."""
+    check, world, rest, i = False, None, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name == "--check":
+            check = True
+        elif name == "--world-size":
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError("--world-size needs a number of processes")
+                value, i = argv[i + 1], i + 1
+            try:
+                world = int(value)
+            except ValueError:
+                raise ConfigError(f"--world-size {value!r}: expected a number of "
+                                  f"processes") from None
+            if world < 1:
+                raise ConfigError(f"--world-size {world}: expected at least 1 process")
+        else:
+            rest.append(argv[i])
+        i += 1
+    if world is not None and not check:
+        raise ConfigError("--world-size goes with --check; a run's world size is its "
+                          "number of processes (torchrun --nproc_per_node)")
+    return check, world if world is not None else _launched_world(), rest
+
+
+def check_config(argv: list[str], world_size: int) -> JobConfig:
+    """``--check``: read and validate the config for ``world_size`` processes without
+    launching anything: keys, types, ranges, the parallel sizes against the world, the
+    model's shapes, the packages it needs, and an earlier run's metrics or checkpoints
+    in the output folders. Prints one line and returns the config (sizes resolved);
+    raises a ConfigError naming the first problem found."""
+    cfg = parse_args(argv, world_size)
+    p = cfg.parallel.resolve(world_size)
+    cfg = dataclasses.replace(cfg, parallel=p)
+    problems = preflight.missing_packages(cfg)
+    problems += [q for q in [preflight.overwrites_metrics(cfg)] if q]
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if cfg.checkpoint.enable:
+        folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+        resume_point(folder, cfg.checkpoint.resume, _fingerprint(cfg))
+    print(f"[simplefsdp] configuration ok for {world_size} process"
+          f"{'es' if world_size > 1 else ''}: pp={p.pp} dp_replicate={p.dp_replicate} "
+          f"dp_shard={p.dp_shard} tp={p.tp} ({p.dp_mode}), "
+          f"ac={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
+          f"steps {cfg.training.steps}, outputs in {cfg.metrics.output_dir}/", flush=True)
+    return cfg
