@@ -1,6 +1,8 @@
 """``python -m simplefsdp.train --config configs/debug.toml [--section.key value ...]``
 
 One process (no torchrun):   python -m simplefsdp.train --config configs/debug.toml
+Check a config for N processes, launching nothing (exit 0, or 78 and the error):
+                             python -m simplefsdp.train --check --world-size N --config ...
 One node, N processes:       torchrun --standalone --nproc_per_node=N \\
                                  -m simplefsdp.train --config configs/debug.toml
 Checkpoints: ``--checkpoint.enable true``; add ``--resume`` to continue from the newest
