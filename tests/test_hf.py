@@ -187,14 +187,82 @@ def test_compiled_hf_model_matches_eager(assets, tmp_path):
     assert len(eager) == 3 and compiled == eager
 
 
+class _CountingOpen:
+    """``safetensors.safe_open``, adding up the bytes of every tensor it hands out.
+
+    safetensors memory-maps the file and copies out exactly the tensor or row slice
+    asked for (``get_tensor`` / ``get_slice(name)[a:b]``), so the bytes of what these
+    return are what the loader reads from the files: counted here, outside the loader,
+    and compared with the file sizes and with the loader's own ``bytes_read``."""
+
+    read = 0  # this process, since the last reset
+    real_open = None  # safetensors' own, kept when this class replaces it
+
+    def __init__(self, path, framework, device="cpu"):
+        self._file = _CountingOpen.real_open(path, framework=framework, device=device)
+
+    @staticmethod
+    def _count(tensor: torch.Tensor) -> torch.Tensor:
+        _CountingOpen.read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __enter__(self):
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def keys(self):
+        return self._file.keys()
+
+    def metadata(self):
+        return self._file.metadata()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._count(self._file.get_tensor(name))
+
+    def get_slice(self, name: str):
+        return _CountingSlice(self._file.get_slice(name))
+
+
+class _CountingSlice:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def get_shape(self):
+        return self._inner.get_shape()
+
+    def get_dtype(self):
+        return self._inner.get_dtype()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return _CountingOpen._count(self._inner[index])
+
+
 def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
+    """Load each folder in each mode; return every parameter's ``full_tensor()`` (rank 0),
+    the local row counts, and the bytes this rank read (counted by ``_CountingOpen``)
+    with the loader's own ``bytes_read``."""
+    import safetensors
+
     import simplefsdp
-    from simplefsdp.hf import hooks
-    from simplefsdp.hf.weights import WeightFiles, row_range
+    from simplefsdp.hf import hooks, weights
     from simplefsdp.state_dict import unwrapped_name
     from simplefsdp.train.config import load_config
     from simplefsdp.train.trainer import build_model
 
+    loads = []
+    real_load = weights.load_sharded
+
+    def counted_load(*args, **kwargs):  # counts the file reads of this load only
+        _CountingOpen.read = 0
+        report = real_load(*args, **kwargs)
+        loads.append((_CountingOpen.read, report.bytes_read))
+        return report
+
+    _CountingOpen.real_open = safetensors.safe_open
+    safetensors.safe_open, weights.load_sharded = _CountingOpen, counted_load
     mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
     out = {}
     for source, extra in ((llama_dir, ["--model.hf_path", llama_dir]),
@@ -202,38 +270,59 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
                                       "--model.dim", "64", "--model.n_layers", "2",
                                       "--model.multiple_of", "16",
                                       "--model.vocab_size", str(VOCAB)])):
-        shards = {}
         for mode in ("broadcast", "all_ranks"):
             cfg = load_config(None, [*extra, "--model.load_weights", mode])
             _, model = hooks.build_model(cfg, mesh, torch.device("cpu"), default=build_model)
-            shards[mode] = {unwrapped_name(k): v.to_local().clone()
-                            for k, v in model.state_dict().items()}
-        # The two modes agree bitwise, and every shard is its rows of the file.
-        assert shards["broadcast"].keys() == shards["all_ranks"].keys()
-        for key, a in shards["broadcast"].items():
-            assert torch.equal(a, shards["all_ranks"][key]), key
-        if source == llama_dir:
-            files = WeightFiles(source)
-            for key, a in shards["broadcast"].items():
-                start, stop = row_range(files.shape(key)[0], mesh["dp_shard"],
-                                        model.state_dict()[key].placements,
-                                        mesh["dp_shard"].get_coordinate())
-                assert torch.equal(a, files.rows(key, start, stop)), key
-        out[source] = {k: (v.shape[0]) for k, v in shards["broadcast"].items()}
+            state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
+            # A collective on all ranks; numpy: plain pickles back to the test process
+            # (tensors would go through shared memory that dies with the rank).
+            full = {k: v.full_tensor().numpy() for k, v in state.items()}
+            (counted, reported), = loads
+            loads.clear()
+            out[source, mode] = {"full": full if rank == 0 else None,
+                                 "rows": {k: v.to_local().shape[0] for k, v in state.items()},
+                                 "read": counted, "reported": reported}
     return out
 
 
-def test_broadcast_and_all_ranks_load_the_same_weights(assets, tmp_path):
+def test_sharded_loading_reads_the_files_tensors(assets, tmp_path):
+    """2 ranks, both load modes, a Hugging Face Llama (several files, 321 vocabulary
+    rows: uneven shards) and our Llama from its Hugging Face export (RoPE rows
+    reordered). Every parameter gathered (``full_tensor()``) equals, bitwise, the
+    tensor read from the files with ``safetensors.torch.load_file`` (HF) or the model
+    that was exported (ours): the loader moves bytes, so nothing may differ. Under
+    ``all_ranks`` each rank reads its own rows only: less than the files' size, and the
+    two ranks together exactly the files' tensor bytes once; under ``broadcast`` rank 0
+    reads every tensor once and rank 1 nothing. Bytes are counted around safetensors'
+    ``safe_open`` (``_CountingOpen``), and the loader's ``bytes_read`` must agree."""
+    from safetensors.torch import load_file
+
     ours_dir = tmp_path / "ours"
     reference = _export_our_llama(ours_dir)
     results = run_ranks(_load_both_modes, 2, str(assets["llama"]), str(ours_dir))
-    rows = results[0][str(assets["llama"])]
-    assert rows["model.embed_tokens.weight"] == 161  # 321 rows: 161 + 160 (uneven)
-    assert results[1][str(assets["llama"])]["model.embed_tokens.weight"] == 160
-    # Our Llama read back from its Hugging Face export: rank shards cover the original.
-    our_rows = [r[str(ours_dir)] for r in results]
-    for key, full in reference.items():
-        assert our_rows[0][key] + our_rows[1][key] == full.shape[0], key
+    for folder, expected in ((assets["llama"], None), (ours_dir, reference)):
+        paths = sorted(folder.glob("*.safetensors"))
+        file_tensors = {k: v for p in paths for k, v in load_file(p).items()}
+        expected = file_tensors if expected is None else expected
+        file_bytes = sum(p.stat().st_size for p in paths)
+        tensor_bytes = sum(v.numel() * v.element_size() for v in file_tensors.values())
+        for mode in ("broadcast", "all_ranks"):
+            got = [r[str(folder), mode] for r in results]
+            assert got[0]["full"].keys() == expected.keys(), (folder, mode)
+            for key, value in expected.items():
+                loaded = torch.from_numpy(got[0]["full"][key])
+                assert torch.equal(loaded, value), (folder, mode, key)
+            read = [g["read"] for g in got]
+            print(f"{folder.name} {mode}: bytes read by rank {read}, files {file_bytes}")
+            assert [g["reported"] for g in got] == read, (folder, mode)
+            if mode == "broadcast":
+                assert read == [tensor_bytes, 0], (folder, read, tensor_bytes)
+            else:
+                assert all(0 < r < file_bytes for r in read), (folder, read, file_bytes)
+                assert sum(read) == tensor_bytes, (folder, read, tensor_bytes)
+    # The embedding's 321 rows split unevenly: 161 + 160.
+    rows = [r[str(assets["llama"]), "all_ranks"]["rows"] for r in results]
+    assert [r["model.embed_tokens.weight"] for r in rows] == [161, 160]
 
 
 def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
