@@ -9,7 +9,7 @@ import pytest
 from rank_runner import run_ranks
 
 from simplefsdp.compiler.cost import CommModel, comm, fit
-from simplefsdp.compiler.simulate import Step, simulate
+from simplefsdp.compiler.simulate import CollectiveCost, simulate
 
 SIZES = [4096 * 4 ** i for i in range(7)]  # the CPU calibration sizes, 4 KiB .. 16 MiB
 ALPHA, BETA = 5e-4, 1.5e-9  # a gloo-like latency and per-byte time
@@ -54,7 +54,7 @@ def test_robust_fit_rejects_outliers():
 
 
 def test_compute_slowdown_is_contention_in_the_estimate():
-    steps = [Step(f"layers.{i}", 4 * 2 ** 20, 2e-3, 0) for i in range(4)]
+    steps = [CollectiveCost(f"layers.{i}", 4 * 2 ** 20, 2e-3, 0) for i in range(4)]
     base = CommModel((1e-4, 1e-10), (1e-4, 1e-10), (2e-4, 2e-10), hidden_fraction=1.0,
                      world_size=2)
     slowed = CommModel((1e-4, 1e-10), (1e-4, 1e-10), (2e-4, 2e-10), hidden_fraction=1.0,
@@ -92,7 +92,9 @@ def test_per_group_calibration_on_a_2x2_mesh(tmp_path):
         assert shard.group == (0, 1) and replicate.group == (0, 2)
         for m in (shard, replicate):
             assert m.source == "calibrated" and m.world_size == 2
-            assert m.compute_slowdown >= 1.0 and m.max_bytes == 262144
+            # (compute_slowdown is clamped to >= 1 by its probe, so no check of it here
+            # could fail; its arithmetic is checked on a fake clock in test_cost_model)
+            assert m.max_bytes == 262144
             for kind in comm.COLLECTIVE_KINDS:
                 alpha, beta = m.params(kind)
                 assert alpha >= 0 and beta >= 0 and (alpha > 0 or beta > 0)
