@@ -1,0 +1,214 @@
+"""Full activation recomputation under ``torch.compile``: the partitioner we hand AOTAutograd.
+
+Full activation checkpointing (``checkpoint_wrapper`` around each block, nothing saved but
+the block's input) recomputes every op of a block in backward, attention included. On
+CPU, ``aten._scaled_dot_product_flash_attention_for_cpu`` carries the
+``nondeterministic_seeded`` tag (it could apply dropout), so the min-cut partitioner
+(``functionalize_rng_ops``) makes the forward save the CPU RNG state for the recomputed
+call. It appends that state to the forward's saved values just before the symbolic
+sizes, that is *after* the opaque objects (the ``DeviceMesh`` of every DTensor
+parameter, which the backward needs to rebuild the DTensor gradients: DeviceMesh is an
+opaque graph value in torch 2.13). AOTAutograd's runtime expects
+``tensors, opaque objects, symbolic sizes`` and slices by counts, so the mesh lands among
+the tensors handed to ``save_for_backward``:
+``AssertionError: expected all tensors_saved_with_vc_check to be Tensors``.
+Selective AC never hits it (attention is saved, not recomputed); on CUDA the partitioner
+threads the RNG state as a graph input instead (read in the 2.13 source, not run here).
+
+:func:`partition` runs the min-cut partitioner and then restores the runtime's layout:
+saved tensors first (version-checked, then not version-checked), then opaque objects, in
+the forward's outputs and, in the same permutation, in the backward's inputs. Where the
+layout is already right (no AC, selective AC, CUDA, a fixed torch) it changes nothing.
+:func:`inductor_partitioner` wraps it for Inductor's ``custom_partitioner_fn``.
+
+Full recomputation itself comes either from the checkpoint wrapper (the same code path
+as eager) or, with ``partition(..., blocks=[...])``, from :func:`tag_full_recompute`: a
+joint-graph pass that tags every forward op of each block for recomputation, one region
+per block, with no ``torch.utils.checkpoint`` in the model at all. Both give the same
+partition (the same saved values, bitwise-equal results) on the debug Llama.
+
+:func:`saved_summary` counts what a partitioned forward saves for backward (tests,
+memory checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .collectives import module_fqn
+
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+_NO_VC_CHECK = "saved_tensor_with_no_vc_check"  # AOTAutograd's node.meta key
+
+
+def _kind(node: Any) -> int:
+    """Rank of a saved value in the runtime's layout: 0 tensor (version-checked),
+    1 tensor stashed without version check, 2 opaque object, 3 symbolic size."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(val, torch.Tensor) or val is None:  # None: AOTAutograd counts a tensor
+        return 1 if isinstance(node, fx.Node) and node.meta.get(_NO_VC_CHECK, False) else 0
+    if isinstance(val, _SYM_TYPES):
+        return 3
+    return 2
+
+
+@dataclass
+class LayoutFix:
+    """What :func:`order_saved_values` did: ``moved`` names the saved values it moved
+    (empty: the partitioner's layout was already right)."""
+
+    saved: int = 0
+    moved: list[str] = field(default_factory=list)
+    skipped: str | None = None  # why nothing was done although the layout was off
+
+
+def order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
+                       num_fwd_outputs: int) -> LayoutFix:
+    """Reorder the forward's saved values (its outputs after the first
+    ``num_fwd_outputs``) into AOTAutograd's runtime layout (tensors, then tensors without
+    version check, then opaque objects, then symbolic sizes), and the backward's inputs
+    the same way. Stable: values of one kind keep their order. In place; recompiles."""
+    fw_out = next(iter(fw_module.graph.find_nodes(op="output")))
+    outputs = list(fw_out.args[0])
+    saved = outputs[num_fwd_outputs:]
+    n_sym = 0
+    while n_sym < len(saved) and _kind(saved[len(saved) - 1 - n_sym]) == 3:
+        n_sym += 1
+    body = saved[:len(saved) - n_sym]
+    fix = LayoutFix(saved=len(body))
+    order = sorted(range(len(body)), key=lambda i: _kind(body[i]))
+    if order == list(range(len(body))):
+        return fix
+    # The backward receives (symbolic sizes, saved values in forward order, tangents...):
+    # its placeholders n_sym .. n_sym + len(body) are ``body``, position by position.
+    placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+    bw_body = placeholders[n_sym:n_sym + len(body)]
+    if len(bw_body) != len(body) or any(
+            _kind(a) != _kind(b) for a, b in zip(body, bw_body, strict=True)):
+        fix.skipped = "backward inputs do not mirror the forward's saved values"
+        return fix
+    fix.moved = [body[i].name for new, i in enumerate(order) if new != i]
+    fw_out.args = (tuple(outputs[:num_fwd_outputs] + [body[i] for i in order]
+                         + saved[len(body):]),) + tuple(fw_out.args[1:])
+    anchor = placeholders[n_sym - 1] if n_sym else None
+    for i in order:  # re-insert the placeholders in the new order
+        node = bw_body[i]
+        if anchor is None:
+            next(iter(bw_module.graph.nodes)).prepend(node)
+        else:
+            anchor.append(node)
+        anchor = node
+    fw_module.recompile()
+    bw_module.recompile()
+    return fix
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on a tangent (the backward's)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
+                any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def tag_full_recompute(graph: fx.Graph, blocks: Sequence[str]) -> dict[str, int]:
+    """Mark every forward op traced inside one of ``blocks`` (module FQNs, e.g.
+    ``["layers.0", "layers.1"]``) for recomputation, one checkpoint region per block:
+    the graph-level equivalent of wrapping each block in full activation checkpointing.
+
+    Ops already tagged (the parametrization's gather regions: all-gathers recomputed)
+    keep their tags. Region ids follow block order and lie above every id already in the
+    graph, so the min-cut partitioner saves each block's input (the last op of the
+    region before it, or an untagged op) and recomputes the rest. Returns the number of
+    ops tagged per block."""
+    used = [n.meta["ac_graph_id"] for n in graph.nodes if "ac_graph_id" in n.meta]
+    base = max(used, default=0) + 1
+    prefixes = [(b, f"{b}.") for b in blocks]
+    backward = _backward_nodes(graph)
+    counts = dict.fromkeys(blocks, 0)
+    for node in graph.nodes:
+        if node.op != "call_function" or node in backward or "recompute" in node.meta:
+            continue
+        fqn = module_fqn(node)
+        for index, (block, prefix) in enumerate(prefixes):
+            if fqn == block or fqn.startswith(prefix):
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                node.meta["ac_graph_id"] = base + index
+                counts[block] += 1
+                break
+    return counts
+
+
+def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+              compiler: str = "inductor", blocks: Sequence[str] | None = None, **kwargs: Any
+              ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's min-cut partitioner (it honours the checkpoint recompute tags), with
+    the saved values put back in the runtime's layout (:func:`order_saved_values`).
+    ``blocks``: recompute these modules fully (:func:`tag_full_recompute`) first."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    if blocks:
+        tag_full_recompute(joint_module.graph, blocks)
+    fw, bw = min_cut_rematerialization_partition(
+        joint_module, joint_inputs, compiler, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    order_saved_values(fw, bw, num_fwd_outputs)
+    return fw, bw
+
+
+def inductor_partitioner(base: type, blocks: Sequence[str] | None = None) -> Any:
+    """An instance of Inductor's ``custom_partitioner_fn`` that runs :func:`partition`
+    (with ``blocks``); ``base`` is Inductor's ``CustomPartitionerFn`` (``_torch_compat``)."""
+    return _partitioner_class(base)(tuple(blocks or ()))
+
+
+@functools.cache
+def _partitioner_class(base: type) -> type:
+    class Partitioner(base):
+        """Inductor calls it with the joint graph after its joint-graph passes."""
+
+        def __init__(self, blocks: tuple[str, ...]):
+            self.blocks = blocks
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            kwargs.pop("compiler", None)
+            return partition(gm, joint_inputs, compiler="inductor", blocks=self.blocks,
+                             **kwargs)
+
+        def uuid(self) -> str:
+            source = Path(__file__).read_bytes() + repr(self.blocks).encode()
+            return hashlib.sha256(source).hexdigest()
+
+    return Partitioner
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a partitioned forward saves for backward, graph inputs (parameters, the
+    batch) apart: they live anyway."""
+
+    count: int
+    nbytes: int
+    names: tuple[str, ...]
+    input_count: int  # saved values that are forward inputs (no extra memory)
+
+
+def saved_summary(fw_graph: fx.Graph, num_fwd_outputs: int) -> Saved:
+    """Count and bytes of the tensors ``fw_graph`` outputs for backward, outside its
+    inputs (placeholders), with their names."""
+    out = next(iter(fw_graph.find_nodes(op="output")))
+    saved = [n for n in list(out.args[0])[num_fwd_outputs:]
+             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    made = [n for n in saved if n.op != "placeholder"]
+    nbytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in made)
+    return Saved(len(made), int(nbytes), tuple(n.name for n in made), len(saved) - len(made))
