@@ -38,6 +38,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.fx.traceback import annotate
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -53,15 +54,12 @@ from .mesh import data_parallel_mesh
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
 MODES = ("fully_shard", "replicate", "hybrid_shard")
 _CLASS_PREFIX = "SimpleFSDP"
-# Process group names of every data-parallel mesh dim ``data_parallel`` has sharded over
-# in this process: the compiler's passes touch only collectives on these groups, never
-# tensor/sequence-parallel, pipeline or user collectives (which run on other groups).
-_DP_GROUP_NAMES: set[str] = set()
-
-
-def data_parallel_group_names() -> frozenset[str]:
-    """Names of the process groups our parametrization communicates on (all modes)."""
-    return frozenset(_DP_GROUP_NAMES)
+# The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
+# process groups of the collectives our parametrization issues: set at trace time
+# (``torch.fx.traceback.annotate``, which AOTAutograd carries onto the backward's
+# reductions and the recomputed gathers), read by the compiler's passes, which touch only
+# those collectives, never tensor/sequence-parallel, pipeline or user ones.
+DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 
 
 @dataclass(frozen=True)
@@ -193,12 +191,20 @@ class _ReplicateComputation:
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
+        self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
+                                                 for d in range(dp_mesh.ndim))}
 
     def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
         return self._as_tp(self._gather(sharded))
 
     def _gather(self, sharded: DTensor) -> torch.Tensor:
-        """The gathered (local, for TP: the TP shard) tensor; differentiable."""
+        """The gathered (local, for TP: the TP shard) tensor; differentiable. Its
+        collectives (and under compile their gradients' reductions) carry the
+        data-parallel groups in their node metadata (``DP_GROUPS_META``)."""
+        with annotate(self.annotation):
+            return self._gather_local(sharded)
+
+    def _gather_local(self, sharded: DTensor) -> torch.Tensor:
         if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
             shape = self.tp[2]
             sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
@@ -398,7 +404,6 @@ def data_parallel(
     given, mesh = mesh, data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
     check_model(model, mesh)  # not wrapped already; the same parameters on every rank
-    _DP_GROUP_NAMES.update(mesh.get_group(d).group_name for d in range(mesh.ndim))
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
         install_gloo_collectives()
     if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")

@@ -55,11 +55,16 @@ def merge(graph: fx.Graph, name: str | None, members: list[Collective]) -> Bucke
         return bucket_of_one(members[0]) if name is None else \
             dataclasses.replace(bucket_of_one(members[0]), name=name)
     nbytes = sum(c.nbytes for c in members)  # before the members' nodes are erased
+    custom = dict(members[0].start.meta.get("custom", {}))
     if members[0].kind == "all_gather":
-        return _merge_all_gathers(graph, name, members, nbytes)
-    if members[0].kind == "all_reduce":
-        return _merge_all_reduces(graph, name, members, nbytes)
-    return _merge_reduce_scatters(graph, name, members, nbytes)
+        bucket = _merge_all_gathers(graph, name, members, nbytes)
+    elif members[0].kind == "all_reduce":
+        bucket = _merge_all_reduces(graph, name, members, nbytes)
+    else:
+        bucket = _merge_reduce_scatters(graph, name, members, nbytes)
+    for node in (bucket.start, bucket.wait):  # the members' trace-time metadata (e.g.
+        node.meta["custom"] = dict(custom)  # their data-parallel groups) carries over
+    return bucket
 
 
 def _merge_all_gathers(graph: fx.Graph, name: str, members: list[Collective],

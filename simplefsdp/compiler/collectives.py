@@ -3,8 +3,9 @@ came from.
 
 A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
 ``all_reduce``) plus the ``wait_tensor`` that consumes it. Only collectives on a process
-group that ``data_parallel`` shards over are ours (its group names are recorded when it
-runs): tensor/sequence-parallel collectives (on the TP group), pipeline sends and user
+group that ``data_parallel`` shards over are ours (its parametrization names those groups
+in the nodes' metadata at trace time, ``data_parallel.DP_GROUPS_META``):
+tensor/sequence-parallel collectives (on the TP group), pipeline sends and user
 collectives on other groups are never touched. Forward and recomputed (backward)
 all-gathers carry ``nn_module_stack``; backward reductions carry ``fwd_nn_module_stack``.
 """
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 
 from torch import fx
 
 from .._torch_compat import FakeTensorMode, c10d_functional, detect_fake_mode
-from ..data_parallel import data_parallel_group_names
+from ..data_parallel import DP_GROUPS_META
 from ..state_dict import unwrapped_name
 
 c10d = c10d_functional
@@ -25,21 +27,56 @@ ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
 WAIT = c10d.wait_tensor.default
-KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def collective_kind(name: str) -> str | None:
+class CollectiveKind(StrEnum):
+    """The collective kinds our passes, cost model and planner know: the one list of them
+    (a ``str``, so ``kind == "all_gather"`` and JSON keep working). Every other file that
+    names a collective op asks here: :attr:`op`, :data:`KINDS`, :func:`collective_kind`,
+    :func:`full_value`."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    def __repr__(self) -> str:  # reports print {'all_gather': 2}, as for a plain str
+        return repr(self.value)
+
+    @property
+    def op(self):
+        """The functional collective op (``_c10d_functional``) of this kind."""
+        return {CollectiveKind.ALL_GATHER: ALL_GATHER, CollectiveKind.REDUCE_SCATTER:
+                REDUCE_SCATTER, CollectiveKind.ALL_REDUCE: ALL_REDUCE}[self]
+
+
+KINDS = {kind.op: kind for kind in CollectiveKind}  # functional op -> its kind
+COLLECTIVE_KINDS = tuple(CollectiveKind)
+
+
+def collective_kind(name: str) -> CollectiveKind | None:
     """The kind of a collective under any of its names, or None for other ops: FX and
     c10d op names (``all_gather_into_tensor``, ``c10d::_allgather_base_``,
     ``_c10d_functional::reduce_scatter_tensor``, ``allreduce_coalesced``) and the kinds
     themselves. The one place such names are normalized."""
     op = name.rsplit("::", 1)[-1].lower().replace("_", "")
-    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
-                      ("allreduce", "all_reduce")):
-        if key in op:
+    for kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_GATHER,
+                 CollectiveKind.ALL_REDUCE):
+        if kind.value.replace("_", "") in op:
             return kind
     return None
+
+
+def full_node(start: fx.Node) -> fx.Node:
+    """The node holding the full (unsharded) tensor of a functional collective start: an
+    all-gather's output (the start itself), a reduce-scatter's or all-reduce's input. The
+    one rule for a collective's full bytes (what ``CommModel.predict`` reads, and the
+    process group's in-flight scratch)."""
+    return start if KINDS[start.target] == CollectiveKind.ALL_GATHER else start.args[0]
+
+
+def full_value(start: fx.Node):
+    """The fake value of :func:`full_node`."""
+    return full_node(start).meta["val"]
 
 
 @dataclass
@@ -48,7 +85,7 @@ class Collective:
 
     start: fx.Node
     wait: fx.Node
-    kind: str
+    kind: CollectiveKind
     module: str  # FQN of the module that owns the parameter, e.g. "layers.0.attention.wq"
 
     @property
@@ -69,8 +106,7 @@ class Collective:
     def nbytes(self) -> int:
         """Bytes of the full (unsharded) tensor: the all-gather output / reduce-scatter or
         all-reduce input."""
-        full = self.start.meta["val"] if self.kind == "all_gather" else \
-            self.start.args[0].meta["val"]
+        full = full_value(self.start)
         if self.kind == "all_reduce":  # HSDP: count the padded shard the reduce-scatter
             source = feeding_reduce_scatter(self.start)  # returned, the same on every
             if source is not None:  # rank (uneven shards differ), so plans agree
@@ -95,9 +131,10 @@ def group_name(start: fx.Node) -> str:
 
 
 def is_data_parallel(node: fx.Node) -> bool:
-    """A collective start on one of the groups ``data_parallel`` shards over."""
+    """A collective start on one of the groups ``data_parallel`` shards over, as the
+    parametrization that issued it recorded them in its metadata."""
     return node.op == "call_function" and node.target in KINDS and \
-        group_name(node) in data_parallel_group_names()
+        group_name(node) in node.meta.get("custom", {}).get(DP_GROUPS_META, ())
 
 
 def other_collectives(graph: fx.Graph) -> int:
