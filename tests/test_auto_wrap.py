@@ -28,7 +28,10 @@ import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
 from simplefsdp.compiler import plan_search as ps
 from simplefsdp.compiler.cost import CommModel
-from simplefsdp.compiler.simulate import simulate
+from simplefsdp.compiler.fit_limit import fit_to_limit
+from simplefsdp.compiler.greedy import estimate_exposed, greedy_buckets
+from simplefsdp.compiler.simulate import CollectiveCost, simulate
+from simplefsdp.compiler.steps import quantise_seconds
 
 MS = 1e-3
 
@@ -38,8 +41,9 @@ def _model(alpha_ms: float, ns_per_byte: float) -> CommModel:
     return CommModel(pair, pair, pair, world_size=2, source="test")
 
 
-def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, scatter=0) -> list[aw.Step]:
-    return [aw.Step(f"s{i}", nbytes, c * MS, memory, scatter) for i, c in enumerate(compute_ms)]
+def _steps(compute_ms, nbytes=1_000_000, memory=1_000_000, scatter=0) -> list[CollectiveCost]:
+    return [CollectiveCost(f"s{i}", nbytes, c * MS, memory, scatter)
+            for i, c in enumerate(compute_ms)]
 
 
 # ------------------------------------------------------------------ the greedy, pure
@@ -50,19 +54,19 @@ def test_fits_under_compute_merges_and_tight_memory_splits():
     # First bucket: nothing to hide behind; merging step 1 exposes 3 ms, a split 2 ms.
     # Second bucket hides behind step 0's 10 ms: 1 + k <= 10 holds for all 7 others.
     steps, comm = _steps([10] * 8), _model(1.0, 1.0)
-    buckets, decisions = aw.greedy_buckets(steps, comm)
+    buckets, decisions = greedy_buckets(steps, comm)
     assert buckets == [[0], [1, 2, 3, 4, 5, 6, 7]]
     assert [d.merged for d in decisions] == [False] + [True] * 6
     assert all(d.reason == "fits under compute" for d in decisions[1:])
     assert decisions[1].comm_s == pytest.approx(3 * MS)  # step 2 joins {1}: 1 + 2 ms
     assert decisions[1].compute_s == pytest.approx(10 * MS)  # behind step 0's compute
     # Memory 1 MB per step, limit 3 MB: at most 3 steps per bucket.
-    tight, tight_decisions = aw.greedy_buckets(steps, comm, memory_limit_bytes=3e6)
+    tight, tight_decisions = greedy_buckets(steps, comm, memory_limit_bytes=3e6)
     assert tight == [[0], [1, 2, 3], [4, 5, 6], [7]]
     assert len(tight) > len(buckets)
     assert all(sum(steps[i].memory_bytes for i in b) <= 3e6 for b in tight)
     assert [d.reason for d in tight_decisions].count("memory over the limit") == 2
-    assert aw.greedy_buckets(steps, comm) == (buckets, decisions)  # deterministic
+    assert greedy_buckets(steps, comm) == (buckets, decisions)  # deterministic
 
 
 def test_no_overlap_means_fewest_buckets_under_memory():
@@ -70,15 +74,15 @@ def test_no_overlap_means_fewest_buckets_under_memory():
     # every split adds an exposed alpha, so one bucket; a memory limit still splits it.
     steps = _steps([10] * 8)
     comm = dataclasses.replace(_model(1.0, 1.0), hidden_fraction=0.0)
-    buckets, decisions = aw.greedy_buckets(steps, comm)
+    buckets, decisions = greedy_buckets(steps, comm)
     assert buckets == [list(range(8))]
     assert all(d.compute_s == 0.0 for d in decisions)  # the window is compute x hidden_fraction
-    assert aw.greedy_buckets(steps, comm, memory_limit_bytes=3e6)[0] == \
+    assert greedy_buckets(steps, comm, memory_limit_bytes=3e6)[0] == \
         [[0, 1, 2], [3, 4, 5], [6, 7]]
     # Half hidden: step 0's 10 ms hides 5 ms, so the second bucket stops at 4 steps
     # (1 + 4 ms fits, 1 + 5 ms exposes 1 ms, more than a new collective would).
     half = dataclasses.replace(comm, hidden_fraction=0.5)
-    assert aw.greedy_buckets(steps, half)[0][:2] == [[0], [1, 2, 3, 4]]
+    assert greedy_buckets(steps, half)[0][:2] == [[0], [1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize(("alpha_ms", "expected"), [
@@ -92,11 +96,11 @@ def test_slow_network_buckets_more(alpha_ms, expected):
     # merging costs 1 us, splitting costs alpha minus the compute so far: merge while
     # the bucket's compute is below alpha.
     steps, comm = _steps([1] * 8), _model(alpha_ms, 0.001)
-    buckets, _ = aw.greedy_buckets(steps, comm)
+    buckets, _ = greedy_buckets(steps, comm)
     assert buckets == expected
-    chosen = aw.estimate_exposed(steps, buckets, comm)
-    singles = aw.estimate_exposed(steps, [[i] for i in range(8)], comm)
-    one = aw.estimate_exposed(steps, [list(range(8))], comm)
+    chosen = estimate_exposed(steps, buckets, comm)
+    singles = estimate_exposed(steps, [[i] for i in range(8)], comm)
+    one = estimate_exposed(steps, [list(range(8))], comm)
     assert chosen <= min(singles, one) + 1e-12, (chosen, singles, one)
 
 
@@ -104,11 +108,11 @@ def test_backward_reduce_scatter_shares_the_window():
     # AG and RS: alpha 0.1 ms, 0.5 MB per step at 1 ns/B -> k steps cost 0.1 + 0.5k ms.
     compute = [1, 1, 10, 10, 10]
     comm = _model(0.1, 1.0)
-    forward, _ = aw.greedy_buckets(_steps(compute, nbytes=500_000), comm)
+    forward, _ = greedy_buckets(_steps(compute, nbytes=500_000), comm)
     # Forward: step 1 (0.6 ms) hides behind step 0 alone; {1, 2} (1.1 ms) would not.
     assert forward == [[0], [1], [2], [3, 4]]
     steps = _steps(compute, nbytes=500_000, scatter=500_000)
-    backward, decisions = aw.greedy_buckets(steps, comm)
+    backward, decisions = greedy_buckets(steps, comm)
     # Backward: behind step 1's compute, step 2 alone would share it with bucket {0}'s
     # 0.6 ms reduce-scatter (0.2 ms exposed); merged into {1, 2} only 0.1 ms is exposed.
     assert backward == [[0], [1, 2], [3, 4]]
@@ -123,10 +127,10 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="memory_limit_gb must be a positive"):
         aw.check_memory_limit(0)
     with pytest.raises(ValueError, match="memory_limit_bytes must be positive"):
-        aw.greedy_buckets(_steps([1]), _model(1, 1), memory_limit_bytes=-5)
+        greedy_buckets(_steps([1]), _model(1, 1), memory_limit_bytes=-5)
     with pytest.raises(ValueError, match="comm_model must be"):
         sf.compile_backend(bucketing="auto", comm_model={"alpha": 1})
-    assert aw.greedy_buckets([], _model(1, 1)) == ([], [])
+    assert greedy_buckets([], _model(1, 1)) == ([], [])
     assert aw.check_memory_limit(2) == 2e9
 
 
@@ -146,7 +150,7 @@ def _partitions(n: int):
 
 
 def _random_case(rng: random.Random, n: int):
-    steps = [aw.Step(f"s{i}", rng.choice([10_000, 200_000, 1_000_000, 5_000_000]),
+    steps = [CollectiveCost(f"s{i}", rng.choice([10_000, 200_000, 1_000_000, 5_000_000]),
                      rng.uniform(0.0, 5.0) * MS, 0,
                      rng.choice([0, 0, 100_000, 2_000_000]),
                      rng.choice([0, 1_000_000, 8_000_000])) for i in range(n)]
@@ -187,7 +191,7 @@ def test_optimal_matches_brute_force_and_beats_greedy():
         brute = min(e.step_s for e in feasible)
         assert est.step_s == pytest.approx(brute, rel=1e-9), (case, best)
         assert limit is None or est.peak_bytes <= limit, case
-        greedy, _ = aw.greedy_buckets(steps, comm)
+        greedy, _ = greedy_buckets(steps, comm)
         if limit is None and comm.max_bytes is None:  # the greedy knows neither
             assert est.step_s <= simulate(steps, greedy, comm).step_s * (1 + 1e-9), case
         # the default tolerance: fewer buckets allowed only within 2% of the singles
@@ -243,7 +247,7 @@ def test_fit_to_limit_bisects_to_the_best_plan_that_fits():
         plans = [p for p in _partitions(len(steps)) if _within_cap(steps, p, comm)]
         limit = float(rng.choice(sorted({peak_of(p) for p in plans})))
         unfit = ps.optimal_buckets(steps, comm, limit)
-        chosen, peak = aw.fit_to_limit(steps, comm, limit, "all_gather", unfit, peak_of)
+        chosen, peak = fit_to_limit(steps, comm, limit, "all_gather", unfit, peak_of)
         assert peak == peak_of(chosen) <= limit, case
         best = min(simulate(steps, p, comm).step_s for p in plans if peak_of(p) <= limit)
         assert simulate(steps, chosen, comm).step_s <= best * (1 + ps.DEFAULT_TOLERANCE) \
@@ -252,16 +256,16 @@ def test_fit_to_limit_bisects_to_the_best_plan_that_fits():
 
 
 def test_candidate_groups_and_quantise():
-    steps = [aw.Step(n, 1, 0.0, 0) for n in
+    steps = [CollectiveCost(n, 1, 0.0, 0) for n in
              ["tok", "layers.0.wq", "layers.0.wk", "layers.1.wq", "layers.1.wk", "norm"]]
     assert ps.candidate_groups(steps) == [[i] for i in range(6)]  # few: every boundary
     assert ps.candidate_groups(steps, max_groups=4) == [[0], [1, 2], [3, 4], [5]]
     assert ps.candidate_groups(steps, max_groups=2) == [[0, 1, 2], [3, 4, 5]]
     assert ps.block_of("layers.12.attention.wq") == "layers.12"
-    assert aw.quantise_seconds(0.0) == 0.0
+    assert quantise_seconds(0.0) == 0.0
     for t in (1.3e-5, 2.2e-3, 0.7):
-        assert abs(aw.quantise_seconds(t) / t - 1) < 0.06
-    assert aw.quantise_seconds(1.00e-3) == aw.quantise_seconds(1.02e-3)  # noise absorbed
+        assert abs(quantise_seconds(t) / t - 1) < 0.06
+    assert quantise_seconds(1.00e-3) == quantise_seconds(1.02e-3)  # noise absorbed
     with pytest.raises(ValueError, match="tolerance must be"):
         ps.optimal_buckets(_steps([1]), _model(1, 1), tolerance=-1)
     with pytest.raises(ValueError, match="bucketing must be one of"):

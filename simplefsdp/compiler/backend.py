@@ -41,14 +41,10 @@ from .._torch_compat import (
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap, plan_cache
-from .bucketing import bucket_collectives, bucket_of_one
-from .collectives import (
-    find_collectives,
-    is_backward,
-    other_collectives,
-    stable_topological_sort,
-)
-from .reordering import reorder
+from .collectives import find_collectives, is_backward, other_collectives
+from .greedy import Decision
+from .passes import apply_passes
+from .simulate import Estimate
 
 log = logging.getLogger("simplefsdp.compiler")
 BACKENDS = ("inductor", "aot_eager")
@@ -75,9 +71,9 @@ class GraphReport:
     # after the first (its inputs: estimated comm, compute window, memory, the outcome),
     # the comm model used, the simulated step of both planners' buckets, the estimated
     # exposed communication and predicted peak of the buckets applied, and the limit.
-    decisions: list[auto_wrap.Decision] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
     comm_model: dict | None = None
-    estimates: dict[str, auto_wrap.Estimate] = field(default_factory=dict)
+    estimates: dict[str, Estimate] = field(default_factory=dict)
     estimated_exposed_s: float | None = None
     predicted_peak_bytes: int | None = None  # the graph's + state_bytes_outside_graphs
     memory_limit_bytes: float | None = None
@@ -257,10 +253,6 @@ class SimpleFSDPBackend:
             assignment, unused = manual_wrap.assign(collectives, plan)
             if unused and not backward:
                 report.notes.append(f"plan entries matching no collective: {unused}")
-            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
-                                                             self.all_reduce_bucket_mb))
-            buckets = bucket_collectives(graph, collectives, assignment)
-            stable_topological_sort(graph)
         elif self.bucketing in PLANNED:
             plan = self._plan(graph, collectives, *cached)
             report.decisions = plan.decisions
@@ -287,15 +279,11 @@ class SimpleFSDPBackend:
                 report.notes.append(f"predicted peak {report.predicted_peak_bytes / 1e9:.4g} "
                                     f"GB is over memory_limit_gb even with one collective "
                                     f"per bucket")
-            assignment = dict(plan.assignment)
-            assignment.update(manual_wrap.assign_all_reduces(collectives, assignment,
-                                                             self.all_reduce_bucket_mb))
-            buckets = bucket_collectives(graph, collectives, assignment)
-            stable_topological_sort(graph)
+            assignment = plan.assignment
         else:
-            buckets = [bucket_of_one(c, i) for i, c in enumerate(collectives)]
-        if self.reordering:
-            report.moves = reorder(graph, buckets, backward)
+            assignment = None  # no bucketing
+        buckets, report.moves = apply_passes(graph, collectives, assignment, self.reordering,
+                                             self.all_reduce_bucket_mb)
         graph.lint()
         report.buckets = [b.summary() for b in buckets]
         report.schedule = _schedule(graph, buckets)
@@ -319,7 +307,8 @@ class SimpleFSDPBackend:
                               measure=not warm, compute_cache=self._compute_cache,
                               agreement=None if warm else self._agreement,
                               method=self.bucketing, cached=cached,
-                              reordering=self.reordering)
+                              reordering=self.reordering,
+                              all_reduce_bucket_mb=self.all_reduce_bucket_mb)
         if cached is None and plan.decided is not None and plans_key is not None:
             plan_cache.store(plans_key, _rank(), gkey, plan.decided)
         return plan

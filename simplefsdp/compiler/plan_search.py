@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .cost import CommModel
 from .simulate import (
-    Step,
+    CollectiveCost,
     bucket_peak,
     comm_seconds,
     copy_seconds,
@@ -52,7 +53,7 @@ def block_of(name: str) -> str:
     return parts[0]
 
 
-def candidate_groups(steps: Sequence[Step], max_groups: int = DEFAULT_MAX_GROUPS
+def candidate_groups(steps: Sequence[CollectiveCost], max_groups: int = DEFAULT_MAX_GROUPS
                      ) -> list[list[int]]:
     """Runs of step indices that the search keeps together (see module doc)."""
     if len(steps) <= max_groups:
@@ -70,7 +71,60 @@ def candidate_groups(steps: Sequence[Step], max_groups: int = DEFAULT_MAX_GROUPS
     return groups
 
 
-def optimal_buckets(steps: Sequence[Step], comm: CommModel,
+class BucketTerms(NamedTuple):
+    """What the search reads about one candidate bucket (a run of groups)."""
+
+    compute_s: float  # its compute, slowed by ``CommModel.compute_slowdown``
+    comm_s: float  # its collective
+    reduce_s: float  # its backward reductions (reduce-scatter, HSDP all-reduce)
+    nbytes: int  # the collective's full bytes
+    scatter_bytes: int  # the reduce-scatters' bytes
+    count: int  # steps in it
+    base_bytes: int  # the largest ``base_bytes`` of its steps
+    copy_s: float  # its copy-in/copy-out
+
+
+_EMPTY = BucketTerms(0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0)
+
+
+def _prefix(values: list[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+class _Buckets:
+    """:class:`BucketTerms` of ``groups[i:j]`` from prefix sums over the groups, memoised."""
+
+    def __init__(self, steps: Sequence[CollectiveCost], groups: list[list[int]],
+                 comm: CommModel, kind: str, scatter_kind: str):
+        def over_groups(field: str, factor: float = 1) -> list[float]:
+            return _prefix([factor * sum(getattr(steps[s], field) for s in g) for g in groups])
+
+        self.comp = over_groups("compute_s", comm.compute_slowdown)
+        self.size = over_groups("nbytes")
+        self.rs_size = over_groups("scatter_bytes")
+        self.ar_size = over_groups("all_reduce_bytes")
+        self.count = _prefix([len(g) for g in groups])
+        self.base_of = [max(steps[s].base_bytes for s in g) for g in groups]
+        self.comm, self.kind, self.scatter_kind = comm, kind, scatter_kind
+        self.cache: dict[tuple[int, int], BucketTerms] = {}
+
+    def __call__(self, i: int, j: int) -> BucketTerms:
+        got = self.cache.get((i, j))
+        if got is None:
+            comm = self.comm
+            nb, rb = int(self.size[j] - self.size[i]), int(self.rs_size[j] - self.rs_size[i])
+            c, ab = int(self.count[j] - self.count[i]), int(self.ar_size[j] - self.ar_size[i])
+            got = BucketTerms(self.comp[j] - self.comp[i], comm_seconds(comm, self.kind, nb),
+                              reduction_seconds(comm, self.scatter_kind, rb, ab), nb, rb, c,
+                              max(self.base_of[i:j]), copy_seconds(comm, self.kind, c, nb, rb))
+            self.cache[(i, j)] = got
+        return got
+
+
+def optimal_buckets(steps: Sequence[CollectiveCost], comm: CommModel,
                     memory_limit_bytes: float | None = None, kind: str = "all_gather",
                     scatter_kind: str = "reduce_scatter",
                     tolerance: float = DEFAULT_TOLERANCE,
@@ -89,81 +143,61 @@ def optimal_buckets(steps: Sequence[Step], comm: CommModel,
     limit = math.inf if memory_limit_bytes is None else memory_limit_bytes
     cap = math.inf if comm.max_bytes is None else comm.max_bytes
     f = comm.hidden_fraction
-
-    # Prefix sums over groups: a bucket is groups[i:j].
-    def prefix(values: list[float]) -> list[float]:
-        out = [0.0]
-        for v in values:
-            out.append(out[-1] + v)
-        return out
-
-    comp = prefix([comm.compute_slowdown * sum(steps[s].compute_s for s in g) for g in groups])
-    size = prefix([sum(steps[s].nbytes for s in g) for g in groups])
-    rs_size = prefix([sum(steps[s].scatter_bytes for s in g) for g in groups])
-    ar_size = prefix([sum(steps[s].all_reduce_bytes for s in g) for g in groups])
-    count = prefix([len(g) for g in groups])
-    base_of = [max(steps[s].base_bytes for s in g) for g in groups]
-
-    cache: dict[tuple[int, int], tuple] = {}
-
-    def bucket(i: int, j: int) -> tuple:
-        """(compute, collective s, reductions s, bytes, rs bytes, steps, base, copy)."""
-        got = cache.get((i, j))
-        if got is None:
-            nb, rb, c = int(size[j] - size[i]), int(rs_size[j] - rs_size[i]), \
-                int(count[j] - count[i])
-            ab = int(ar_size[j] - ar_size[i])
-            got = (comp[j] - comp[i], comm_seconds(comm, kind, nb),
-                   reduction_seconds(comm, scatter_kind, rb, ab), nb, rb, c, max(base_of[i:j]),
-                   copy_seconds(comm, kind, c, nb, rb))
-            cache[(i, j)] = got
-        return got
-
+    bucket = _Buckets(steps, groups, comm, kind, scatter_kind)
     reference = simulate(steps, [[s] for s in range(len(steps))], comm, kind,
                          scatter_kind).step_s
     penalty = tolerance * reference / max(len(steps), 1)
-    empty = (0.0, 0.0, 0.0, 0, 0, 0, 0, 0.0)
 
     # best[(h, i, j)]: least cost of buckets covering groups[:j] ending in
     # groups[h:i], groups[i:j] (h == i: no bucket before), with the terms of every
     # bucket before groups[i:j] and its own collective; back[...] the previous state.
     best: dict[tuple[int, int, int], float] = {}
     back: dict[tuple[int, int, int], tuple[int, int, int] | None] = {}
+
     def too_big(i: int, j: int) -> bool:
-        return j - i > 1 and size[j] - size[i] > cap
+        return j - i > 1 and bucket.size[j] - bucket.size[i] > cap
 
     for j in range(1, n + 1):
         if too_big(0, j):
             break
-        b = bucket(0, j)
-        best[(0, 0, j)] = window(0.0, b[1], f) + b[7] + penalty
+        best[(0, 0, j)] = window(0.0, bucket(0, j).comm_s, f) + bucket(0, j).copy_s + penalty
         back[(0, 0, j)] = None
     for j in range(1, n + 1):  # states in order of their end: all predecessors are done
         for (h, i, jj), cost in [(k, v) for k, v in best.items() if k[2] == j]:
-            prev = bucket(h, i) if h < i else empty
+            prev = bucket(h, i) if h < i else _EMPTY
             cur = bucket(i, jj)
             for nxt_end in range(j + 1, n + 1):
                 if too_big(j, nxt_end):
                     break
                 nxt = bucket(j, nxt_end)
-                peak = bucket_peak(cur[6], cur[5], cur[3], nxt[3], prev[4])
-                if peak > limit:
+                if bucket_peak(cur.base_bytes, cur.count, cur.nbytes, nxt.nbytes,
+                               prev.scatter_bytes) > limit:
                     continue
-                total = cost + window(cur[0], nxt[1] + prev[2], f) + nxt[7] + penalty
+                total = cost + window(cur.compute_s, nxt.comm_s + prev.reduce_s, f) \
+                    + nxt.copy_s + penalty
                 key = (i, j, nxt_end)
                 if total < best.get(key, math.inf):
                     best[key], back[key] = total, (h, i, jj)
+    return _best_plan(best, back, bucket, groups, n, limit, f) or \
+        [[s] for s in range(len(steps))]
+
+
+def _best_plan(best: dict, back: dict, bucket: _Buckets, groups: list[list[int]], n: int,
+               limit: float, f: float) -> list[list[int]] | None:
+    """The cheapest complete plan among the search's final states (its last bucket's
+    compute and reductions added, its peak under ``limit``); None when none fits."""
     finals = []
     for (h, i, j), cost in best.items():
         if j != n:
             continue
-        prev = bucket(h, i) if h < i else empty
+        prev = bucket(h, i) if h < i else _EMPTY
         cur = bucket(i, j)
-        if bucket_peak(cur[6], cur[5], cur[3], 0, prev[4]) > limit:
+        if bucket_peak(cur.base_bytes, cur.count, cur.nbytes, 0, prev.scatter_bytes) > limit:
             continue
-        finals.append((cost + window(cur[0], prev[2], f) + cur[2], (h, i, j)))
+        finals.append((cost + window(cur.compute_s, prev.reduce_s, f) + cur.reduce_s,
+                       (h, i, j)))
     if not finals:
-        return [[s] for s in range(len(steps))]
+        return None
     _, state = min(finals)
     bounds = []
     while state is not None:

@@ -21,7 +21,7 @@ bucket ahead. With buckets ``b_0 .. b_{m-1}`` in issue order, ``C_k`` their comp
   what a benchmark measures as step minus a compute-only step.
 
 Memory while bucket ``k`` computes: the step's own live bytes without its gathered
-parameters (sharded state, activations: ``Step.base_bytes``), plus bucket ``k``'s
+parameters (sharded state, activations: ``CollectiveCost.base_bytes``), plus bucket ``k``'s
 gathered bytes, bucket ``k+1``'s prefetched bytes, the flat buffer of a merged bucket
 during copy-out, and the gradients of ``b_{k-1}``'s reduce-scatter, in flight until its
 deferred wait: the collective keeps its input (NCCL stashes it; gloo reduces a copy of
@@ -29,20 +29,25 @@ it and copies the shard out on the wait), even where the graph no longer uses it
 
 :func:`simulate` computes all of this for one plan; ``plan_search`` optimises the very
 same terms (:func:`window`, :func:`copy_seconds`, :func:`bucket_peak`), so the two agree
-exactly.
+exactly. :func:`simulate_graph` is the same two streams over a scheduled graph, op by
+op, for the planner, whose graphs are already bucketed and reordered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from torch import fx
+
+from .collectives import KINDS, WAIT
 from .cost import CommModel
 
 
 @dataclass(frozen=True)
-class Step:
-    """One collective of the plan, in issue order.
+class CollectiveCost:
+    """One collective of the plan, in issue order, with what the step model reads about
+    it (a plan's "steps" are these, one per collective).
 
     ``nbytes``: full (unsharded) bytes of the collective.
     ``compute_s``: computation that uses what it gathered (what the next bucket's
@@ -132,7 +137,7 @@ def bucket_peak(base: int, count: int, nbytes: int, next_nbytes: int,
     return base + nbytes + next_nbytes + flat + prev_scatter_bytes
 
 
-def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: CommModel,
+def simulate(steps: Sequence[CollectiveCost], buckets: Sequence[Sequence[int]], comm: CommModel,
              kind: str = "all_gather", scatter_kind: str = "reduce_scatter") -> Estimate:
     """The simulated step of ``buckets`` (lists of step indices, contiguous, in order)."""
     if not buckets:
@@ -163,3 +168,33 @@ def simulate(steps: Sequence[Step], buckets: Sequence[Sequence[int]], comm: Comm
     compute = sum(steps[j].compute_s for b in buckets for j in b)
     return Estimate(total + copies, compute, copies, total - slowed, peak, len(buckets),
                     slowed - compute)
+
+
+def simulate_graph(graph: fx.Graph, op_seconds: Callable[[fx.Node], float],
+                   collective_seconds: Callable[[fx.Node], tuple[str, float]]
+                   ) -> tuple[float, float]:
+    """(seconds, exposed communication seconds) of a scheduled graph: one compute stream,
+    one communication stream per process group. A collective start is issued on its
+    group's stream (``collective_seconds(node)``: the stream's key and the collective's
+    time) when compute reaches it, after the collectives before it on that stream; a
+    wait stalls compute until its collective is done; every other node takes
+    ``op_seconds(node)`` on the compute stream (prefetched collectives hide, collectives
+    waited on at once are exposed)."""
+    now, exposed = 0.0, 0.0
+    stream_free: dict[str, float] = {}
+    done: dict[fx.Node, float] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in KINDS:
+            stream, seconds = collective_seconds(node)
+            start = max(now, stream_free.get(stream, 0.0))
+            stream_free[stream] = done[node] = start + seconds
+        elif node.target == WAIT and node.args[0] in done:
+            finish = done[node.args[0]]
+            if finish > now:
+                exposed += finish - now
+                now = finish
+        else:
+            now += op_seconds(node)
+    return now, exposed
