@@ -42,7 +42,7 @@ def _train(model, rank, steps=3):
 
 
 def _params(model):
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return [(name, p.to_local().detach().clone()) for name, p in model.named_parameters()]
 
 
 def _mesh(mode, world):
@@ -54,7 +54,10 @@ def _mesh(mode, world):
 
 
 def _compiled_vs_eager(rank, world, mode, settings):
-    """Per backend setting: (reports, bitwise equal to eager after 3 SGD steps)."""
+    """Per backend setting: (reports, what differs from eager on this rank after 3 SGD
+    steps: its losses, or the names of its parameter shards that are not bitwise equal).
+    Every rank returns its own: each holds a different shard (and, under hybrid_shard,
+    ranks 2 and 3 the other replica), so the test checks all of them."""
     torch.manual_seed(0)
     eager = sf.data_parallel(Toy(n_layers=2), _mesh(mode, world), mode=mode)
     eager_losses = _train(eager, rank)
@@ -65,11 +68,22 @@ def _compiled_vs_eager(rank, world, mode, settings):
         model = sf.data_parallel(Toy(n_layers=2), _mesh(mode, world), mode=mode)
         backend = sf.compile_backend("aot_eager", **kwargs)
         losses = _train(torch.compile(model, fullgraph=True, backend=backend), rank)
-        same = losses == eager_losses and all(
-            torch.equal(a, b) for a, b in zip(_params(model), _params(eager), strict=True))
+        differs = ([] if losses == eager_losses else [f"losses {losses} != {eager_losses}"]) + [
+            name for (name, a), (_, b) in zip(_params(model), _params(eager), strict=True)
+            if not torch.equal(a, b)]
         out.append(([(r.graph, r.collectives_before, r.collectives_after, r.buckets,
-                      r.schedule) for r in backend.reports[-2:]], same))
+                      r.schedule) for r in backend.reports[-2:]], differs))
     return out
+
+
+def _every_rank_equal(results, settings, what):
+    """Every rank's result: compiled bitwise equal to eager under every setting; then
+    rank 0's reports (the graphs and plans are the same on every rank)."""
+    for rank, per_setting in enumerate(results):
+        for kwargs, (_, differs) in zip(settings, per_setting, strict=True):
+            assert not differs, f"rank {rank}, {kwargs}: compiled {what} differs from eager: " \
+                f"{differs}"
+    return results[0]
 
 
 def _backward(reports):
@@ -78,9 +92,9 @@ def _backward(reports):
 
 def test_hybrid_shard_compiles_with_manual_and_auto_bucketing():
     settings = [dict(bucketing="manual"), dict(bucketing="auto", memory_limit_gb=None)]
-    results = run_ranks(_compiled_vs_eager, 4, "hybrid_shard", settings)[0]
-    for kwargs, (reports, same) in zip(settings, results, strict=True):
-        assert same, f"{kwargs}: compiled HSDP differs from eager"
+    results = _every_rank_equal(run_ranks(_compiled_vs_eager, 4, "hybrid_shard", settings),
+                                settings, "HSDP")
+    for kwargs, (reports, _) in zip(settings, results, strict=True):
         _, before, after, buckets, _ = _backward(reports)
         # Toy: 15 gradients; each reduce-scatter (shard group) feeds one all-reduce of
         # its shard (replicate group): bucketed alike, one all-reduce per RS bucket.
@@ -98,10 +112,10 @@ def test_replicate_compiles_into_size_capped_all_reduce_buckets():
     cap_mb = 500 / 1e6  # 500 B: several buckets
     settings = [dict(bucketing="manual"), dict(bucketing="auto"),
                 dict(bucketing="manual", all_reduce_bucket_mb=cap_mb)]
-    results = run_ranks(_compiled_vs_eager, 2, "replicate", settings)[0]
+    results = _every_rank_equal(run_ranks(_compiled_vs_eager, 2, "replicate", settings),
+                                settings, "replicate")
     counts = []
-    for kwargs, (reports, same) in zip(settings, results, strict=True):
-        assert same, f"{kwargs}: compiled replicate differs from eager"
+    for kwargs, (reports, _) in zip(settings, results, strict=True):
         _, before, after, buckets, schedule = _backward(reports)
         assert before == {"all_reduce": 15}, before
         cap = kwargs.get("all_reduce_bucket_mb", 25.0) * 1e6

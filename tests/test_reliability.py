@@ -72,6 +72,16 @@ def _error(rank: int, world: int, argv: list[str]) -> str:
     return "no error"
 
 
+def _exit_status(argv: list[str]) -> tuple[int, str]:
+    """(the exit status ``python -m simplefsdp.train`` would give, what it wrote on stderr)."""
+    from simplefsdp.train.__main__ import run
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        status = run(argv)
+    return status, said.getvalue()
+
+
 def _csv_steps(out: Path) -> list[int]:
     with open(out / "metrics.csv") as f:
         return [int(r["step"]) for r in csv.DictReader(f)]
@@ -116,8 +126,9 @@ def resumed(reference, tmp_path_factory) -> dict:
 # slow part of these tests), each case in its own folder under ``root``.
 def _startup_cases(rank: int, world: int, root: str, reference_out: str) -> dict:
     root_path, found = Path(root), {}
-    # 1. lr = 1e30 is finite (accepted): step 1 applies and blows up the weights.
-    found["nonfinite"] = _error(rank, world, _argv(
+    # 1. lr = 1e30 is finite (accepted): step 1 applies and blows up the weights. Run
+    # through `python -m simplefsdp.train`'s entry point: its exit status and message.
+    found["nonfinite"] = _exit_status(_argv(
         root_path / "nan", "--training.lr", "1e30", "--training.warmup_steps", "0",
         "--checkpoint.enable", "true", "--checkpoint.every", "1",
         "--checkpoint.keep_latest", "1", steps=6))
@@ -166,11 +177,13 @@ def startup(reference, tmp_path_factory) -> tuple[Path, list[dict]]:
 # 1. NaN runs continue and destroy good checkpoints. -----------------------------------
 def test_non_finite_stops_the_run_and_keeps_the_good_checkpoint(startup):
     """Before: the run went on to NaN, saved NaN checkpoints and rotation (keep_latest
-    = 1) deleted step-1. Now every rank stops at step 2, nothing is saved from it, and
-    step-1 stays."""
+    = 1) deleted step-1. Now every rank stops at step 2 with exit status 3 and a line
+    naming the step (README), nothing is saved from it, and step-1 stays."""
     root, found = startup
-    for rank_found in found:
-        assert rank_found["nonfinite"].startswith("NonFiniteError: step 2:"), rank_found
+    for rank_found in found:  # README: exit status 3, naming the step
+        status, said = rank_found["nonfinite"]  # said: stderr, progress bar included
+        assert status == 3 and any(line.startswith("training stopped: step 2: ")
+                                   for line in said.splitlines()), rank_found
     assert sorted(p.name for p in (root / "nan" / "ckpt").iterdir()) == ["step-1"]
     assert [s for s, _ in list_checkpoints(root / "nan" / "ckpt")] == [1]
     assert _csv_steps(root / "nan") == [1]
@@ -356,6 +369,8 @@ def test_sigterm_to_torchrun_saves_and_resume_continues_exactly(tmp_path):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     print(f"SIGTERM -> torchrun exited in {stop_s:.2f}s")
+    # torchrun's own status is torch's (1: it re-raises its SignalException); the
+    # workers' 128 + 15 is checked without torchrun in test_signals_exit_statuses.
     assert job.returncode != 0, said
     saved = list_checkpoints(out / "ckpt")
     assert len(saved) == 1, (saved, said)
@@ -445,3 +460,95 @@ def test_metrics_are_not_overwritten_and_steps_below_checkpoint_refused(startup)
     assert "metrics.csv holds the metrics of an earlier run" in overwrite, overwrite
     assert "--resume" in overwrite and "--metrics.output_dir" in overwrite
     assert "training.steps = 4" in below and "already at step 8" in below, below
+
+
+# 10. The README's signal promises, one process each (no torchrun: the exit status is the
+# training process's own), the three runs side by side. ---------------------------------
+# A save that takes long (a big model): the test sends a second signal while it sleeps.
+_SLOW_SAVE = """
+import sys, time
+from pathlib import Path
+from simplefsdp.train import checkpoint
+from simplefsdp.train.__main__ import run
+
+def slow_save(self, step):
+    Path(sys.argv[1]).touch()
+    time.sleep(600)
+    raise AssertionError("the second signal did not stop the run")
+
+checkpoint.CheckpointManager.save = slow_save
+sys.exit(run(sys.argv[2:]))
+"""
+
+
+def _start_one_process(out: Path, marker: Path | None = None) -> subprocess.Popen:
+    argv = _argv(out, "--checkpoint.enable", "true", "--checkpoint.every", "100000",
+                 steps=100000)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]),
+               OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(var, None)  # a world of one, as `python -m simplefsdp.train` alone
+    cmd = [sys.executable, "-m", "simplefsdp.train", *argv] if marker is None else \
+        [sys.executable, "-c", _SLOW_SAVE, str(marker), *argv]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _saved_once(out: Path, said: str, name: str) -> None:
+    """The run said it stopped by ``name`` after step K, saved step-K (with its manifest,
+    written last) and nothing else, and logged steps 1..K."""
+    import re
+
+    found = re.search(rf"stopped by {name} after step (\d+): saved checkpoint step-(\d+)", said)
+    assert found and found[1] == found[2] and "--resume" in said, said
+    step = int(found[1])
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [f"step-{step}"], said
+    assert (out / "ckpt" / f"step-{step}" / "manifest.json").is_file()
+    assert _csv_steps(out) == list(range(1, step + 1))
+
+
+def test_signals_exit_statuses(tmp_path):
+    """README, "Stopping": SIGTERM or SIGINT finishes the step, saves a checkpoint and
+    exits with 128 + the signal number (143, 130); a second signal 2 s or more after the
+    first exits at once without saving (here: with 128 + its number, while the first
+    signal's save is under way). A repeat within 2 s is an echo of the same event
+    (Ctrl-C reaching torchrun and the workers) and is not counted."""
+    from simplefsdp.train.guard import REPEAT_S
+
+    outs = {name: tmp_path / name for name in ("term", "int", "twice")}
+    marker = tmp_path / "saving"
+    jobs = {name: _start_one_process(out, marker if name == "twice" else None)
+            for name, out in outs.items()}
+    said = {}
+    try:
+        deadline = time.monotonic() + 300
+        for name, job in jobs.items():  # one step logged: inside the training loop
+            while not ((outs[name] / "metrics.csv").exists() and _csv_steps(outs[name])):
+                assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+                time.sleep(0.05)
+        jobs["term"].send_signal(signal.SIGTERM)
+        jobs["int"].send_signal(signal.SIGINT)
+        jobs["int"].send_signal(signal.SIGTERM)  # an echo: within 2 s, not counted
+        jobs["twice"].send_signal(signal.SIGINT)
+        while not marker.exists():  # the first signal's save has begun (and sleeps)
+            assert jobs["twice"].poll() is None and time.monotonic() < deadline, \
+                jobs["twice"].communicate()
+            time.sleep(0.05)
+        time.sleep(REPEAT_S + 0.1)  # the first was handled before the marker was made
+        jobs["twice"].send_signal(signal.SIGTERM)
+        for name, job in jobs.items():
+            said[name] = job.communicate(timeout=120)[0]
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    assert jobs["term"].returncode == 143, said["term"]  # 128 + 15
+    _saved_once(outs["term"], said["term"], "SIGTERM")
+    assert jobs["int"].returncode == 130, said["int"]  # 128 + 2
+    _saved_once(outs["int"], said["int"], "SIGINT")
+    twice = said["twice"]
+    assert jobs["twice"].returncode == 143, twice
+    assert "second SIGTERM: stopping now, without saving" in twice, twice
+    assert "stopped by" not in twice and "AssertionError" not in twice, twice
+    ckpt = outs["twice"] / "ckpt"
+    assert not ckpt.exists() or list(ckpt.iterdir()) == [], twice
