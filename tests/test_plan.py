@@ -89,12 +89,14 @@ PUBLISHED = [  # (ac, batch, compile, tokens/s per GPU, reserved GiB)
 # the memory check tests the spread of the four active peaks around one ratio and their
 # order, not the constant. The bounds keep a few points over the worst so a small
 # cost-model change does not flip them. The compiled selective row counts the bf16
-# casts of the shards its forward saves for backward (1.6 GiB at dp 8; they were left
-# out of the forward before, +2.5% then): torchtitan's FSDP2 run, the published
-# figure, has no such casts, so the two selective rows' memory order (published: compiled
-# 7% under eager; predicted: within 2%) is not ours to match.
+# casts of the shards its forward saves for backward (they were left out of the forward
+# before, +2.5% then); torchtitan's FSDP2 run, the published figure, saves no such casts.
 TOKENS_TOL = 0.12
 MEMORY_TOL = 0.08
+# The casts by hand: 32 blocks of 218,112,000 parameters (2 x 4096^2 wq, wo; 2 x 4096 x
+# 1024 wk, wv; 3 x 4096 x 14336 FFN; 2 x 4096 norms), 2 bytes each, an 8th per rank.
+SAVED_CASTS_GIB = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) \
+    * 2 / 8 / 2**30  # 1.625 GiB
 
 
 def test_published_runs():
@@ -111,7 +113,13 @@ def test_published_runs():
     assert rows[0].tokens_per_s_per_gpu > rows[1].tokens_per_s_per_gpu
     assert rows[0].reserved_memory_gib > rows[1].reserved_memory_gib
     assert rows[3].tokens_per_s_per_gpu > rows[2].tokens_per_s_per_gpu
-    assert abs(rows[3].reserved_memory_gib / rows[2].reserved_memory_gib - 1) < 0.03
+    # The selective rows' memory order as published (compiled 77.0 under eager 82.4 GiB),
+    # once the casts torchtitan does not save are taken out of the compiled row's active
+    # peak: predicted 67.63 - 1.625 = 66.00 under 66.27 GiB. The margin is thin (0.4%)
+    # and the published gap (7%) is not reproduced; what can fail here is the order.
+    # (Before, "the two rows within 3%" bounded the prediction by its own output.)
+    assert rows[3].peak_memory_gib - SAVED_CASTS_GIB < rows[2].peak_memory_gib, \
+        (rows[2], rows[3])
 
 
 def test_cli_json_fields(tmp_path):
