@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Fabric", "GpuProfile", "GpuSpec",
-           "gpu_peak_flops", "gpu_profile", "gpu_spec"]
+__all__ = ["GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Efficiency", "Fabric", "GpuProfile",
+           "GpuSpec", "gpu_peak_flops", "gpu_profile", "gpu_spec"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Fabric:
     hidden_fraction: float = 1.0
     copy_Bps: float = 1e12
     max_bytes: float | None = None  # largest collective the figures hold for
+    ring_step_s: float = 0.0  # latency per step of a ring (the planner's collectives)
 
 
 # Defaults used when calibration is off. A ring all-gather / reduce-scatter over n ranks
@@ -77,16 +78,19 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # H100 datasheet: "900 GB/s" bidirectional). nccl-tests on 8x H100 reach ~80% of that
     # for large all-gathers, hence 360 GB/s; small-message latency is ~10-20 us.
     # Copy: HBM3 3.35 TB/s moves a byte in and out, ~1.3e12 copied bytes/s achieved.
-    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)", copy_Bps=1.3e12),
+    # Per ring step ~1 us on NVLink, ~4 us across InfiniBand (the planner's collectives).
+    "nvlink_h100": Fabric(15e-6, 360e9, "NVLink 4 intra-node (H100 SXM)", copy_Bps=1.3e12,
+                          ring_step_s=1e-6),
     # Inter-node InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s per direction
     # (DGX H100 reference design); ~80% achievable -> 40 GB/s busbw. Inter-node latency
     # (switch hops, proxy thread) is a few times NVLink's: ~50 us.
     "infiniband_ndr": Fabric(50e-6, 40e9, "InfiniBand NDR 400 Gb/s per GPU, inter-node",
-                             copy_Bps=1.3e12),
+                             copy_Bps=1.3e12, ring_step_s=4e-6),
     # A100 SXM, NVLink 3: 12 links x 25 GB/s = 300 GB/s per direction; ~80% -> 240 GB/s.
-    "nvlink_a100": Fabric(15e-6, 240e9, "NVLink 3 intra-node (A100 SXM)"),
+    "nvlink_a100": Fabric(15e-6, 240e9, "NVLink 3 intra-node (A100 SXM)", ring_step_s=1e-6),
     # InfiniBand HDR: one 200 Gb/s NIC per GPU (DGX A100) = 25 GB/s; ~80% -> 20 GB/s.
-    "infiniband_hdr": Fabric(50e-6, 20e9, "InfiniBand HDR 200 Gb/s per GPU, inter-node"),
+    "infiniband_hdr": Fabric(50e-6, 20e9, "InfiniBand HDR 200 Gb/s per GPU, inter-node",
+                             ring_step_s=4e-6),
     # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
     # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
     # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
@@ -107,6 +111,25 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """Fractions of a device's datasheet peaks that real kernels reach, for the planner's
+    roofline (``compiler.cost.compute.roofline_seconds``). The defaults are H100 figures
+    (cuBLAS, FlashAttention-2 and memory-bound kernel benchmarks), global, not tuned per
+    case; one table per device profile."""
+
+    matmul: float = 0.60  # large bf16 GEMMs
+    attention: float = 0.40  # flash attention, forward and backward, causal half counted
+    memory: float = 0.70  # memory-bound kernels: fraction of HBM bandwidth
+    kernel_floor_s: float = 6e-6  # per kernel launched eagerly
+    compiled_kernel_floor_s: float = 3e-6  # per kernel of a compiled graph
+    fused_memory: float = 0.4  # compiled: memory-bound traffic left after Inductor's fusion
+
+    def floor_s(self, compiled: bool) -> float:
+        """The per-kernel floor, eager or compiled."""
+        return self.compiled_kernel_floor_s if compiled else self.kernel_floor_s
+
+
+@dataclass(frozen=True)
 class GpuProfile:
     """A device profile for the planner (``--gpu``): the GPU, its usable memory as the
     driver reports it, and the fabrics of a node built from it (KNOWN_FABRICS keys)."""
@@ -116,6 +139,7 @@ class GpuProfile:
     intra_node: str
     inter_node: str
     note: str
+    efficiency: Efficiency = Efficiency()
 
 
 GPU_PROFILES: dict[str, GpuProfile] = {

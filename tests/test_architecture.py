@@ -144,3 +144,223 @@ def test_no_module_over_500_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"split these modules (500 lines at most): {long}"
+
+
+# ------------------------------------------------------------------ one owner per fact
+# Issue 26 (debt 2): each of these is defined once in the package, and the old second
+# spellings (a literal list of collective kinds, 16 or 36 bytes per parameter, a block's
+# parameters from the FFN width, a roofline's memory term) do not come back elsewhere.
+
+def _sources() -> dict[str, str]:
+    """``{path relative to the repository: source}`` of every module of the package."""
+    return {str(p.relative_to(PACKAGE.parent)): p.read_text()
+            for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _defs(sources: dict[str, str], kind: type, match) -> list[tuple[str, str]]:
+    """``(path, name)`` of every ``kind`` definition (a function or class, at any depth)
+    or module-level assignment (``kind=ast.Assign``) whose name satisfies ``match``."""
+    found = []
+    for path, source in sources.items():
+        tree = ast.parse(source)
+        if kind is ast.Assign:
+            names = [t.id for n in tree.body if isinstance(n, ast.Assign)
+                     for t in n.targets if isinstance(t, ast.Name)]
+        else:
+            names = [n.name for n in ast.walk(tree) if isinstance(n, kind)
+                     or (kind is ast.FunctionDef and isinstance(n, ast.AsyncFunctionDef))]
+        found += [(path, name) for name in names if match(name)]
+    return sorted(found)
+
+
+_KIND_NAMES = frozenset({"all_gather", "reduce_scatter", "all_reduce",
+                         "all_gather_into_tensor", "reduce_scatter_tensor"})
+
+
+def second_spellings(sources: dict[str, str]) -> list[str]:
+    """The old duplicates, as ``"path:line: what"``: a literal collection naming two or
+    more collective kinds (``CollectiveKind`` is the list); 16 or 36 times a parameter
+    count (``cost.state`` owns the optimizer's bytes and traffic); arithmetic on
+    ``ffn_hidden_dim(...)`` outside ``models/llama.py`` (``block_matmul_params``); a
+    division by a memory bandwidth outside ``roofline_seconds``'s module."""
+    found = []
+    for path, source in sources.items():
+        for n in ast.walk(ast.parse(source)):
+            where = f"{path}:{getattr(n, 'lineno', 0)}"
+            if isinstance(n, ast.Tuple | ast.List | ast.Set | ast.Dict):
+                elts = list(n.keys) + list(n.values) if isinstance(n, ast.Dict) else n.elts
+                kinds = {e.value for e in elts if isinstance(e, ast.Constant)} & _KIND_NAMES
+                if len(kinds) >= 2:
+                    found.append(f"{where}: collective kinds listed {sorted(kinds)}")
+            if not isinstance(n, ast.BinOp):
+                continue
+            for a, b in ((n.left, n.right), (n.right, n.left)):
+                names = {x.id for x in ast.walk(b) if isinstance(x, ast.Name)} | {
+                    x.attr for x in ast.walk(b) if isinstance(x, ast.Attribute)}
+                if isinstance(n.op, ast.Mult) and isinstance(a, ast.Constant) \
+                        and a.value in (16, 36) and any("param" in x for x in names):
+                    found.append(f"{where}: {a.value} bytes per parameter")
+                if isinstance(a, ast.Call) and getattr(a.func, "id", "") == "ffn_hidden_dim" \
+                        and not path.endswith("models/llama.py"):
+                    found.append(f"{where}: a block's parameters from ffn_hidden_dim")
+            right = {x.attr for x in ast.walk(n.right) if isinstance(x, ast.Attribute)} | {
+                x.id for x in ast.walk(n.right) if isinstance(x, ast.Name)}
+            if isinstance(n.op, ast.Div) and "mem_bandwidth_Bps" in right \
+                    and not path.endswith("compiler/cost/compute.py"):
+                found.append(f"{where}: a roofline's memory term")
+    return sorted(found)
+
+
+def test_one_definition_each():
+    src = _sources()
+    fn, cls = ast.FunctionDef, ast.ClassDef
+    assert _defs(src, fn, lambda n: "roofline" in n) == [
+        ("simplefsdp/compiler/cost/compute.py", "roofline_seconds")]
+    # the step simulator: the plan-level and the op-level two-stream model, one module
+    assert {p for p, _ in _defs(src, fn, lambda n: n.startswith("simulate"))} == {
+        "simplefsdp/compiler/simulate.py"}
+    assert _defs(src, cls, lambda n: n == "Fabric") == [("simplefsdp/hardware.py", "Fabric")]
+    assert _defs(src, cls, lambda n: "CollectiveKind" in n) == [
+        ("simplefsdp/compiler/collectives.py", "CollectiveKind")]
+    llama = "simplefsdp/models/llama.py"
+    assert _defs(src, fn, lambda n: n in ("block_matmul_params", "attention_flops")) == [
+        (llama, "attention_flops"), (llama, "block_matmul_params")]
+    # FLOPs per token: Llama's; hf/hooks.py's is the Hugging Face family's (the model
+    # registry of issue 26 makes it that family's registered entry)
+    assert _defs(src, fn, lambda n: n == "flops_per_token") == [
+        ("simplefsdp/hf/hooks.py", "flops_per_token"), (llama, "flops_per_token")]
+    state = "simplefsdp/compiler/cost/state.py"
+    assert _defs(src, ast.Assign, lambda n: n == "STATE_TENSORS_PER_PARAM") == [
+        (state, "STATE_TENSORS_PER_PARAM")]
+    assert _defs(src, fn, lambda n: n.endswith("bytes_per_param")) == [
+        (state, "model_state_bytes_per_param"), (state, "optimizer_traffic_bytes_per_param")]
+    assert second_spellings(src) == []
+
+
+@pytest.mark.parametrize("snippet, what", [
+    ("KINDS = ('all_gather', 'reduce_scatter')", "collective kinds listed"),
+    ("short = {'all_gather': 'AG', 'all_reduce': 'AR'}", "collective kinds listed"),
+    ("def f(params):\n    return 16 * params", "16 bytes per parameter"),
+    ("def f(n_params):\n    return n_params * 36 / 1e9", "36 bytes per parameter"),
+    ("def f(a):\n    return 3 * a.dim * ffn_hidden_dim(a)", "from ffn_hidden_dim"),
+    ("def f(b, dev):\n    return b / (dev.spec.mem_bandwidth_Bps * 0.7)", "memory term"),
+])
+def test_second_spellings_are_flagged(snippet, what):
+    found = second_spellings({"simplefsdp/plan/x.py": snippet})
+    assert len(found) == 1 and what in found[0], found
+
+
+# ------------------------------------------------------------------ size of functions
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_over_80_lines_in_compiler_and_plan():
+    long = {}
+    for sub in ("compiler", "plan"):
+        for path in sorted((PACKAGE / sub).rglob("*.py")):
+            for n in ast.walk(ast.parse(path.read_text())):
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                        n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(PACKAGE.parent)}:{n.name}"] = \
+                        n.end_lineno - n.lineno + 1
+    assert not long, f"split these functions ({MAX_FUNCTION_LINES} lines at most): {long}"
+
+
+# ------------------------------------------------------------------ import cycles
+
+# The one known cycle: train/ and hf/ import each other (train.config -> hf.hooks ->
+# train.parallelize, ...). Issue 26's model registry removes it: then delete this entry.
+KNOWN_CYCLES = [frozenset({
+    "simplefsdp.hf", "simplefsdp.hf.convert", "simplefsdp.hf.data", "simplefsdp.hf.export",
+    "simplefsdp.hf.hooks", "simplefsdp.hf.model", "simplefsdp.hf.tokenizer",
+    "simplefsdp.hf.weights", "simplefsdp.train.checkpoint", "simplefsdp.train.config",
+    "simplefsdp.train.data", "simplefsdp.train.parallelize", "simplefsdp.train.pipeline",
+    "simplefsdp.train.preflight", "simplefsdp.train.step", "simplefsdp.train.trainer",
+})]
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any depth: a lazy import inside a
+    function is a dependency too). ``from pkg import name`` points at ``pkg.name`` when
+    that is a module, else at ``pkg``. ``sources``: ``{"simplefsdp/x/y.py": source}``."""
+    def module(path: str) -> str:
+        parts = path.removesuffix(".py").split("/")
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {module(p): p for p in sources}
+
+    def known(name: str) -> str:
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        edges = set()
+        for n in ast.walk(ast.parse(sources[path])):
+            if isinstance(n, ast.Import):
+                edges |= {known(a.name) for a in n.names if a.name.startswith("simplefsdp")}
+            elif isinstance(n, ast.ImportFrom):
+                parts = package.split(".")
+                base = (n.module or "") if n.level == 0 else ".".join(
+                    parts[:len(parts) - n.level + 1] + ([n.module] if n.module else []))
+                if base.split(".")[0] == "simplefsdp":
+                    edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules
+                              else known(base) for a in n.names}
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (each holds a cycle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_import_cycle_finder():
+    sources = {"simplefsdp/__init__.py": "from .a import f",
+               "simplefsdp/a.py": "from . import b",
+               "simplefsdp/b.py": "def g():\n    from .c import h",
+               "simplefsdp/c.py": "from simplefsdp.a import f",
+               "simplefsdp/d.py": "from .c import h"}
+    graph = import_graph(sources)
+    assert graph["simplefsdp"] == {"simplefsdp.a"}
+    assert graph["simplefsdp.b"] == {"simplefsdp.c"}  # a lazy import counts
+    assert import_cycles(graph) == [frozenset({"simplefsdp.a", "simplefsdp.b",
+                                               "simplefsdp.c"})]
+    sources["simplefsdp/c.py"] = "def h():\n    pass"
+    assert import_cycles(import_graph(sources)) == []
+
+
+def test_no_import_cycles_beyond_the_known_one():
+    cycles = import_cycles(import_graph(_sources()))
+    unknown = [sorted(c) for c in cycles if not any(c <= known for known in KNOWN_CYCLES)]
+    assert not unknown, f"import cycles among the package's modules: {unknown}"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..compiler.collectives import collective_kind
 from .config import BenchConfig
 from .measure import CPU_MEMORY_MEASURE, CUDA_MEMORY_MEASURE
 from .variants import BASELINE, COMPUTE_ONLY, LOSS_REFERENCE, VARIANTS
@@ -174,8 +175,8 @@ def _fmt(value, spec: str, empty: str = "-") -> str:
 
 
 def _collectives(c: dict[str, int]) -> str:
-    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
-    return " ".join(f"{short.get(k, k)}{n}" for k, n in c.items()) or "0"
+    return " ".join(f"{kind.short if (kind := collective_kind(k)) else k}{n}"
+                    for k, n in c.items()) or "0"
 
 
 def table_rows(results: dict) -> list[list[str]]:

@@ -43,6 +43,11 @@ class CollectiveKind(StrEnum):
         return repr(self.value)
 
     @property
+    def short(self) -> str:
+        """A two-letter label for tables: AG, RS, AR."""
+        return "".join(word[0] for word in self.value.split("_")).upper()
+
+    @property
     def op(self):
         """The functional collective op (``_c10d_functional``) of this kind."""
         return {CollectiveKind.ALL_GATHER: ALL_GATHER, CollectiveKind.REDUCE_SCATTER:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import fx
 
 from .bucketing import Bucket, hoist_before
-from .collectives import stable_topological_sort
+from .collectives import CollectiveKind, stable_topological_sort
 
 
 def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]:
@@ -105,7 +105,7 @@ def _check_collective_order_kept(graph: fx.Graph, buckets: list[Bucket]) -> None
     (An all-gather may move ahead of a reduce-scatter: that is the backward prefetch,
     and it is the same on every rank because it depends only on the bucket sequence.)
     """
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+    for kind in CollectiveKind:
         starts = [b.start for b in buckets if b.kind == kind]
         seen = [n for n in graph.nodes if n in set(starts)]
         if seen != starts:

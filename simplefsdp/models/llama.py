@@ -279,17 +279,37 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
+# Model arithmetic: the one owner of a Llama block's parameter count and of the FLOPs of
+# its matmuls and attention (the trainer's MFU, the planner's memory and speed bound).
+ATTENTION_BACKWARD_FLOPS = 2.5  # attention's backward over its forward (FlashAttention-2)
+
+
+def block_matmul_params(args: ModelArgs) -> int:
+    """Parameters of one block's matrices (attention's q/k/v/o and the SwiGLU FFN's
+    three), the ones that take part in matmuls; its two norms (``2 * dim``) are not."""
+    hd, kv = args.head_dim, args.kv_heads
+    return args.dim * hd * (2 * args.n_heads + 2 * kv) + 3 * args.dim * ffn_hidden_dim(args)
+
+
+def attention_flops(heads: float, queries: int, keys: int, head_dim: int,
+                    causal: bool = False) -> float:
+    """Forward FLOPs of attention's score and value matmuls: ``4 * heads * queries * keys
+    * head_dim``, half of it under a causal mask (the scores above the diagonal are
+    skipped)."""
+    flops = 4 * heads * queries * keys * head_dim
+    return flops / 2 if causal else flops
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token: ``6 * N + 12 * L * H * Q * T`` (PaLM appendix B).
 
     ``N`` counts the parameters that take part in matmuls: all but the token embedding
     (a lookup); the output projection counts even when tied. ``6 N`` is forward (2) plus
     backward (4); the second term is attention's score and value matmuls over ``T``
-    positions for ``L`` layers, ``H`` heads of size ``Q`` (not halved for causality).
+    positions for ``L`` layers, ``H`` heads of size ``Q`` (not halved for causality),
+    forward and backward (3x the forward).
     """
-    hd, kv = args.head_dim, args.kv_heads
-    attention = args.dim * hd * (2 * args.n_heads + 2 * kv)
-    ffn = 3 * args.dim * ffn_hidden_dim(args)
-    per_layer = attention + ffn + 2 * args.dim
+    per_layer = block_matmul_params(args) + 2 * args.dim
     n = args.n_layers * per_layer + args.dim + args.dim * args.vocab_size
-    return 6 * n + 12 * args.n_layers * args.n_heads * hd * seq_len
+    return 6 * n + 3 * args.n_layers * attention_flops(args.n_heads, 1, seq_len,
+                                                       args.head_dim)

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import TorchDispatchMode, storage_key, tree_flatten
+from ..compiler.collectives import CollectiveKind, collective_kind
 
 
 @dataclass
@@ -74,7 +75,8 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         seen = set()
         name = str(func)
-        gather = ("all_gather_into_tensor" in name and args[-1] in self.gather_groups) or (
+        gather = (collective_kind(name) == CollectiveKind.ALL_GATHER
+                  and args[-1] in self.gather_groups) or (
             "wait_tensor" in name and self.storage_id(args[0]) in self.gathered)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and id(t) not in seen:

@@ -4,8 +4,9 @@ microbatches in flight.
 
 * Model states (``states_bytes``): the trainer builds the model in float32, so every
   parameter shard is float32, and so are its gradient and AdamW's two moments:
-  16 bytes per parameter per rank. Gradients are counted for the whole step (the
-  largest they get, at the end of backward).
+  16 bytes per parameter per rank (``cost.state.model_state_bytes_per_param``).
+  Gradients are counted for the whole step (the largest they get, at the end of
+  backward).
 * Activations (``graph_memory``): the cost model's liveness (``live_bytes``): a tensor is
   live from the node that makes it to its last use (views, ``getitem``, waits and
   in-place ops alias their input). Parameter
@@ -26,7 +27,15 @@ import torch
 from torch import fx
 
 from ..compiler.collectives import ALL_GATHER, REDUCE_SCATTER
-from ..compiler.cost.memory import alias_bases, alias_roots, held_by_caller, live_bytes
+from ..compiler.cost.memory import (
+    alias_bases,
+    alias_roots,
+    held_by_caller,
+    live_bytes,
+    value_bytes,
+)
+from ..compiler.cost.state import model_state_bytes_per_param
+from ..models.llama import block_matmul_params
 from .trace import Trace
 
 
@@ -38,14 +47,6 @@ class GraphMemory:
     saved: int  # kept from forward for backward (not counting the returned output)
     output: int  # the forward's returned tensor (logits or hidden states)
     backward_peak: int  # during the backward graph
-
-
-def _tensor_bytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in val)
-    return 0
 
 
 def shard_nodes(graph: fx.Graph, shards: set, dp_groups: set[str],
@@ -131,7 +132,7 @@ def graph_memory(tr: Trace, dp_shard: int) -> GraphMemory:
     scale = tr.key.dp_shard / dp_shard
     sizes, skips = [], []
     for gm, shard in zip((tr.forward, tr.backward), trace_shards(tr), strict=True):
-        size = {n: int(_tensor_bytes(n.meta.get("val")) * (scale if n in shard else 1))
+        size = {n: int(value_bytes(n.meta.get("val")) * (scale if n in shard else 1))
                 for n in gm.graph.nodes}
         # model states: parameter shards in, gradient shards out of the backward. The
         # forward's shard-sized outputs are activations saved for backward (the bf16
@@ -175,11 +176,7 @@ def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int) -> tuple[int
 def stage_params(args, role: str, layers: int, tp: int) -> float:
     """Parameters one tensor-parallel rank of a stage holds (before data-parallel
     sharding): the blocks' matrices split ``tp`` ways, norms and embeddings whole."""
-    from ..models.llama import ffn_hidden_dim
-
-    hd = args.head_dim
-    matrices = args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) \
-        + 3 * args.dim * ffn_hidden_dim(args)
+    matrices = block_matmul_params(args)
     total = layers * (matrices / tp + 2 * args.dim)
     if role in ("full", "first"):
         total += args.vocab_size * args.dim
@@ -196,5 +193,6 @@ def activation_elem_bytes(training) -> int:
 
 
 def states_bytes(params_per_rank: float) -> float:
-    """float32 shard + gradient + AdamW exp_avg and exp_avg_sq."""
-    return 16 * params_per_rank
+    """float32 shard + gradient + AdamW exp_avg and exp_avg_sq (the optimizer's layout is
+    ``cost.state``'s)."""
+    return model_state_bytes_per_param("adamw") * params_per_rank

@@ -93,7 +93,7 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         tr = trace(trace_key(cfg, role, k, mb, dp_rep_t, dp_shard_t))
         gm = memory.graph_memory(tr, p.dp_shard)
         scale = tr.key.dp_shard / p.dp_shard
-        times = [timing.simulate(g, dev, fabric, tr.groups, tr.key.compile, scale, shard)
+        times = [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, shard)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
         fig = {**vars(gm), "seconds": sum(t for t, _ in times),
@@ -126,7 +126,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro
     sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
-    fabric = timing.Fabric(dev, sizes, gpus_per_node)
+    fabric = timing.MeshLinks(dev, sizes, gpus_per_node)
     logits_elem = memory.activation_elem_bytes(t)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}

@@ -88,7 +88,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     mb = t.batch_size // micro
     elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
-    fabric = timing.Fabric(dev, {"pp": p.pp, "dp_replicate": p.dp_replicate,
+    fabric = timing.MeshLinks(dev, {"pp": p.pp, "dp_replicate": p.dp_replicate,
                                  "dp_shard": p.dp_shard, "tp": p.tp}, p.tp)
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:

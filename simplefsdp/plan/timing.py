@@ -1,47 +1,44 @@
 """Step time of one rank from its captured graphs: a roofline per op and a two-stream
-(compute, communication) simulation of the scheduled graph.
+(compute, communication) simulation of the scheduled graph (``compiler.simulate``).
 
-Per op: ``max(FLOPs / (peak * efficiency), bytes / (HBM bandwidth * MEM_EFF))`` plus a
-per-kernel floor. The efficiencies are a handful of global constants (below), the same
-for every configuration and device; nothing is tuned per case.
+Per op: the cost model's roofline (``compiler.cost.compute.roofline_seconds``) in its
+planner setting, ``max(FLOPs / (peak * efficiency), bytes / (HBM bandwidth * memory
+efficiency))`` plus a per-kernel floor, with the device profile's efficiency table
+(``hardware.Efficiency``: the same figures for every configuration; nothing is tuned per
+case). Model arithmetic (a block's parameters, attention's FLOPs) is
+``models.llama``'s; the optimizer's memory traffic is ``compiler.cost.state``'s.
 
 Per collective: ``alpha + beta * bytes`` for its process group, from the device's
-fabric and the layout (``comm_seconds``). The simulation issues a collective on its
-group's stream when the compute stream reaches it, and a ``wait`` stalls compute until
-it finishes: prefetched (reordered) collectives hide, eager ones (waited on at once)
-are exposed.
+fabrics (``hardware.Fabric``) and the layout (:class:`MeshLinks`). The simulation
+issues a collective on its group's stream when the compute stream reaches it, and a
+``wait`` stalls compute until it finishes: prefetched (reordered) collectives hide, eager
+ones (waited on at once) are exposed.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from .._torch_compat import OpOverload
-from ..compiler.collectives import KINDS, WAIT
+from ..compiler.collectives import KINDS, CollectiveKind, full_value
+from ..compiler.cost.compute import is_zero_cost, roofline_seconds
+from ..compiler.cost.memory import value_bytes
+from ..compiler.cost.state import optimizer_traffic_bytes_per_param
+from ..compiler.simulate import simulate_graph
 from ..hardware import KNOWN_FABRICS, GpuProfile
-from .memory import _tensor_bytes
-
-# Fractions of the datasheet peak that real kernels reach (H100 figures from cuBLAS,
-# FlashAttention-2 and memory-bound kernel benchmarks); global, not per case.
-MATMUL_EFF = 0.60  # large bf16 GEMMs
-ATTENTION_EFF = 0.40  # flash attention, forward and backward, causal half counted
-MEM_EFF = 0.70  # memory-bound kernels: fraction of HBM bandwidth
-KERNEL_FLOOR_S = {False: 6e-6, True: 3e-6}  # per kernel: eager launch / compiled
-FUSED_MEMORY = 0.4  # compiled: memory-bound traffic left after Inductor's fusion
-RING_STEP_S = {"nvlink": 1e-6, "ib": 4e-6}  # per ring step latency
+from ..models.llama import ATTENTION_BACKWARD_FLOPS, attention_flops, block_matmul_params
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
            torch.ops.aten.bmm.default}
 
 
-class Fabric:
-    """Where each mesh dim's process group runs: NVLink inside a node, InfiniBand across.
+class MeshLinks:
+    """Where each mesh dim's process group runs: NVLink inside a node, InfiniBand across
+    (the device profile's two ``hardware.Fabric``), and a collective's time over it.
 
     The mesh is ``(pp, dp_replicate, dp_shard, tp)`` over consecutive ranks, so a dim's
     group strides by the product of the sizes to its right."""
@@ -66,10 +63,10 @@ class Fabric:
         fabric = KNOWN_FABRICS[self.dev.intra_node if link == "nvlink" else self.dev.inter_node]
         bw, alpha = fabric.bus_bandwidth_Bps, fabric.alpha_s  # busbw: achievable already
         ring = (n - 1) / n
-        if kind == "all_reduce":  # NCCL picks tree at scale: log latency growth
+        if kind == CollectiveKind.ALL_REDUCE:  # NCCL picks tree at scale: log latency growth
             steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
-            return alpha + steps * RING_STEP_S[link] + 2 * ring * nbytes / bw
-        return alpha + (n - 1) * RING_STEP_S[link] + ring * nbytes / bw
+            return alpha + steps * fabric.ring_step_s + 2 * ring * nbytes / bw
+        return alpha + (n - 1) * fabric.ring_step_s + ring * nbytes / bw
 
 
 def _flops(node: fx.Node) -> tuple[str, float]:
@@ -79,8 +76,8 @@ def _flops(node: fx.Node) -> tuple[str, float]:
         q = node.args[0].meta["val"]
         b, h, s, d = (int(x) for x in q.shape)
         k = node.args[1].meta["val"]
-        flops = 4 * b * h * s * int(k.shape[2]) * d / 2  # causal: half the scores
-        return "attention", flops * (2.5 if "backward" in name else 1.0)
+        flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=True)
+        return "attention", flops * (ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
     if node.target in _MATMUL:
         packet = node.target.overloadpacket
         args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args]
@@ -88,71 +85,57 @@ def _flops(node: fx.Node) -> tuple[str, float]:
     return "memory", 0.0
 
 
-def _zero_cost(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return True
-    t = node.target
-    return (t is operator.getitem or getattr(t, "is_view", False)
-            or not isinstance(t, OpOverload)
-            or t.name().startswith(("_c10d_functional", "c10d")))
-
-
 def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 1.0) -> float:
     """Roofline time of one compute node (``scale`` multiplies shard-sized bytes)."""
-    if _zero_cost(node):
+    if is_zero_cost(node, metadata_ops_free=False):
         return 0.0
     kind, flops = _flops(node)
-    nbytes = _tensor_bytes(node.meta.get("val")) * scale + sum(
-        _tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    nbytes = value_bytes(node.meta.get("val")) * scale + sum(
+        value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     dtype = next((a.meta["val"].dtype for a in node.all_input_nodes
                   if isinstance(a.meta.get("val"), torch.Tensor)), torch.float32)
     peak = dev.spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) \
         else dev.spec.fp32_flops
+    eff = dev.efficiency
     if kind == "memory" and compiled:
-        nbytes *= FUSED_MEMORY
-    eff = {"matmul": MATMUL_EFF, "attention": ATTENTION_EFF, "memory": 1.0}[kind]
-    return max(flops / (peak * eff), nbytes / (dev.spec.mem_bandwidth_Bps * MEM_EFF)) \
-        + KERNEL_FLOOR_S[compiled]
+        nbytes *= eff.fused_memory
+    flop_eff = {"matmul": eff.matmul, "attention": eff.attention, "memory": 1.0}[kind]
+    return roofline_seconds(flops, nbytes, peak, dev.spec.mem_bandwidth_Bps,
+                            flop_efficiency=flop_eff, mem_efficiency=eff.memory,
+                            overlap=True, floor_s=eff.floor_s(compiled))
 
 
-def simulate(gm: fx.GraphModule, dev: GpuProfile, fabric: Fabric, groups: dict[str, str],
-             compiled: bool, shard_scale: float, shard: set) -> tuple[float, float]:
-    """(seconds, exposed communication seconds) of one graph on a compute stream and
-    one communication stream per process group."""
-    now, exposed = 0.0, 0.0
-    stream_free: dict[str, float] = {}
-    done: dict[fx.Node, float] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in KINDS:
-            kind = KINDS[node.target]
-            dim = groups.get(node.args[-1], "dp_shard")
-            full = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-            nbytes = _tensor_bytes(full) * (shard_scale if kind == "all_reduce"
-                                            and node in shard else 1.0)
-            start = max(now, stream_free.get(dim, 0.0))
-            stream_free[dim] = done[node] = start + fabric.seconds(kind, dim, nbytes)
-        elif node.target == WAIT and node.args[0] in done:
-            finish = done[node.args[0]]
-            if finish > now:
-                exposed += finish - now
-                now = finish
-        else:
-            now += node_seconds(node, dev, compiled, shard_scale if node in shard else 1.0)
-    return now, exposed
+def graph_seconds(gm: fx.GraphModule, dev: GpuProfile, fabric: MeshLinks,
+                  groups: dict[str, str], compiled: bool, shard_scale: float, shard: set
+                  ) -> tuple[float, float]:
+    """(seconds, exposed communication seconds) of one graph: the step simulator
+    (``compiler.simulate.simulate_graph``) with this device's roofline per op and the
+    layout's links per collective (one stream per mesh dim's group)."""
+    def collective(node: fx.Node) -> tuple[str, float]:
+        kind = KINDS[node.target]
+        dim = groups.get(node.args[-1], "dp_shard")
+        nbytes = value_bytes(full_value(node)) * (
+            shard_scale if kind == CollectiveKind.ALL_REDUCE and node in shard else 1.0)
+        return dim, fabric.seconds(kind, dim, nbytes)
+
+    return simulate_graph(gm.graph, lambda n: node_seconds(
+        n, dev, compiled, shard_scale if n in shard else 1.0), collective)
 
 
 def loss_seconds(tokens: int, vocab: int, dev: GpuProfile) -> float:
     """The eager cross-entropy on (tokens, vocab) logits: about 28 bytes per logit move
     through HBM (cast, log_softmax, its backward, the cast back)."""
-    return 28 * tokens * vocab / (dev.spec.mem_bandwidth_Bps * MEM_EFF) + 10 * KERNEL_FLOOR_S[False]
+    eff = dev.efficiency
+    return roofline_seconds(0, 28 * tokens * vocab, 1.0, dev.spec.mem_bandwidth_Bps,
+                            mem_efficiency=eff.memory, floor_s=10 * eff.floor_s(False))
 
 
 def optimizer_seconds(params_per_rank: float, dev: GpuProfile) -> float:
-    """AdamW + gradient clipping on the float32 shards: ~36 bytes per parameter
-    (read param, grad, 2 moments; write 3; the norm and the clip scale reread grads)."""
-    return 36 * params_per_rank / (dev.spec.mem_bandwidth_Bps * MEM_EFF)
+    """AdamW + gradient clipping on the float32 shards: memory-bound, its traffic
+    (``cost.state.optimizer_traffic_bytes_per_param``) at the memory efficiency."""
+    return roofline_seconds(0, optimizer_traffic_bytes_per_param("adamw") * params_per_rank,
+                            1.0, dev.spec.mem_bandwidth_Bps,
+                            mem_efficiency=dev.efficiency.memory)
 
 
 def pp_step_seconds(stage_seconds: float, pp: int, microbatches: int) -> float:
@@ -168,17 +151,13 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     ``simulate`` adds memory-bound ops, kernel floors and exposed communication), at the
     bf16 peak. ``recompute``: full activation checkpointing runs each block's forward
     again in backward. Lets the search skip layouts that cannot win without tracing."""
-    from ..models.llama import ffn_hidden_dim
-
-    hd = args.head_dim
-    params = args.dim * hd * (2 * args.n_heads + 2 * args.kv_heads) \
-        + 3 * args.dim * ffn_hidden_dim(args)
+    params = block_matmul_params(args)
     passes = 4 if recompute else 3  # forward 1, backward 2 (grad input, grad weight)
     matmul = 2 * passes * params / tp * tokens
-    # per query token: 4 * heads * seq * head_dim / 2 (causal), backward 2.5x forward
-    attention = 2 * (args.n_heads / tp) * seq * hd * tokens * (1 + 2.5 + recompute)
-    peak = dev.spec.bf16_flops
-    return blocks * (matmul / (peak * MATMUL_EFF) + attention / (peak * ATTENTION_EFF))
+    attention = attention_flops(args.n_heads / tp, tokens, seq, args.head_dim, causal=True) \
+        * (1 + ATTENTION_BACKWARD_FLOPS + recompute)
+    peak, eff = dev.spec.bf16_flops, dev.efficiency
+    return blocks * (matmul / (peak * eff.matmul) + attention / (peak * eff.attention))
 
 
 def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
@@ -186,11 +165,12 @@ def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
     tensor-parallel rank (split by vocabulary columns): its forward and two backward
     matmuls' FLOPs at the bf16 roofline. At 8B it is ~4% of the step, and leaving it
     out of the search's speed bound let layouts that cannot win be traced."""
-    return 3 * 2 * tokens * args.dim * args.vocab_size / tp / (dev.spec.bf16_flops * MATMUL_EFF)
+    return 3 * 2 * tokens * args.dim * args.vocab_size / tp / (
+        dev.spec.bf16_flops * dev.efficiency.matmul)
 
 
 def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
-                          fabric: Fabric) -> float:
+                          fabric: MeshLinks) -> float:
     """A lower bound on the exposed tensor-parallel communication of ``blocks`` blocks
     (and the output projection when ``head``): each block's forward all-gathers the
     normed input before attention and before the MLP and reduce-scatters both outputs

@@ -22,7 +22,7 @@ from ...hardware import gpu_spec
 from .memory import METADATA_ONLY, Unmeasurable, concrete_int, op_name, value_bytes
 
 __all__ = ["ComputeSpec", "default_compute_spec", "estimate_graph_compute",
-           "estimate_node_time"]
+           "estimate_node_time", "is_zero_cost", "roofline_seconds"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,13 @@ def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpe
 _COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
 
 
-def _is_zero_cost(node: torch.fx.Node) -> bool:
-    """Views, getitem, collectives and waits, placeholders/outputs: no kernel time."""
+def is_zero_cost(node: torch.fx.Node, metadata_ops_free: bool = True) -> bool:
+    """The one "costs nothing" rule: placeholders/outputs, ``getitem`` and SymInt
+    arithmetic, views, collectives and waits (their time is the communication model's)
+    run no kernel of their own. ``metadata_ops_free``: also ops that only touch
+    metadata (``METADATA_ONLY``: ``_unsafe_view``, ``detach``, ...); the planner passes
+    False, its roofline's efficiencies and kernel floor were fitted to published runs
+    with those counted as kernels."""
     if node.op != "call_function":
         return True
     target = node.target
@@ -71,8 +76,8 @@ def _is_zero_cost(node: torch.fx.Node) -> bool:
             "_operator", "operator", "builtins", "math")
     if op_name(target).split("::", 1)[0] in _COMM_NAMESPACES:
         return True
-    return bool(getattr(target, "is_view", False)) or op_name(target) in METADATA_ONLY
-
+    return bool(getattr(target, "is_view", False)) or (
+        metadata_ops_free and op_name(target) in METADATA_ONLY)
 
 
 _MISSING = object()
@@ -148,7 +153,24 @@ def _first_device(leaves: Iterable[Any]) -> torch.device | None:
     return next((x for x in leaves if isinstance(x, torch.device)), None)
 
 
-def _roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
+def roofline_seconds(flops: float, nbytes: float, peak_flops: float, mem_bandwidth_Bps: float,
+                     *, flop_efficiency: float = 1.0, mem_efficiency: float = 1.0,
+                     overlap: bool = False, floor_s: float = 0.0) -> float:
+    """The roofline, the one: ``flops`` at ``peak_flops * flop_efficiency`` and ``nbytes``
+    at ``mem_bandwidth_Bps * mem_efficiency``, summed, or with ``overlap`` the larger of
+    the two (a kernel streams its operands while it computes), plus ``floor_s``.
+
+    Two callers, two settings: the cost model's fallback for a node it cannot time
+    (datasheet peaks, no efficiencies, summed: a pessimistic guess that only stands in
+    for a measurement) and the planner's per-op time on a device it never runs on
+    (``hardware.Efficiency``, overlapped, a per-kernel floor: fitted to published runs).
+    """
+    compute = flops / (peak_flops * flop_efficiency)
+    memory = nbytes / (mem_bandwidth_Bps * mem_efficiency)
+    return (max(compute, memory) if overlap else compute + memory) + floor_s
+
+
+def _datasheet_estimate(node: torch.fx.Node, args: tuple, kwargs: dict,
               spec: ComputeSpec | None) -> float:
     leaves, _ = tree_flatten((args, kwargs))
     out = node.meta.get("val")
@@ -168,7 +190,7 @@ def _roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
             flops = 0
     dtype = next((x.dtype for x in leaves if isinstance(x, torch.Tensor)
                   and x.dtype.is_floating_point), torch.float32)
-    return flops / spec.flops_per_s(dtype) + nbytes / spec.mem_bandwidth_Bps
+    return roofline_seconds(flops, nbytes, spec.flops_per_s(dtype), spec.mem_bandwidth_Bps)
 
 
 def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int = 3,
@@ -185,18 +207,18 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
     ``flops / peak_flops + bytes / mem_bandwidth`` of ``spec`` is used instead.
     Not collective.
     """
-    if _is_zero_cost(node):
+    if is_zero_cost(node):
         return 0.0
     try:
         args, kwargs = _node_inputs(node)
     except Unmeasurable:
-        return 0.0 if node.meta.get("val") is None else _safe_roofline(node, (), {}, spec)
+        return 0.0 if node.meta.get("val") is None else _safe_datasheet_estimate(node, (), {}, spec)
     if not measure or not isinstance(node.target, OpOverload):
-        return _safe_roofline(node, args, kwargs, spec)
+        return _safe_datasheet_estimate(node, args, kwargs, spec)
     try:
         key = _cache_key(node.target, args, kwargs)
     except Unmeasurable:
-        return _safe_roofline(node, args, kwargs, spec)
+        return _safe_datasheet_estimate(node, args, kwargs, spec)
     if cache is not None and key in cache:
         return cache[key]
     try:
@@ -211,16 +233,16 @@ def estimate_node_time(node: torch.fx.Node, measure: bool = True, repeats: int =
             seconds = time_callable(lambda: target(*real_args, **real_kwargs), repeats, 1,
                                      dev)
     except Exception:  # noqa: BLE001 - any failure to run means: estimate instead
-        seconds = _safe_roofline(node, args, kwargs, spec)
+        seconds = _safe_datasheet_estimate(node, args, kwargs, spec)
     if cache is not None:
         cache[key] = seconds
     return seconds
 
 
-def _safe_roofline(node: torch.fx.Node, args: tuple, kwargs: dict,
+def _safe_datasheet_estimate(node: torch.fx.Node, args: tuple, kwargs: dict,
                    spec: ComputeSpec | None) -> float:
     try:
-        return _roofline(node, args, kwargs, spec)
+        return _datasheet_estimate(node, args, kwargs, spec)
     except Unmeasurable:
         return 0.0
 

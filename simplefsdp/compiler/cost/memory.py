@@ -14,23 +14,18 @@ import torch
 import torch.fx
 
 from ..._torch_compat import OpOverload, op_schema, symint_hint, tree_flatten
+from ..collectives import KINDS, CollectiveKind, full_node
 
 __all__ = ["IN_FLIGHT_SCRATCH", "alias_bases", "alias_roots", "held_by_caller", "live_bytes",
            "peak_memory_estimate", "scratch_bytes", "sunk_copies", "tensor_bytes"]
 
-# Ops that return metadata or a view of their input without a kernel of their own.
-FUNCTIONAL_COLLECTIVES = frozenset({
-    "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
-    "_c10d_functional::all_reduce",
-})
 # Bytes a collective allocates while in flight (from its start to its wait), per byte of
 # its full tensor (an all-gather's output, a reduce-scatter's input), by process-group
 # backend. gloo: ``_allgather_base`` gathers into a temporary the size of its output,
 # and its reduce-scatter reduces a clone of its input (profiled on 2 gloo ranks:
 # tests/test_auto_wrap_memory.py). NCCL writes into the output: nothing extra.
-IN_FLIGHT_SCRATCH = {"gloo": {"all_gather": 1.0, "reduce_scatter": 1.0}}
-_SCRATCH_KIND = {"_c10d_functional::all_gather_into_tensor": "all_gather",
-                 "_c10d_functional::reduce_scatter_tensor": "reduce_scatter"}
+IN_FLIGHT_SCRATCH = {"gloo": {CollectiveKind.ALL_GATHER: 1.0, CollectiveKind.REDUCE_SCATTER: 1.0}}
+# Ops that return metadata or a view of their input without a kernel of their own.
 METADATA_ONLY = frozenset({
     "aten::_unsafe_view", "aten::sym_size", "aten::sym_stride", "aten::sym_numel",
     "aten::sym_storage_offset", "aten::detach", "aten::alias", "aten::lift_fresh",
@@ -163,7 +158,7 @@ def _collective_wait(node: torch.fx.Node) -> torch.fx.Node | None:
     """The wait of a functional collective ``node`` (None for other nodes): its input
     stays allocated until then (the process group reads it while the collective runs;
     Inductor frees it after the wait)."""
-    if node.op != "call_function" or op_name(node.target) not in FUNCTIONAL_COLLECTIVES:
+    if node.op != "call_function" or node.target not in KINDS:
         return None
     waits = [u for u in node.users if op_name(u.target).endswith("wait_tensor")]
     return waits[0] if waits else None
@@ -201,11 +196,10 @@ def scratch_bytes(factors: dict[str, float] | None) -> Callable[[torch.fx.Node],
         return lambda n: 0
 
     def of(node: torch.fx.Node) -> int:
-        kind = _SCRATCH_KIND.get(op_name(node.target)) if node.op == "call_function" \
-            else None
+        kind = KINDS.get(node.target) if node.op == "call_function" else None
         if kind is None or not factors.get(kind):
             return 0
-        full = node if kind == "all_gather" else node.args[0]
+        full = full_node(node)
         return int(factors[kind] * tensor_bytes(full)) if isinstance(full, torch.fx.Node) \
             else 0
     return of

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["STATE_TENSORS_PER_PARAM", "optimizer_state_bytes", "sharded_param_bytes"]
+__all__ = ["STATE_TENSORS_PER_PARAM", "model_state_bytes_per_param", "optimizer_state_bytes",
+           "optimizer_traffic_bytes_per_param", "sharded_param_bytes"]
 
 # Full-size state tensors per parameter, in the parameter's dtype (torch's defaults:
 # scalar step counters, a few bytes per parameter, are left out).
@@ -24,6 +25,23 @@ STATE_TENSORS_PER_PARAM = {
     "adamw": 2,
     "sgd": 0,  # + momentum_buffer with momentum != 0
 }
+
+
+def model_state_bytes_per_param(optimizer: str = "adamw", param_bytes: int = 4) -> int:
+    """Bytes a trained parameter holds through a step: itself, its gradient and the
+    optimizer's state tensors, all in the parameter's dtype (``param_bytes``; the trainer
+    keeps float32 shards): 16 for AdamW."""
+    return param_bytes * (2 + STATE_TENSORS_PER_PARAM[optimizer.lower()])
+
+
+def optimizer_traffic_bytes_per_param(optimizer: str = "adamw", param_bytes: int = 4) -> int:
+    """Memory traffic of one optimizer step per parameter, with gradient clipping: read
+    the parameter, its gradient and the state tensors, write the parameter and the state
+    back, and read the gradients twice more (the norm, then the clip's scaling): 36 B
+    for AdamW on float32."""
+    states = STATE_TENSORS_PER_PARAM[optimizer.lower()]
+    reads, writes, clipping = 2 + states, 1 + states, 2
+    return param_bytes * (reads + writes + clipping)
 
 
 def sharded_param_bytes(params: Iterable[torch.Tensor]) -> int:
