@@ -91,17 +91,11 @@ KNOWN_FABRICS: dict[str, Fabric] = {
     # InfiniBand HDR: one 200 Gb/s NIC per GPU (DGX A100) = 25 GB/s; ~80% -> 20 GB/s.
     "infiniband_hdr": Fabric(50e-6, 20e9, "InfiniBand HDR 200 Gb/s per GPU, inter-node",
                              ring_step_s=4e-6),
-    # Gloo over TCP loopback between CPU processes on one host. `calibrate()` on a 2-rank
-    # group in a loaded 2-core container measured alpha 0.45-1.0 ms and beta 0.5-1.8 ns
-    # per full byte (all-gather ~0.6, reduce-scatter ~1.2, all-reduce ~0.9), i.e. roughly
-    # 0.5 GB/s "busbw" with the 1/2 ring factor. Order of magnitude only: CPU hosts and
-    # their load vary a lot; calibrate instead.
-    # Hidden fraction: gloo's threads compete with the compute for the same cores; on 2
-    # ranks sharing 2 cores `measure_hidden_fraction` found 0.0-0.33 (64 KiB-4 MiB
-    # all-gathers).
-    # Copy: `measure_copy` (torch.cat, one thread) found 18-36 GB/s for 1-16 MiB on an
-    # idle core of this host; 10 GB/s allows for the load. Max bytes: the calibrated
-    # range (a 100 MB gloo all-gather ran ~15x slower per byte than the 4 MiB fit).
+    # Gloo over TCP loopback between CPU processes on one host: order of magnitude only
+    # (CPU hosts and their load vary a lot; calibrate instead), from calibrations on a
+    # 2-core host (README, cost model defaults). Hidden fraction 0: gloo's threads compete
+    # with the compute for the same cores. Copy: a loaded core's torch.cat bandwidth.
+    # Max bytes: the calibrated range; the fit says nothing about larger collectives.
     "gloo_cpu_loopback": Fabric(600e-6, 0.5e9, "gloo over TCP loopback, CPU processes",
                                 hidden_fraction=0.0, copy_Bps=10e9, max_bytes=16 * 2 ** 20),
 }

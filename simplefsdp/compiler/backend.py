@@ -104,11 +104,8 @@ class GraphReport:
 # outside them) that ``bucketing="auto"`` keeps free under Inductor. Our passes predict
 # the peak on the FX graph in the order they leave it; Inductor then fuses and reorders
 # it (``reorder_for_peak_memory``, by its own estimate, which does not know gloo's
-# in-flight temporaries), so the executed order differs. Measured on the debug model
-# (2 gloo ranks, tests/test_auto_wrap_memory.py): three backward plans predicted 25.58,
-# 26.76 and 27.21 MB peaked at 24.57, 27.17 and 27.22 MB; at the worst point, the last
-# backward all-gather, 1.07 MB (4.5% of the graphs' 23.5 MB) more was live than in the
-# FX order. aot_eager runs the FX order as it is: no margin.
+# in-flight temporaries), so the executed order differs (measured: README, auto
+# wrapping). aot_eager runs the FX order as it is: no margin.
 INDUCTOR_SCHEDULE_MARGIN = 0.05
 
 
