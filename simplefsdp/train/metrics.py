@@ -52,7 +52,8 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
         peak = gpu_peak_flops(name)
         if peak is not None:
             return peak, f"{name} bf16 dense (table)"
-        return 312e12, f"{name} not in table, assuming A100 bf16 (312 TFLOP/s)"
+        a100 = gpu_peak_flops("A100")  # the hardware table's, as cost.compute assumes
+        return a100, f"{name} not in table, assuming A100 bf16 ({a100 / 1e12:.0f} TFLOP/s)"
     return measured_cpu_peak_flops(), "measured fp32 matmul on this process's CPU threads"
 
 
