@@ -160,3 +160,42 @@ def test_wrapper_names_are_stripped_alike():
     assert unwrapped_name("layers.1._fsdp_wrapped_module") == "layers.1"
     assert unwrapped_name("layers.2.attention") == "layers.2.attention"
     assert unwrapped_name("") == ""
+
+
+class _WithUserAllReduce(torch.nn.Module):
+    """A linear layer whose forward also runs the user's own all-reduce, on the very
+    process group ``data_parallel`` shards over."""
+
+    def __init__(self, group_name: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.group_name = group_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        c10d = torch.ops._c10d_functional
+        total = c10d.wait_tensor(c10d.all_reduce(y.detach(), "sum", self.group_name))
+        return y * total
+
+
+def _user_collective_counts(rank: int, world: int) -> dict:
+    mesh = sf.make_mesh(dp_shard=world)
+    torch.manual_seed(0)
+    model = sf.data_parallel(_WithUserAllReduce(mesh["dp_shard"].get_group().group_name),
+                             mesh)
+    be = sf.compile_backend("aot_eager", bucketing="manual")
+    torch.compile(model, fullgraph=True, backend=be)(torch.ones(2, 4)).sum().backward()
+    return {r.graph: (r.collectives_before, r.other_collectives) for r in be.reports}
+
+
+def test_only_the_parametrizations_collectives_are_ours():
+    # Which collectives the passes own is read from the metadata data_parallel's gather
+    # leaves on its nodes at trace time (issue 26), not from a list of group names: the
+    # user's all-reduce on the same group stays the user's (a list of the groups took it
+    # for ours). Counts by hand: weight and bias, gathered in forward, their gradients
+    # reduce-scattered in backward (no re-gather: the input needs no gradient, so the
+    # backward never reads the weight); the user's all-reduce is in forward only.
+    counts = run_ranks(_user_collective_counts, 2)
+    assert counts[0] == counts[1] == {
+        "forward": ({"all_gather": 2}, 1),
+        "backward": ({"reduce_scatter": 2}, 0)}, counts
