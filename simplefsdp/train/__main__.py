@@ -57,7 +57,7 @@ def run(argv: list[str]) -> int:
     try:
         main(argv)
     except ConfigError as e:
-        return configuration_error(e)
+        return configuration_error(e, hint="--check" not in argv)
     except NonFiniteError as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return NON_FINITE
@@ -70,16 +70,17 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-def configuration_error(error: ConfigError) -> int:
+def configuration_error(error: ConfigError, hint: bool = True) -> int:
     """Report a configuration error once and return its exit status.
 
     Every rank finds the same error (the config is read alike everywhere), so only the
     first local rank prints it. Under torchrun each rank also leaves it in its error file
     (``TORCHELASTIC_ERROR_FILE``), which torchrun shows as the failure's "traceback" at
     the end of its ``ChildFailedError`` report: its last lines say what went wrong."""
+    check = (". Check a config without launching: python -m simplefsdp.train --check "
+             "--world-size N --config ...") if hint else ""
     message = (f"configuration error: {error}\n(nothing was trained; exit status "
-               f"{CONFIG_ERROR}. Check a config without launching: python -m "
-               f"simplefsdp.train --check --world-size N --config ...)")
+               f"{CONFIG_ERROR}{check})")
     _leave_for_torchrun(message)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
