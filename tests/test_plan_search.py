@@ -100,6 +100,9 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     pruned_stats, full_stats = {}, {}
     pruned = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=pruned_stats)
     full = search(cfg, gpus, "h100-sxm", per_node, keep=0, stats=full_stats)
+    # the CLI's default, --keep 3 (every graph traced by now: this adds predictions only)
+    keep3_stats: dict = {}
+    keep3 = search(cfg, gpus, "h100-sxm", per_node, keep=3, stats=keep3_stats)
     configs = {(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.pp,
                 c.activation_checkpoint.mode, c.training.batch_size): c
                for c in layouts(cfg, gpus, per_node)}
@@ -108,18 +111,23 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
                                     r.batch_size)], gpus, dev), r.tokens_per_s_per_gpu)
               for r in full]
     return ([r.to_dict() for r in pruned], [r.to_dict() for r in full], pruned_stats,
-            full_stats, bounds, trace.cache_info()._asdict())
+            full_stats, bounds, trace.cache_info()._asdict(), [r.to_dict() for r in keep3],
+            keep3_stats)
 
 
 def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once():
     """``keep = 1`` skips the layouts whose speed bound (compute FLOPs at the roofline)
-    cannot beat the best found, and gives the exhaustive search's best row; the bound
-    holds for every layout predicted; layouts sharing graphs (data-parallel sizes,
-    pipeline depth, batch sizes under PP) trace them once."""
-    pruned, full, pruned_stats, full_stats, bounds, traces = _in_worker(
+    cannot beat the best found, and gives the exhaustive search's best row; ``keep = 3``
+    (the CLI's default) gives its first 3 rows; the bound holds for every layout
+    predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
+    under PP) trace them once."""
+    pruned, full, pruned_stats, full_stats, bounds, traces, keep3, keep3_stats = _in_worker(
         _keep_vs_exhaustive, *SMALL, 4, 2)
     assert pruned[0] == full[0] and full[0]["fits"]
     assert pruned_stats["bound"] > 0 and pruned_stats["predicted"] < full_stats["predicted"]
+    # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
+    assert keep3[:3] == full[:3] and all(r["fits"] for r in full[:3])
+    assert keep3_stats["bound"] > 0 and keep3_stats["traces"] == 0
     # the exhaustive search traced only what the pruned one skipped: sharing within and
     # across the two searches, nothing traced twice
     assert full_stats["traces"] > 0 and pruned_stats["traces"] > 0
@@ -130,6 +138,23 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once():
                                                      + full_stats["predicted"])
     assert all(bound >= tps for bound, tps in bounds), bounds
     assert full_stats["memory"] + full_stats["fits_with_less_ac"] > 0
+
+
+def test_keep_bar_is_the_kth_best_fitting_speed():
+    """The bar ``--keep K`` prunes by: the K-th best tokens/s added so far (0 until K
+    rows fit), so a layout whose bound beats the K-th best is still predicted."""
+    from simplefsdp.plan.search import _Bar
+
+    bar = _Bar(3)
+    for tps in (10.0, 6.0):
+        bar.add(tps)
+    assert not bar.beaten(1.0)  # 2 rows: any bound can still make the top 3
+    bar.add(8.0)
+    bar.add(3.0)  # below the 3rd: changes nothing
+    assert (bar.beaten(5.9), bar.beaten(6.0), bar.beaten(7.0)) == (True, False, False)
+    bar.add(9.0)  # the 3rd best is now 8
+    assert (bar.beaten(7.9), bar.beaten(8.0)) == (True, False)
+    assert not _Bar(0).beaten(0.0)  # keep 0: exhaustive, nothing pruned
 
 
 def _workers_vs_one(path, overrides):
