@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .collectives import module_fqn
 
+log = logging.getLogger("simplefsdp.compiler")
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 _NO_VC_CHECK = "saved_tensor_with_no_vc_check"  # AOTAutograd's node.meta key
 
@@ -162,7 +164,11 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_output
         tag_full_recompute(joint_module.graph, blocks)
     fw, bw = min_cut_rematerialization_partition(
         joint_module, joint_inputs, compiler, num_fwd_outputs=num_fwd_outputs, **kwargs)
-    order_saved_values(fw, bw, num_fwd_outputs)
+    fix = order_saved_values(fw, bw, num_fwd_outputs)
+    if fix.skipped:  # the runtime will reject the layout; say why it was left as is
+        log.warning("saved values left in the partitioner's order: %s", fix.skipped)
+    elif fix.moved:
+        log.info("saved values reordered for the runtime: moved %s", fix.moved)
     return fw, bw
 
 
