@@ -120,9 +120,9 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
     (``memory.states_bytes``) is counted whole. With ``exact_shards`` (``key`` is traced
     at the planned shard size) the gradients are followed as they appear in backward and
     the peak is the largest live total minus the whole gradient: eager autograd peaks
-    early in backward, before most gradients exist (debug model, no AC: measured 16.28
-    MiB; counting the gradient whole on top of the activations said 17.78). Otherwise
-    they are left out, since their traced size is not the planned one (an upper bound)."""
+    early in backward, before most gradients exist (counting the gradient whole on top
+    of the activations over-counts it). Otherwise they are left out, since their traced
+    size is not the planned one (an upper bound)."""
     from .._torch_compat import FakeTensorMode
     from ..train.step import token_loss_sum
     from .trace import _mesh, build_model, ensure_fake_world, stage_input

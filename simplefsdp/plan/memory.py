@@ -93,8 +93,8 @@ def saved_inputs(tr: Trace) -> dict[fx.Node, fx.Node]:
 def trace_shards(tr: Trace) -> tuple[set[fx.Node], set[fx.Node]]:
     """Shard-sized nodes of the forward and backward graphs. A shard-sized tensor saved
     for backward stays shard-sized there even when its dtype is no parameter's (the
-    bf16 casts of the shards): without that, the backward counted it at the traced
-    ``dp_shard`` (the 405B search's batch-2 rows came out ~3x their batch-1 rows)."""
+    bf16 casts of the shards): without that, the backward would count it at the
+    traced ``dp_shard``."""
     dp = {name for name, dim in tr.groups.items() if dim != "tp"}
     fw = shard_nodes(tr.forward.graph, tr.shards, dp)
     seeds = {p for p, a in saved_inputs(tr).items() if a in fw}

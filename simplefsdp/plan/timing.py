@@ -87,7 +87,7 @@ def _flops(node: fx.Node) -> tuple[str, float]:
 
 def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 1.0) -> float:
     """Roofline time of one compute node (``scale`` multiplies shard-sized bytes)."""
-    if is_zero_cost(node, metadata_ops_free=False):
+    if is_zero_cost(node, planner=True):
         return 0.0
     kind, flops = _flops(node)
     nbytes = value_bytes(node.meta.get("val")) * scale + sum(
@@ -163,8 +163,8 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
 def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
     """A lower bound on the simulated output projection of ``tokens`` tokens on one
     tensor-parallel rank (split by vocabulary columns): its forward and two backward
-    matmuls' FLOPs at the bf16 roofline. At 8B it is ~4% of the step, and leaving it
-    out of the search's speed bound let layouts that cannot win be traced."""
+    matmuls' FLOPs at the bf16 roofline (left out, the search's speed bound would let
+    layouts that cannot win be traced)."""
     return 3 * 2 * tokens * args.dim * args.vocab_size / tp / (
         dev.spec.bf16_flops * dev.efficiency.matmul)
 
@@ -176,8 +176,7 @@ def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
     normed input before attention and before the MLP and reduce-scatters both outputs
     (sequence parallelism), its backward does the converse, and the output all-gathers
     the logits. Each feeds the very next matmul, so the simulation exposes it whole
-    (measured on the 8B traces at tp 2-8: forward exposure >= these sums; the backward
-    has two more per block, not counted here)."""
+    (the backward has two more per block, not counted here)."""
     if fabric.sizes["tp"] <= 1:
         return 0.0
     act = tokens * args.dim * elem

@@ -2,9 +2,12 @@
 
 * :mod:`.comm`: ``alpha + beta * bytes`` per collective kind, calibrated, cached or
   from fabric defaults;
-* :mod:`.compute`: the time of one FX node, measured or by roofline;
+* :mod:`.compute`: the time of one FX node, measured or by the roofline (the one
+  roofline, ``roofline_seconds``, which the planner uses too) and the one "costs
+  nothing" rule;
 * :mod:`.memory`: bytes of a node's output and a liveness-based peak for a graph;
-* :mod:`.state`: bytes held outside the graphs through a step (optimizer state).
+* :mod:`.state`: the optimizer's state layout: bytes held outside the graphs through a
+  step, model-state bytes and the optimizer step's memory traffic per parameter.
 
 Every rank must take the same bucketing decisions, so anything measured is agreed
 across ranks before use (see :mod:`simplefsdp.agreement`).

@@ -67,8 +67,8 @@ class CommModel:
     a small CPU host); ``calibrate`` measures it. ``copy_s_per_byte``: a bucket's
     copy-in/copy-out cost per byte copied (device memory bandwidth; ``measure_copy``).
     ``max_bytes``: the largest collective the figures were measured on (None: no
-    bound); the planner makes no bucket larger, since the fit says nothing beyond it (on
-    gloo a 100 MB all-gather ran ~15x slower per byte than the 4 MiB fit predicted).
+    bound); the planner makes no bucket larger, since the fit says nothing beyond it
+    (README: cost model defaults).
     ``compute_slowdown``: how much slower computation runs when every rank of the group
     computes at once than on one rank alone (>= 1; ``measure_compute_slowdown``): ~1 with
     a device per rank, above 1 where ranks share a host's cores and memory bandwidth. The

@@ -60,24 +60,28 @@ def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpe
 _COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
 
 
-def is_zero_cost(node: torch.fx.Node, metadata_ops_free: bool = True) -> bool:
+def is_zero_cost(node: torch.fx.Node, planner: bool = False) -> bool:
     """The one "costs nothing" rule: placeholders/outputs, ``getitem`` and SymInt
     arithmetic, views, collectives and waits (their time is the communication model's)
-    run no kernel of their own. ``metadata_ops_free``: also ops that only touch
-    metadata (``METADATA_ONLY``: ``_unsafe_view``, ``detach``, ...); the planner passes
-    False, its roofline's efficiencies and kernel floor were fitted to published runs
-    with those counted as kernels."""
+    run no kernel of their own, nor (cost model) ops that only touch metadata
+    (``METADATA_ONLY``: ``_unsafe_view``, ``detach``, ...).
+
+    ``planner``: the planner's setting, which differs in two ways, both kept because its
+    roofline's efficiencies and kernel floor were fitted to published runs this way:
+    metadata-only ops are timed as kernels, and so is nothing that is not an op overload
+    (higher-order ops such as the RNG-state wrappers of a recomputed attention cost
+    nothing; the cost model times or estimates those)."""
     if node.op != "call_function":
         return True
     target = node.target
     if not isinstance(target, OpOverload):
         # operator.getitem, SymInt arithmetic (operator.mul, ...), builtins
-        return target is operator.getitem or getattr(target, "__module__", "") in (
-            "_operator", "operator", "builtins", "math")
+        return planner or target is operator.getitem or getattr(
+            target, "__module__", "") in ("_operator", "operator", "builtins", "math")
     if op_name(target).split("::", 1)[0] in _COMM_NAMESPACES:
         return True
     return bool(getattr(target, "is_view", False)) or (
-        metadata_ops_free and op_name(target) in METADATA_ONLY)
+        not planner and op_name(target) in METADATA_ONLY)
 
 
 _MISSING = object()
