@@ -22,6 +22,7 @@ Our own private names (``self._x``, ``module._sf_compute``) are not torch's and 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -157,12 +158,17 @@ def _sources() -> dict[str, str]:
             for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
 def _defs(sources: dict[str, str], kind: type, match) -> list[tuple[str, str]]:
     """``(path, name)`` of every ``kind`` definition (a function or class, at any depth)
     or module-level assignment (``kind=ast.Assign``) whose name satisfies ``match``."""
     found = []
     for path, source in sources.items():
-        tree = ast.parse(source)
+        tree = _parse(source)
         if kind is ast.Assign:
             names = [t.id for n in tree.body if isinstance(n, ast.Assign)
                      for t in n.targets if isinstance(t, ast.Name)]
@@ -185,7 +191,7 @@ def second_spellings(sources: dict[str, str]) -> list[str]:
     division by a memory bandwidth outside ``roofline_seconds``'s module."""
     found = []
     for path, source in sources.items():
-        for n in ast.walk(ast.parse(source)):
+        for n in ast.walk(_parse(source)):
             where = f"{path}:{getattr(n, 'lineno', 0)}"
             if isinstance(n, ast.Tuple | ast.List | ast.Set | ast.Dict):
                 elts = list(n.keys) + list(n.values) if isinstance(n, ast.Dict) else n.elts
