@@ -597,7 +597,8 @@ def _compile_summary(reports: list, cfg: JobConfig, seconds: float, step: int) -
     parts = []
     for r in reports:
         before = sum(getattr(r, "collectives_before", {}).values())
-        part = f"{r.graph} {before} collectives -> {len(r.buckets)} buckets"
+        n = len(r.buckets)
+        part = f"{r.graph} {before} collectives -> {n} bucket{'' if n == 1 else 's'}"
         exposed = getattr(r, "estimated_exposed_s", None)
         if exposed is not None:
             part += f", predicted exposed communication {exposed * 1e3:.2f} ms"
