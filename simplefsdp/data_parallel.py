@@ -179,7 +179,10 @@ class _ReplicateComputation:
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                  tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
         self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
-        self.replica_group = dp_mesh.get_group(0).group_name if self.hybrid else None
+        # replicate (DDP): every rank of the 1-D mesh holds the whole parameter
+        self.replicated = all(p.is_replicate() for p in dp_placements)
+        self.replica_group = dp_mesh.get_group(0).group_name \
+            if self.hybrid or self.replicated else None
         self.reduce_op = reduce_op
         self.dp_mesh = dp_mesh
         self.dp_placements = dp_placements
@@ -187,6 +190,8 @@ class _ReplicateComputation:
         self.grad_placements = (Partial(reduce_op),) * dp_mesh.ndim
         if self.hybrid:  # replicas: reduced by _ReduceOverReplicas, after the shard dim
             self.grad_placements = (Replicate(), Partial(reduce_op))
+        elif self.replicated:  # all-reduced by _ReduceOverReplicas, inside the gather's
+            self.grad_placements = (Replicate(),)  # annotation (DP_GROUPS_META)
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
@@ -210,7 +215,7 @@ class _ReplicateComputation:
             sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
                                          run_check=False, shape=shape,
                                          stride=_contiguous_stride(shape))
-        if self.hybrid:
+        if self.replica_group is not None:
             sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
                                                 self.reduce_dtype)
         gathered = sharded.redistribute(
