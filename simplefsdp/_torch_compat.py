@@ -32,7 +32,8 @@ __all__ = [
     "FakeTensor", "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode",
     "aot_autograd",
     "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
-    "current_graph_task_id", "custom_graph_pass_base", "default_group", "default_store",
+    "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
+    "default_group", "default_store",
     "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
     "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",
     "missing_inductor_options", "profiler_events",
@@ -194,6 +195,19 @@ def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+def custom_partitioner_base() -> type | None:
+    """Inductor's base class for ``config.custom_partitioner_fn`` (the joint graph's
+    partitioner, run after Inductor's joint passes), or None where this torch has none.
+    checked: 2.13 (2.11 / 2.12 not verified: no wheel at hand)."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    except ImportError:
+        return None
+    if missing_inductor_options(["custom_partitioner_fn"]):
+        return None
+    return CustomPartitionerFn
 
 
 def missing_inductor_options(names) -> list[str]:

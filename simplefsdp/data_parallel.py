@@ -21,9 +21,8 @@ collective on one rank only.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -50,6 +49,7 @@ from ._torch_compat import StridedShard, c10d_functional, root_mesh
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import data_parallel_mesh
+from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
 MODES = ("fully_shard", "replicate", "hybrid_shard")
@@ -60,18 +60,6 @@ _CLASS_PREFIX = "SimpleFSDP"
 # reductions and the recomputed gathers), read by the compiler's passes, which touch only
 # those collectives, never tensor/sequence-parallel, pipeline or user ones.
 DP_GROUPS_META = "simplefsdp_data_parallel_groups"
-
-
-@dataclass(frozen=True)
-class MixedPrecisionPolicy:
-    """Dtypes for the gathered parameter (and compute) and for the gradient reduction.
-
-    ``None`` keeps the parameter's own dtype. The sharded master weights, and so the
-    optimizer, always stay in the dtype the model was built with.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -370,6 +358,7 @@ def data_parallel(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     reduce_op: Literal["avg", "sum"] = "avg",
+    mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
@@ -384,6 +373,16 @@ def data_parallel(
             again in backward (True), or keep them until backward (False).
         reduce_op: ``avg`` averages gradients over the data-parallel ranks; ``sum`` sums
             them (for losses already normalized by the global token count).
+        mp_overrides: ``{module FQN glob: policy}`` (``fnmatch``, on the model's own names,
+            wrappers such as activation checkpointing left out): the parameters of a
+            matching module and of its submodules are gathered and computed in that
+            policy's ``param_dtype`` and their gradients reduced in its
+            ``reduce_dtype`` (the deepest matching module wins). A matching module casts
+            its floating-point inputs to its ``param_dtype`` and its floating-point outputs
+            to the enclosing policy's ``param_dtype`` (None: the parameters' own dtype),
+            so an fp32 module (a router, a norm) sits inside a bf16 model. Bucketing
+            never merges collectives of different dtypes. A glob that matches no module
+            raises.
     Returns:
         ``model`` itself, with its parameters sharded.
 
@@ -416,6 +415,7 @@ def data_parallel(
         raise ValueError("data_parallel was already applied to this model (or a submodule); "
                          "apply it once, to the root module")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
 
     sharded: dict[int, tuple[nn.Parameter, _ReplicateComputation]] = {}  # tied weights
@@ -429,7 +429,8 @@ def data_parallel(
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
                 new, tp = _shard_param(param, fqn, mesh, placements, given)
-                gather = _ReplicateComputation(mesh, placements, reduce_op, mp_policy,
+                policy = policy_for(module_name, overrides, mp_policy)
+                gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
                                                reshard_after_forward, tp)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]
@@ -439,6 +440,7 @@ def data_parallel(
         module.__class__ = _parametrized_class(type(module), names)
         _mark_forward(module)
     _mark_forward(model)
+    install_casts(model, overrides, mp_policy)
     return model
 
 

@@ -36,11 +36,12 @@ from .._torch_compat import (
     aot_autograd,
     compile_fx,
     custom_graph_pass_base,
+    custom_partitioner_base,
     resolve_process_group,
 )
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
-from . import auto_wrap, cost, manual_wrap, plan_cache
+from . import auto_wrap, cost, manual_wrap, plan_cache, recompute
 from .collectives import find_collectives, is_backward, other_collectives
 from .greedy import Decision
 from .passes import apply_passes
@@ -199,7 +200,7 @@ class SimpleFSDPBackend:
         # this Dynamo graph's plan-cache key and decisions (when every rank has them)
         cached = self._look_up_plans(gm, example_inputs)
         if self.backend == "aot_eager":
-            from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+            from functorch.compile import make_boxed_func
 
             def compile_graph(graph_module, _inputs):
                 self.run_passes(graph_module.graph, cached)
@@ -207,9 +208,14 @@ class SimpleFSDPBackend:
                 return make_boxed_func(graph_module.forward)
 
             return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
-                                partition_fn=min_cut_rematerialization_partition)(
+                                partition_fn=recompute.partition)(
                 gm, example_inputs)
         patches = {"post_grad_custom_post_pass": _inductor_pass(self, cached)}
+        # min-cut with the saved values in the runtime's layout (full AC on CPU: the
+        # recomputed attention's RNG state must not land among the opaque mesh objects)
+        base = custom_partitioner_base()
+        if base is not None:
+            patches["custom_partitioner_fn"] = recompute.inductor_partitioner(base)
         if self.bucketing in PLANNED and cached[1] is None:
             patches["fx_graph_cache"] = False  # the pass talks: every rank must run it
         return compile_fx(gm, example_inputs, config_patches=patches)

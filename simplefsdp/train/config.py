@@ -85,6 +85,9 @@ class TrainingConfig:
     seed: int = 0
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
     mixed_precision_reduce: DType = "float32"  # dtype of gradient reduction
+    # Module FQN globs (fnmatch, e.g. "*.router", "norm") kept in float32 (gathered,
+    # computed and reduced) whatever mixed_precision_param/_reduce say; each must match.
+    mixed_precision_fp32_modules: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import fnmatch
 import functools
 
 import torch
@@ -34,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
-from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper
+from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper, custom_partitioner_base
 from simplefsdp.compiler.cost.state import optimizer_state_bytes
 from simplefsdp.mesh import stage_group
+from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
@@ -181,7 +183,24 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     # them until backward is the usual trade (as torchtitan does).
     reshard = p.reshard_after_forward and p.pp == 1
     return simplefsdp.data_parallel(model, mesh, mode=p.dp_mode, mp_policy=mp,
-                                    reshard_after_forward=reshard, reduce_op="sum")
+                                    reshard_after_forward=reshard, reduce_op="sum",
+                                    mp_overrides=fp32_overrides(model, cfg))
+
+
+def fp32_overrides(model: nn.Module, cfg: JobConfig) -> dict:
+    """``training.mixed_precision_fp32_modules`` as ``data_parallel``'s ``mp_overrides``;
+    a glob that matches no module is a ConfigError (under PP a stage holds part of the
+    model: there, globs matching nothing on this stage are left out)."""
+    key = "training.mixed_precision_fp32_modules"
+    names = [unwrapped_name(n) for n, _ in model.named_modules()]
+    overrides = {}
+    for glob in cfg.training.mixed_precision_fp32_modules:
+        if any(fnmatch.fnmatchcase(n, glob) for n in names):
+            overrides[glob] = simplefsdp.MixedPrecisionPolicy(torch.float32, torch.float32)
+        elif cfg.parallel.pp == 1:
+            raise ConfigError(f"{key}: {glob!r} matches no module of the model (module "
+                              f"names look like {', '.join(names[1:4])}; globs as fnmatch)")
+    return overrides
 
 
 def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | None = None):
@@ -209,20 +228,23 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Modu
     return torch.compile(model, fullgraph=True, backend=compile_backend_for(mesh, cfg, model))
 
 
-def check_composition(ac_mode: str, compiled: bool) -> None:
-    """Refuse, before any work, the combinations this torch cannot compile."""
-    if compiled and ac_mode == "full":
+def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -> None:
+    """Refuse, before any work, the combinations this torch cannot compile. Full AC
+    compiles through ``compiler/recompute.py`` (min-cut, then the saved values put back in
+    the runtime's layout); Inductor needs ``custom_partitioner_fn`` for it (2.13 has it)."""
+    if compiled and ac_mode == "full" and backend == "inductor" \
+            and custom_partitioner_base() is None:
         raise ConfigError(
-            "activation_checkpoint.mode = 'full' with compile.enable = true is not "
-            f"supported on torch {torch.__version__}: AOTAutograd saves a DTensor's "
-            "DeviceMesh as a tensor of the recomputed block and fails; use "
-            "activation_checkpoint.mode = 'selective' (or 'none'), or compile.enable = false")
+            "activation_checkpoint.mode = 'full' with compile.enable = true and "
+            f"compile.backend = 'inductor' needs Inductor's custom_partitioner_fn, which "
+            f"torch {torch.__version__} lacks; use compile.backend = 'aot_eager', "
+            "activation_checkpoint.mode = 'selective', or compile.enable = false")
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     """TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on)."""
-    check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable)
+    check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len)
     apply_ac(model, cfg.activation_checkpoint.mode)
