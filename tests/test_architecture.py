@@ -283,6 +283,7 @@ KNOWN_CYCLES = [frozenset({
     "simplefsdp.hf.weights", "simplefsdp.train.checkpoint", "simplefsdp.train.config",
     "simplefsdp.train.data", "simplefsdp.train.parallelize", "simplefsdp.train.pipeline",
     "simplefsdp.train.preflight", "simplefsdp.train.step", "simplefsdp.train.trainer",
+    "simplefsdp.train.console",  # trainer's messages, split out of it (imports train.*)
 })]
 
 

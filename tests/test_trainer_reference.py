@@ -20,6 +20,8 @@ Tolerances:
   bitwise. On one rank the trainer runs the same float32 ops in the same order as the
   plain loop (measured: identical), so any change of schedule, clipping, weight decay
   or normalization shows.
+* the ``lr`` column of ``metrics.csv`` (a row per step) against the hand-written factors:
+  1e-12 relative (a float through the CSV's text).
 * each step's loss against its definition computed independently, one
   ``F.cross_entropy(reduction="mean")`` over the step's whole batch in one forward:
   1e-6 relative (one forward over 4 sequences and one mean, against two forwards and
@@ -51,7 +53,7 @@ def _argv(out: Path) -> list[str]:
             "--training.steps", str(STEPS), "--training.warmup_steps", str(WARMUP),
             "--training.lr", str(LR), "--training.weight_decay", str(WEIGHT_DECAY),
             "--training.max_norm", str(MAX_NORM), "--training.seed", str(SEED),
-            "--metrics.log_every", str(STEPS), "--metrics.output_dir", str(out),
+            "--metrics.log_every", "1", "--metrics.output_dir", str(out),
             "--checkpoint.export_safetensors", "true"]
 
 
@@ -161,3 +163,12 @@ def test_trainer_loop_matches_plain_pytorch_loop(tmp_path):
     for key, value in plain["params"].items():
         assert torch.equal(final[key], torch.from_numpy(value)), key
     assert mean_diff <= 1e-6
+    # metrics.csv (a row per step): each row's lr is the one its step's update used (the
+    # plain loop's), not the next step's (the scheduler has stepped by the time it logs).
+    import csv
+
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    for row, factor in zip(rows, LR_FACTORS, strict=True):
+        assert abs(float(row["lr"]) - LR * factor) <= 1e-12 * LR, (row, LR * factor)

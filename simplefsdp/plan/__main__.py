@@ -15,7 +15,7 @@ import time
 
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
 from ..train.config import ConfigError, load_config
-from ..train.trainer import quiet_our_checkpoint_warning
+from ..train.console import quiet_our_checkpoint_warning
 from . import report
 from .predict import ALLOC_OVERHEAD, predict
 from .search import search

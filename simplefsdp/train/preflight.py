@@ -2,6 +2,8 @@
 
 Each check returns a problem (a sentence naming the key and the fix) or None; ranks
 pool theirs with :func:`agree`, so every rank raises the same ConfigError together.
+The trainer runs :func:`before_build` before it builds anything and
+:func:`checkpoint_space` once the parameters exist (both collectives).
 """
 
 from __future__ import annotations
@@ -10,8 +12,14 @@ import importlib
 import shutil
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from ..agreement import gather_objects
+from ..compiler.cost.state import optimizer_state_bytes, sharded_param_bytes
+from .checkpoint import remove_partial
 from .config import ConfigError, JobConfig
+from .step import OPTIMIZER
 
 _EXTRA = "pip install 'simplefsdp[train]'"
 
@@ -73,3 +81,28 @@ def too_little_space(folder: Path, needed_bytes: float) -> str | None:
     return (f"checkpoint.folder = {str(folder)!r} has {free / 2**30:.2f} GiB free, but one "
             f"checkpoint needs about {needed_bytes / 2**30:.2f} GiB (parameters and AdamW "
             f"state); free space, or point --checkpoint.folder at a larger disk")
+
+
+def before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
+    """Packages, writable folders, no overwritten metrics; leftover ``.tmp`` saves go."""
+    problems = missing_packages(cfg)
+    if rank == 0:
+        problems += [p for p in (
+            unwritable(Path(cfg.metrics.output_dir), "metrics.output_dir", ".write-probe"),
+            overwrites_metrics(cfg)) if p]
+    if cfg.checkpoint.enable:  # every rank writes its own shards there
+        problem = unwritable(ckpt_folder, "checkpoint.folder", f".write-probe-rank{rank}")
+        problems += [problem] if problem else []
+    agree(problems)
+    if cfg.checkpoint.enable and rank == 0:
+        for path in remove_partial(ckpt_folder):
+            print(f"[simplefsdp] removed {path}, left by a save that did not finish",
+                  flush=True)
+
+
+def checkpoint_space(params: list[torch.nn.Parameter], folder: Path, rank: int) -> str | None:
+    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
+    local = sharded_param_bytes(params) + optimizer_state_bytes(OPTIMIZER, params)
+    total = torch.tensor(float(local), dtype=torch.float64)
+    dist.all_reduce(total)
+    return too_little_space(folder, float(total)) if rank == 0 else None

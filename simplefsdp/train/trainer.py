@@ -4,8 +4,10 @@ Entry points: ``python -m simplefsdp.train --config configs/debug.toml [--sectio
 (see ``__main__.py``), or ``main(argv)`` / ``train(cfg)`` from Python; both return a
 ``TrainResult``. If a process group already exists (tests) it is used and left alone.
 
-One optimizer step (token-normalized loss, clipping, the non-finite guard) lives in
-``step.py``; this module builds what a run needs (``setup``) and runs the loop.
+One optimizer step (token-normalized loss, clipping, the non-finite guard) and the
+optimizer with its LR schedule live in ``step.py``; what the run prints (its first and
+last lines, the compile notes, torch's warning filter) in ``console.py``; this module
+builds what a run needs (``setup``) and runs the loop.
 
 Before step 1 the run checks what would fail late (``preflight.py``: packages, writable
 folders, free space, no overwritten metrics; the dataset's size). A step whose loss or
@@ -21,10 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
-import operator
 import os
-import re
 import sys
 import time
 import warnings
@@ -39,7 +38,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
-from simplefsdp.compiler.cost.state import optimizer_state_bytes, sharded_param_bytes
 from simplefsdp.state_dict import unwrapped_name
 
 from ..hf import hooks as hf_hooks
@@ -52,16 +50,24 @@ from .checkpoint import (
     checkpoint_step,
     config_fingerprint,
     export_safetensors,
-    remove_partial,
     resume_point,
 )
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
+from .console import (
+    CompileReports,
+    compile_start_note,
+    compile_summary,
+    done_line,
+    preempted,
+    quiet_our_checkpoint_warning,
+    start_line,
+)
 from .data import TextDataset, Tokenizer
-from .guard import Preempted, StopOnSignal
+from .guard import StopOnSignal
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
-from .step import OPTIMIZER, token_loss_sum, train_step
+from .step import build_optimizer, token_loss_sum, train_step
 
 
 @dataclass
@@ -100,89 +106,6 @@ def init_distributed(device_type: str) -> bool:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     return True
-
-
-# ---------------------------------------------------------------------------------------
-# torch's warning about our own checkpointed regions.
-# ---------------------------------------------------------------------------------------
-# torch logs this once per process when it compiles a torch.utils.checkpoint region that
-# has a context_fn, asking the user to make sure the region holds no in-place op. Ours do
-# not: the data-parallel gather (recomputed in backward, even with ac = none) and our
-# selective AC policy on blocks without in-place ops. Left alone, every compiled run and
-# the planner print it on every rank, and the user can do nothing about it.
-_CONTEXT_FN_WARNING = re.compile(
-    r"\s*Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile")
-_CONTEXT_FN_LOGGER = "torch._higher_order_ops.wrap"  # where torch logs it
-_IN_PLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                       operator.irshift, operator.imatmul}
-
-
-def _our_context_fns() -> tuple:
-    """The checkpoint context functions this library passes (looked up when needed)."""
-    import importlib
-
-    # the module by name: ``simplefsdp.data_parallel`` the attribute is the function
-    gather = importlib.import_module("simplefsdp.data_parallel")
-    from . import parallelize as ours
-
-    return tuple(fn for fn in (getattr(gather, "_gather_policy_contexts", None),
-                               getattr(ours, "_selective_context", None)) if fn is not None)
-
-
-def _has_in_place_op(region: nn.Module) -> bool:
-    """Whether a checkpointed region's graph (as Dynamo captured it) writes in place:
-    ``x.relu_()``, ``torch.relu_``, ``x += y``, ``x[i] = y``, an ``out=`` argument."""
-    for module in region.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if graph is not None else ():
-            if node.op not in ("call_function", "call_method"):
-                continue
-            name = node.target if isinstance(node.target, str) else \
-                getattr(node.target, "__name__", "")
-            if node.target in _IN_PLACE_FUNCTIONS or "out" in node.kwargs or \
-                    (name.endswith("_") and not name.endswith("__")) or \
-                    name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
-                return True
-    return False
-
-
-class _OurCheckpointRegions(logging.Filter):
-    """Drops torch's context_fn warning where the region is ours and holds no in-place
-    op; any other region's warning passes, as does everything else on that logger.
-
-    It reads the region from the frame of torch's ``tag_activation_checkpoint_impl``
-    (torch 2.13), which logs the warning; where that frame is not found (another torch),
-    the warning passes. torch logs it once per process: after ours is dropped, a later
-    region of someone else's in the same process is not warned about (in the trainer and
-    the planner every region is ours)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not _CONTEXT_FN_WARNING.match(record.getMessage()):
-            return True
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code.co_name == "tag_activation_checkpoint_impl" and \
-                    frame.f_globals.get("__name__") == _CONTEXT_FN_LOGGER:
-                fn, region = frame.f_locals.get("context_fn"), frame.f_locals.get("gmod")
-                ours = any(fn is mine for mine in _our_context_fns())
-                return not (ours and isinstance(region, nn.Module) and
-                            not _has_in_place_op(region))
-            frame = frame.f_back
-        return True
-
-
-def quiet_our_checkpoint_warning() -> logging.Filter:
-    """Install (once per process) the filter of torch's warning about our checkpointed
-    regions; the trainer, the planner and the benchmark call it before compiling."""
-    logger = logging.getLogger(_CONTEXT_FN_LOGGER)
-    for existing in logger.filters:
-        if isinstance(existing, _OurCheckpointRegions):
-            return existing
-    quiet = _OurCheckpointRegions()
-    logger.addFilter(quiet)
-    return quiet
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,35 +148,6 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
         if device.type == "cpu":
             _copy_full_init(model, cfg)
     return runnable, model
-
-
-# ---------------------------------------------------------------------------------------
-# Optimizer, schedule, clipping.
-# ---------------------------------------------------------------------------------------
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
-    ``min_ratio`` at ``total``."""
-    import math
-
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: nn.Module, cfg: JobConfig):
-    import functools
-
-    t = cfg.training
-    params = [p for p in model.parameters() if p.requires_grad]
-    # foreach kernels need every DTensor of one call on one mesh; with TP the params
-    # live on two meshes (DP-only and DP x TP), so fall back to the per-tensor loop.
-    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
-    optimizer = OPTIMIZER(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=t.weight_decay, foreach=len(meshes) <= 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(lr_lambda, warmup=t.warmup_steps, total=t.steps))
-    return optimizer, scheduler
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,7 +231,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
-    _check_before_build(cfg, ckpt_folder, rank)
+    preflight.before_build(cfg, ckpt_folder, rank)
     if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
         raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
@@ -352,7 +246,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     ckpt = None
     start_step = 0
     if cfg.checkpoint.enable:
-        space = _space_problem(params, ckpt_folder, rank)
+        space = preflight.checkpoint_space(params, ckpt_folder, rank)
         preflight.agree([space] if space else [])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest,
@@ -375,15 +269,11 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                             or flops_per_token(args, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard)
+    s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
+              scheduler, schedule, ckpt, metrics, start_step, n_params)
     if rank == 0:
-        print(f"[simplefsdp] {n_params / 1e6:.2f}M params, world {world}: pp={p.pp} "
-              f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} "
-              f"({p.dp_mode}), ac={cfg.activation_checkpoint.mode}, "
-              f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
-              f"steps {start_step}->{t.steps}; peak {metrics.peak / 1e9:.1f} GFLOP/s "
-              f"({metrics.peak_source})", flush=True)
-    return Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
-                  scheduler, schedule, ckpt, metrics, start_step, n_params)
+        print(start_line(s, world, tokens_per_step), flush=True)
+    return s
 
 
 def _fingerprint(cfg: JobConfig) -> str:
@@ -416,33 +306,6 @@ def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
     return loader, tokenizer
 
 
-def _check_before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
-    """Packages, writable folders, no overwritten metrics; leftover ``.tmp`` saves go."""
-    problems = preflight.missing_packages(cfg)
-    if rank == 0:
-        problems += [p for p in (
-            preflight.unwritable(Path(cfg.metrics.output_dir), "metrics.output_dir",
-                                 ".write-probe"),
-            preflight.overwrites_metrics(cfg)) if p]
-    if cfg.checkpoint.enable:  # every rank writes its own shards there
-        problem = preflight.unwritable(ckpt_folder, "checkpoint.folder",
-                                       f".write-probe-rank{rank}")
-        problems += [problem] if problem else []
-    preflight.agree(problems)
-    if cfg.checkpoint.enable and rank == 0:
-        for path in remove_partial(ckpt_folder):
-            print(f"[simplefsdp] removed {path}, left by a save that did not finish",
-                  flush=True)
-
-
-def _space_problem(params: list[nn.Parameter], folder: Path, rank: int) -> str | None:
-    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
-    local = sharded_param_bytes(params) + optimizer_state_bytes(OPTIMIZER, params)
-    total = torch.tensor(float(local), dtype=torch.float64)
-    dist.all_reduce(total)
-    return preflight.too_little_space(folder, float(total)) if rank == 0 else None
-
-
 def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
            tokenizer: Tokenizer | None) -> TrainResult:
     started = time.perf_counter()
@@ -457,12 +320,9 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last flush
     window_start, window_steps = time.perf_counter(), 0
     saved: Path | None = None  # the newest checkpoint written
-    compiling = _CompileReports() if cfg.compile.enable else None
+    compiling = CompileReports() if cfg.compile.enable else None
     if compiling is not None and rank0:
-        print(f"[simplefsdp] step {s.start_step + 1} compiles the model (torch.compile, "
-              f"{cfg.compile.backend}, bucketing {cfg.compile.bucketing}): expect it to "
-              f"take a while (a minute or more on CPU); later steps reuse the compiled "
-              f"graphs", flush=True)
+        print(compile_start_note(cfg, s.start_step + 1), flush=True)
     metrics.start_progress()
 
     with StopOnSignal() as signal_:
@@ -472,17 +332,18 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]
                 step_started = time.perf_counter()
+                lr = s.scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 if compiling is not None:
                     with compiling:
                         contribution, grad_norm, stop = train_step(s, step, batches,
                                                                    signal_.requested)
-                    metrics.note(_compile_summary(compiling.reports, cfg,
+                    metrics.note(compile_summary(compiling.reports, cfg,
                                                   time.perf_counter() - step_started, step))
                     compiling = None
                 else:
                     contribution, grad_norm, stop = train_step(s, step, batches,
                                                                signal_.requested)
-                pending.append((contribution, grad_norm, s.scheduler.get_last_lr()[0]))
+                pending.append((contribution, grad_norm, lr))
                 window_steps += 1
                 metrics.advance()
 
@@ -506,7 +367,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 if ckpt is not None and (ckpt.due(step) or is_last):
                     saved = ckpt.save(step)
                 if stop:
-                    raise _preempted(s, step, signal_.signum)
+                    raise preempted(s, step, signal_.signum)
         finally:
             metrics.close()
 
@@ -525,102 +386,8 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
             outputs.append(saved)
         if exported is not None:
             outputs.append(exported)
-        print(_done_line(s.start_step, t.steps, result, outputs), flush=True)
+        print(done_line(s.start_step, t.steps, result, outputs), flush=True)
     return result
-
-
-def _done_line(start_step: int, steps: int, result: TrainResult, outputs: list) -> str:
-    """The end-of-run lines: the loss as ``metrics.csv``'s last row and the progress bar
-    show it (the mean over the last logging window), the last step's own loss, where
-    every output went."""
-    rows = result.metrics.get("rows") or []
-    last = rows[-1] if rows and int(rows[-1]["step"]) == steps else None
-    tps = f"{last['tokens_per_s']:.0f} tokens/s" if last else "no metrics row"
-    if last is not None:
-        first = int(rows[-2]["step"]) + 1 if len(rows) > 1 else start_step + 1
-        first = max(first, start_step + 1)
-        span = f"step {steps}" if first == steps else f"steps {first}-{steps}"
-        loss = (f"loss {last['loss']:.4f} (mean of {span}, as in metrics.csv and the "
-                f"progress bar; step {steps} alone: {result.losses[-1]:.4f})")
-    else:
-        loss = f"loss {result.losses[-1]:.4f} (step {steps})"
-    where = ", ".join(str(p) for p in outputs)
-    return (f"[simplefsdp] done: steps {start_step}->{steps} in {result.wall_time_s:.1f} s, "
-            f"{loss}, {tps}\n[simplefsdp] outputs: {where}")
-
-
-class _CompileReports(logging.Handler):
-    """The reports our compile backend logs for each graph it compiles (one object per
-    graph, at INFO on the ``simplefsdp.compiler`` logger; see ``compiler/backend.py``),
-    collected while the first step compiles. Where that logger is not already shown at
-    INFO, the records go to this handler alone: nobody sees them twice."""
-
-    LOGGER = "simplefsdp.compiler"
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.reports: list[Any] = []
-        self._saved: tuple[int, bool] | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        args = record.args if isinstance(record.args, tuple) else ()
-        for arg in args:
-            if hasattr(arg, "graph") and hasattr(arg, "buckets"):
-                self.reports.append(arg)
-
-    def __enter__(self) -> _CompileReports:
-        logger = logging.getLogger(self.LOGGER)
-        self._saved = (logger.level, logger.propagate)
-        if not logger.isEnabledFor(logging.INFO):
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger(self.LOGGER)
-        logger.removeHandler(self)
-        logger.setLevel(self._saved[0])
-        logger.propagate = self._saved[1]
-
-
-def _compile_summary(reports: list, cfg: JobConfig, seconds: float, step: int) -> str:
-    """One line on what the first step's compile did: per graph, its collectives and
-    buckets; for planned bucketing (auto, greedy) the predicted exposed communication and
-    whether the plan came from the plan cache."""
-    head = f"[simplefsdp] step {step} compiled and ran in {seconds:.1f} s"
-    planned = cfg.compile.bucketing in ("auto", "greedy")
-    if not reports:
-        warm = "; its plans came from the plan cache" if planned else ""
-        return (f"{head}; our passes did not run: Inductor's cache held these graphs (a "
-                f"warm compile{warm})")
-    parts = []
-    for r in reports:
-        before = sum(getattr(r, "collectives_before", {}).values())
-        n = len(r.buckets)
-        part = f"{r.graph} {before} collectives -> {n} bucket{'' if n == 1 else 's'}"
-        exposed = getattr(r, "estimated_exposed_s", None)
-        if exposed is not None:
-            part += f", predicted exposed communication {exposed * 1e3:.2f} ms"
-        if planned:
-            cached = any("plan cache" in note for note in getattr(r, "notes", ()))
-            part += (", plan from the plan cache (hit)" if cached else
-                     ", plan decided now and cached for the next run (miss)")
-        parts.append(part)
-    return (f"{head} (bucketing {cfg.compile.bucketing}): " + "; ".join(parts) +
-            " (details: the simplefsdp.compiler logger at INFO)")
-
-
-def _preempted(s: Setup, step: int, signum: int | None) -> Preempted:
-    """The error a signalled run stops with: where it saved, how to continue."""
-    import signal
-
-    name = signal.Signals(signum).name if signum else "a signal on another rank"
-    where = (f"saved checkpoint step-{step} in {s.ckpt.folder}; repeat the command with "
-             f"--resume to continue" if s.ckpt is not None else
-             "checkpoints are off (checkpoint.enable = false), so nothing was saved")
-    return Preempted(f"stopped by {name} after step {step}: {where}",
-                     signum or signal.SIGTERM)
 
 
 def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
