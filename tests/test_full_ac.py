@@ -123,11 +123,11 @@ def test_compiled_full_ac_is_bitwise_eager_and_saves_least():
         assert full.count < saved["selective:manual"].count < saved["none:manual"].count
         assert {"embedding", "add_5"} <= set(full.names), full  # the block inputs
         assert not any(n.startswith("mm") for n in full.names), full  # no matmul output
-    # Resharding holds: the full-AC backward gathers the parameters again, and manual
-    # bucketing merges those gathers per block.
-    for name in ("full:manual", "full:auto", "selective:manual"):
-        assert results[name]["backward_gathers"] > 0, (name, results[name])
-    assert results["none:manual"]["backward_gathers"] == 0
+    # Resharding holds: the full-AC backward gathers the parameters again (as without AC:
+    # the parametrization's own recompute), and manual bucketing merges those gathers.
+    gathers = {name: results[name]["backward_gathers"] for name in saved}
+    print("backward all-gathers before bucketing:", gathers)
+    assert gathers["full:manual"] == gathers["full:auto"] == gathers["none:manual"] > 0, gathers
     assert 0 < results["full:manual"]["backward_buckets"] < \
         results["full:manual"]["backward_gathers"]
 
