@@ -136,10 +136,14 @@ def group_name(start: fx.Node) -> str:
 
 
 def is_data_parallel(node: fx.Node) -> bool:
-    """A collective start on one of the groups ``data_parallel`` shards over, as the
-    parametrization that issued it recorded them in its metadata."""
+    """A collective start that ``data_parallel``'s parametrization issued: its gather (and
+    under compile its gradient's reductions) carries ``DP_GROUPS_META`` in the node's
+    metadata, and that region issues data-parallel collectives only. The annotation's
+    group names are not compared with the node's: torch caches sub-meshes by layout, so
+    a second mesh over the same ranks may gather on the first one's groups (same ranks,
+    another name)."""
     return node.op == "call_function" and node.target in KINDS and \
-        group_name(node) in node.meta.get("custom", {}).get(DP_GROUPS_META, ())
+        DP_GROUPS_META in node.meta.get("custom", {})
 
 
 def other_collectives(graph: fx.Graph) -> int:
