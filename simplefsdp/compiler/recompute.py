@@ -180,6 +180,11 @@ def inductor_partitioner(base: type, blocks: Sequence[str] | None = None) -> Any
 
 @functools.cache
 def _partitioner_class(base: type) -> type:
+    """Defined on first use (its base lives in Inductor, which ``import simplefsdp`` does
+    not load) and then bound as this module's ``InductorPartitioner``, so Inductor's FX
+    graph cache can pickle an instance by reference (a local class cannot be pickled, and
+    the cache is then bypassed for every graph)."""
+
     class Partitioner(base):
         """Inductor calls it with the joint graph after its joint-graph passes."""
 
@@ -195,6 +200,8 @@ def _partitioner_class(base: type) -> type:
             source = Path(__file__).read_bytes() + repr(self.blocks).encode()
             return hashlib.sha256(source).hexdigest()
 
+    Partitioner.__name__ = Partitioner.__qualname__ = "InductorPartitioner"
+    globals()["InductorPartitioner"] = Partitioner
     return Partitioner
 
 
