@@ -21,11 +21,7 @@ the forward's outputs and, in the same permutation, in the backward's inputs. Wh
 layout is already right (no AC, selective AC, CUDA, a fixed torch) it changes nothing.
 :func:`inductor_partitioner` wraps it for Inductor's ``custom_partitioner_fn``.
 
-Full recomputation itself comes either from the checkpoint wrapper (the same code path
-as eager) or, with ``partition(..., blocks=[...])``, from :func:`tag_full_recompute`: a
-joint-graph pass that tags every forward op of each block for recomputation, one region
-per block, with no ``torch.utils.checkpoint`` in the model at all. Both give the same
-partition (the same saved values, bitwise-equal results) on the debug Llama.
+Full recomputation itself comes from the checkpoint wrapper, the same code path as eager.
 
 :func:`saved_summary` counts what a partitioned forward saves for backward (tests,
 memory checks).
@@ -36,16 +32,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import CheckpointPolicy
-
-from .collectives import module_fqn
 
 log = logging.getLogger("simplefsdp.compiler")
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
@@ -114,54 +106,13 @@ def order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
     return fix
 
 
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes of a joint graph that depend on a tangent (the backward's)."""
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
-                any(a in found for a in node.all_input_nodes):
-            found.add(node)
-    return found
-
-
-def tag_full_recompute(graph: fx.Graph, blocks: Sequence[str]) -> dict[str, int]:
-    """Mark every forward op traced inside one of ``blocks`` (module FQNs, e.g.
-    ``["layers.0", "layers.1"]``) for recomputation, one checkpoint region per block:
-    the graph-level equivalent of wrapping each block in full activation checkpointing.
-
-    Ops already tagged (the parametrization's gather regions: all-gathers recomputed)
-    keep their tags. Region ids follow block order and lie above every id already in the
-    graph, so the min-cut partitioner saves each block's input (the last op of the
-    region before it, or an untagged op) and recomputes the rest. Returns the number of
-    ops tagged per block."""
-    used = [n.meta["ac_graph_id"] for n in graph.nodes if "ac_graph_id" in n.meta]
-    base = max(used, default=0) + 1
-    prefixes = [(b, f"{b}.") for b in blocks]
-    backward = _backward_nodes(graph)
-    counts = dict.fromkeys(blocks, 0)
-    for node in graph.nodes:
-        if node.op != "call_function" or node in backward or "recompute" in node.meta:
-            continue
-        fqn = module_fqn(node)
-        for index, (block, prefix) in enumerate(prefixes):
-            if fqn == block or fqn.startswith(prefix):
-                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-                node.meta["ac_graph_id"] = base + index
-                counts[block] += 1
-                break
-    return counts
-
-
 def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
-              compiler: str = "inductor", blocks: Sequence[str] | None = None, **kwargs: Any
+              compiler: str = "inductor", **kwargs: Any
               ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """AOTAutograd's min-cut partitioner (it honours the checkpoint recompute tags), with
-    the saved values put back in the runtime's layout (:func:`order_saved_values`).
-    ``blocks``: recompute these modules fully (:func:`tag_full_recompute`) first."""
+    the saved values put back in the runtime's layout (:func:`order_saved_values`)."""
     from functorch.compile import min_cut_rematerialization_partition
 
-    if blocks:
-        tag_full_recompute(joint_module.graph, blocks)
     fw, bw = min_cut_rematerialization_partition(
         joint_module, joint_inputs, compiler, num_fwd_outputs=num_fwd_outputs, **kwargs)
     fix = order_saved_values(fw, bw, num_fwd_outputs)
@@ -172,10 +123,10 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_output
     return fw, bw
 
 
-def inductor_partitioner(base: type, blocks: Sequence[str] | None = None) -> Any:
-    """An instance of Inductor's ``custom_partitioner_fn`` that runs :func:`partition`
-    (with ``blocks``); ``base`` is Inductor's ``CustomPartitionerFn`` (``_torch_compat``)."""
-    return _partitioner_class(base)(tuple(blocks or ()))
+def inductor_partitioner(base: type) -> Any:
+    """An instance of Inductor's ``custom_partitioner_fn`` that runs :func:`partition`;
+    ``base`` is Inductor's ``CustomPartitionerFn`` (``_torch_compat``)."""
+    return _partitioner_class(base)()
 
 
 @functools.cache
@@ -188,17 +139,12 @@ def _partitioner_class(base: type) -> type:
     class Partitioner(base):
         """Inductor calls it with the joint graph after its joint-graph passes."""
 
-        def __init__(self, blocks: tuple[str, ...]):
-            self.blocks = blocks
-
         def __call__(self, gm, joint_inputs, **kwargs):
             kwargs.pop("compiler", None)
-            return partition(gm, joint_inputs, compiler="inductor", blocks=self.blocks,
-                             **kwargs)
+            return partition(gm, joint_inputs, compiler="inductor", **kwargs)
 
         def uuid(self) -> str:
-            source = Path(__file__).read_bytes() + repr(self.blocks).encode()
-            return hashlib.sha256(source).hexdigest()
+            return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
     Partitioner.__name__ = Partitioner.__qualname__ = "InductorPartitioner"
     globals()["InductorPartitioner"] = Partitioner
