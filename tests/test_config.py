@@ -183,3 +183,63 @@ def test_pipeline_rules_have_one_owner():
             split_stage(Transformer(args), pp, 0)
         assert str(at_split.value) == str(at_load.value)
     assert [stage_layers(5, 2, s) for s in (0, 1)] == [[0, 1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("given,read", [
+    ("reshard_after_forward = \"auto\"\n", "auto"),
+    ("reshard_after_forward = true\n", True),
+    ("reshard_after_forward = false\n", False),
+])
+def test_reshard_after_forward_reads_auto_or_bool(tmp_path: Path, given: str, read):
+    path = _toml(tmp_path, "[parallel]\n" + given)
+    assert load_config(path, []).parallel.reshard_after_forward == read
+    assert JobConfig().parallel.reshard_after_forward == "auto"  # the default
+    flag = "auto" if read == "auto" else str(read).lower()
+    assert load_config(None, ["--parallel.reshard_after_forward", flag]) \
+        .parallel.reshard_after_forward == read
+
+
+@pytest.mark.parametrize("text,flag", [
+    ("reshard_after_forward = \"yes\"\n", "maybe"),
+    ("reshard_after_forward = 1\n", "1"),
+])
+def test_reshard_after_forward_rejects_other_values(tmp_path: Path, text: str, flag: str):
+    for load in (lambda: load_config(_toml(tmp_path, "[parallel]\n" + text), []),
+                 lambda: load_config(None, ["--parallel.reshard_after_forward", flag])):
+        with pytest.raises(ConfigError) as info:
+            load()
+        message = str(info.value)
+        assert "parallel.reshard_after_forward" in message
+        assert "a boolean (true/false) or one of 'auto'" in message
+
+
+def _reshard_by_config(rank: int, world: int, cases: list[list[str]]) -> list[set[bool]]:
+    """For each override list, the reshard_after_forward of every gathered parameter of
+    a model the trainer's apply_dp builds (the config's pp is only read, never built)."""
+    import simplefsdp as sf
+    from simplefsdp.models.llama import ModelArgs, Transformer
+    from simplefsdp.train.parallelize import apply_dp
+
+    mesh = sf.make_mesh(dp_shard=world)
+    found = []
+    for overrides in cases:
+        cfg = load_config(None, overrides)
+        model = apply_dp(Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32)),
+                         mesh, cfg)
+        found.append({g.reshard_after_forward for m in model.modules()
+                      for g in getattr(m, "_sf_compute", {}).values()})
+    return found
+
+
+def test_trainer_reshards_after_forward_by_the_guides_rule():
+    """auto: on without PP, off with PP (the DP-modes guide); explicit values honoured,
+    with PP too. Expected values written by hand from that rule."""
+    from rank_runner import run_ranks
+
+    pp2 = ["--parallel.pp", "2"]
+    cases = {(): True, tuple(pp2): False,
+             ("--parallel.reshard_after_forward", "true", *pp2): True,
+             ("--parallel.reshard_after_forward", "false"): False,
+             ("--parallel.reshard_after_forward", "auto", *pp2): False}
+    got = run_ranks(_reshard_by_config, 2, [list(c) for c in cases])[0]
+    assert got == [{want} for want in cases.values()]

@@ -86,7 +86,7 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
     return TraceKey(cfg.model.name, dataclasses.astuple(args), role, p.dp_mode, dp_replicate,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
-                    t.mixed_precision_reduce, p.reshard_after_forward and role == "full")
+                    t.mixed_precision_reduce, p.reshard)
 
 
 @functools.lru_cache(maxsize=256)

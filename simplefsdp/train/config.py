@@ -100,7 +100,10 @@ class ParallelConfig:
     pp: int = 1
     dp_mode: Literal["fully_shard", "hybrid_shard", "replicate"] = "fully_shard"
     pp_microbatches: int = 1
-    reshard_after_forward: bool = True
+    # Free gathered parameters after forward and gather again in backward. "auto": on
+    # without PP, off with PP (1F1B runs several forwards before a backward: resharding
+    # would gather the same parameters once per microbatch); true / false are honoured.
+    reshard_after_forward: bool | Literal["auto"] = "auto"
 
     def resolve(self, world_size: int) -> ParallelConfig:
         """A copy with ``dp_shard`` filled in; raises if ``pp * dp_replicate * dp_shard * tp``
@@ -111,6 +114,13 @@ class ParallelConfig:
                                prefix="parallel.")
             check_dp_mode(self.dp_mode, self.dp_replicate, sizes["dp_shard"], "parallel.")
         return dataclasses.replace(self, dp_shard=sizes["dp_shard"])
+
+    @property
+    def reshard(self) -> bool:
+        """``reshard_after_forward`` with "auto" resolved (the one owner of the rule)."""
+        if self.reshard_after_forward == "auto":
+            return self.pp == 1
+        return self.reshard_after_forward
 
     @property
     def dp_degree(self) -> int:

@@ -2,7 +2,8 @@
 
 A config is a dataclass whose fields are sections, each a dataclass whose field types
 are the schema: ``int``, ``float``, ``bool``, ``str``, a ``Literal`` of allowed strings,
-``list[X]`` (a TOML array; comma-separated on the command line) or ``X | None``. Every
+``list[X]`` (a TOML array; comma-separated on the command line), ``X | None`` or a union
+of those (``bool | Literal["auto"]``: the first alternative that reads the value). Every
 value is checked against its type and every error names the key, so a typo fails at
 start-up instead of hours into a run. The trainer (``train.config.JobConfig``) and the
 benchmark (``bench.config.BenchConfig``) are both read this way: one file format, one
@@ -56,18 +57,19 @@ def choices(values) -> str:
 # ---------------------------------------------------------------------------------------
 # Reading values: TOML values are checked, command-line strings are parsed.
 # ---------------------------------------------------------------------------------------
-def _optional_inner(tp: Any) -> Any | None:
-    """``X`` for ``X | None``; None for any other type."""
+def _union(tp: Any) -> tuple[list[Any], bool] | None:
+    """(the alternatives, whether None is allowed) of a union type; None for any other."""
     if get_origin(tp) in (types.UnionType, Union):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return inner[0]
+        args = get_args(tp)
+        return [a for a in args if a is not type(None)], type(None) in args
     return None
 
 
 def _type_name(tp: Any) -> str:
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return f"{_type_name(inner)} or none"
+    union = _union(tp)
+    if union is not None:
+        names = [_type_name(a) for a in union[0]] + (["none"] if union[1] else [])
+        return " or ".join(names)
     if get_origin(tp) is Literal:
         return f"one of {choices(get_args(tp))}"
     if get_origin(tp) is list:
@@ -76,11 +78,24 @@ def _type_name(tp: Any) -> str:
             str: "a string"}[tp]
 
 
+def _first_that_reads(read, value: Any, tp: Any, key: str) -> Any:
+    """``read(value, alternative, key)`` for the union ``tp``'s first alternative that
+    accepts ``value``; a ConfigError naming every alternative if none does."""
+    for alternative in _union(tp)[0]:
+        try:
+            return read(value, alternative, key)
+        except ConfigError:
+            continue
+    raise ConfigError(f"{key} = {value!r} is invalid: expected {_type_name(tp)}")
+
+
 def _check(value: Any, tp: Any, key: str) -> Any:
     """Check a TOML value against the field type ``tp``; ints are accepted as floats."""
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return None if value is None else _check(value, inner, key)
+    union = _union(tp)
+    if union is not None:
+        if value is None and union[1]:
+            return None
+        return _first_that_reads(_check, value, tp, key)
     if get_origin(tp) is list:
         if isinstance(value, list):
             return [_check(v, get_args(tp)[0], key) for v in value]
@@ -108,11 +123,11 @@ def _finite(value: float, key: str) -> float:
 
 def _parse(text: str | None, tp: Any, key: str) -> Any:
     """Parse a command-line string for a field of type ``tp`` (``None``: a bare flag)."""
-    inner = _optional_inner(tp)
-    if inner is not None:
-        if text is not None and text.lower() in ("none", "null"):
+    union = _union(tp)
+    if union is not None:
+        if union[1] and text is not None and text.lower() in ("none", "null"):
             return None
-        return _parse(text, inner, key)
+        return _first_that_reads(_parse, text, tp, key)
     if tp is bool:
         if text is None:
             return True

@@ -179,11 +179,8 @@ def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
     mp = simplefsdp.MixedPrecisionPolicy(
         param_dtype=_DTYPES[t.mixed_precision_param],
         reduce_dtype=_DTYPES[t.mixed_precision_reduce])
-    # Under PP each microbatch would gather the parameters again in backward; keeping
-    # them until backward is the usual trade (as torchtitan does).
-    reshard = p.reshard_after_forward and p.pp == 1
     return simplefsdp.data_parallel(model, mesh, mode=p.dp_mode, mp_policy=mp,
-                                    reshard_after_forward=reshard, reduce_op="sum",
+                                    reshard_after_forward=p.reshard, reduce_op="sum",
                                     mp_overrides=fp32_overrides(model, cfg))
 
 
