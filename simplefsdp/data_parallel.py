@@ -48,7 +48,7 @@ from . import eager_reshard
 from ._torch_compat import StridedShard, c10d_functional, root_mesh
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
-from .mesh import data_parallel_mesh
+from .mesh import ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
@@ -405,7 +405,7 @@ def data_parallel(
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch DeviceMesh (see simplefsdp.make_mesh), "
                         f"got {type(mesh).__name__}")
-    given, mesh = mesh, data_parallel_mesh(mesh, mode)
+    given, mesh = mesh, ParallelDims.data_parallel_mesh(mesh, mode)
     _check_mesh(mesh, mode)
     check_model(model, mesh)  # not wrapped already; the same parameters on every rank
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight

@@ -1,75 +1,222 @@
-"""Device meshes from parallelism sizes.
+"""Parallel degrees, their rules, the device mesh, and this rank's place in it.
 
-One mesh with named dims ``("pp", "dp_replicate", "dp_shard", "tp")``; dims of size 1
-are kept so that ``mesh["dp_shard"]`` always exists. ``data_parallel`` picks the
-data-parallel dims it needs from it.
+:class:`ParallelDims` is the one owner of these facts: the degrees ``pp, dp_replicate,
+dp_shard, cp, tp, ep``, ``dp_shard = -1`` filled in from the world size, every
+divisibility rule, the mesh (named dims ``("pp", "dp_replicate", "dp_shard", "tp")``;
+dims of size 1 are kept so that ``mesh["dp_shard"]`` always exists), the meshes derived
+from it and a rank's coordinates. The trainer, the planner and the benchmark ask it;
+nothing else multiplies degrees or computes a rank's coordinates.
+
+``cp`` (context parallelism) and ``ep`` (expert parallelism) have their slots and
+rules here, but only 1 is accepted until those parallelisms exist; they join the
+mesh's dims then.
+
+Errors are ValueErrors naming each size as the caller spells it (``prefix``:
+``"parallel."`` for the trainer's ``[parallel]`` section, empty for keyword arguments).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the built mesh, outermost first
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+# Degrees whose parallelism is not implemented yet: only 1 is accepted.
+NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
 
 
-def check_mesh_sizes(pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                     prefix: str = "") -> None:
-    """Raise a ValueError unless every size is a positive integer (``dp_shard`` may be -1,
-    the rest of the world size). Needs no world size, so a config can check it at load.
+@dataclass(frozen=True)
+class Coords:
+    """One rank's coordinates in the mesh, and what follows from them."""
 
-    ``prefix`` is how the caller's settings spell the sizes: ``"parallel."`` for the
-    trainer's ``[parallel]`` section, empty for keyword arguments."""
-    for name, size in (("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard),
-                       ("tp", tp)):
-        rest = name == "dp_shard" and size == -1
-        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and not rest):
-            extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
-            raise ValueError(f"{prefix}{name} = {size!r} is out of range: it must be a "
-                             f"positive integer{extra}")
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp_size: int
+    dp: int  # this rank's data-parallel index: which slice of the global batch it reads
+    dp_size: int  # data-parallel ranks: slices of the global batch
 
+    @property
+    def first(self) -> bool:
+        """On the first pipeline stage (it reads the inputs)."""
+        return self.pp == 0
 
-def mesh_sizes(world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1,
-               tp: int = 1, prefix: str = "") -> dict[str, int]:
-    """The checked sizes ``{"pp", "dp_replicate", "dp_shard", "tp"}`` of a mesh over
-    ``world_size`` ranks, ``dp_shard = -1`` filled in with the rest. A pure function: the
-    ValueError (named with ``prefix``, see ``check_mesh_sizes``) says what to change."""
-    check_mesh_sizes(pp, dp_replicate, dp_shard, tp, prefix)
-    rest = pp * dp_replicate * tp
-    if dp_shard == -1:
-        if world_size % rest:
-            raise ValueError(
-                f"world size {world_size} is not divisible by {prefix}pp * {prefix}dp_replicate"
-                f" * {prefix}tp = {pp} * {dp_replicate} * {tp} = {rest}; change those sizes "
-                f"or the number of processes")
-        dp_shard = world_size // rest
-    if rest * dp_shard != world_size:
-        raise ValueError(
-            f"{prefix}pp * {prefix}dp_replicate * {prefix}dp_shard * {prefix}tp = {pp} * "
-            f"{dp_replicate} * {dp_shard} * {tp} = {rest * dp_shard}, but the world size is "
-            f"{world_size}; set {prefix}dp_shard = -1 to use the rest, or change the sizes")
-    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    @property
+    def last(self) -> bool:
+        """On the last pipeline stage (it computes the loss)."""
+        return self.pp == self.pp_size - 1
+
+    @property
+    def counts_tokens(self) -> bool:
+        """The one rank of its data-parallel slice that counts the batch's tokens (TP
+        ranks and pipeline stages see the same tokens)."""
+        return self.first and self.tp == 0
+
+    @property
+    def counts_loss(self) -> bool:
+        """The one rank of its data-parallel slice whose loss is summed into the step's."""
+        return self.last and self.tp == 0
 
 
-def check_dp_mode(mode: str, dp_replicate: int, dp_shard: int, prefix: str = "") -> None:
-    """Raise a ValueError if data-parallel ``mode`` cannot run on these sizes:
-    ``fully_shard`` shards over ``dp_shard`` alone (``dp_replicate`` must be 1),
-    ``replicate`` replicates over ``dp_replicate`` alone (``dp_shard`` must be 1; not
-    checked while it is still -1), ``hybrid_shard`` uses both. ``prefix`` as in
-    ``check_mesh_sizes``; the mode is ``{prefix}dp_mode``, or ``mode`` without one."""
-    mode_key = f"{prefix}dp_mode" if prefix else "mode"
-    if mode == "fully_shard" and dp_replicate > 1:
-        raise ValueError(f"{mode_key}='fully_shard' shards over {prefix}dp_shard only, but "
-                         f"{prefix}dp_replicate = {dp_replicate}; use {mode_key}='hybrid_shard' "
-                         f"or set {prefix}dp_replicate = 1")
-    if mode == "replicate" and dp_shard > 1:
-        raise ValueError(f"{mode_key}='replicate' replicates over {prefix}dp_replicate only, "
-                         f"but {prefix}dp_shard = {dp_shard}; set {prefix}dp_shard = 1 and "
-                         f"{prefix}dp_replicate = {dp_replicate * dp_shard}, or use "
-                         f"{mode_key}='fully_shard' / 'hybrid_shard'")
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel degrees of a job; ``dp_shard = -1`` means the rest of the world size
+    (:meth:`resolve` fills it in). Construction checks each size's range."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    prefix: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        for name in DEGREES:
+            size = getattr(self, name)
+            rest = name == "dp_shard" and size == -1
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and not rest):
+                extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
+                raise ValueError(f"{self.prefix}{name} = {size!r} is out of range: it must be "
+                                 f"a positive integer{extra}")
+        if self.dp_shard != -1 and (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}dp_shard "
+                             f"* {self.prefix}cp = {self.dp_shard * self.cp} (the experts are "
+                             f"sharded over those ranks)")
+        for name, what in NOT_YET.items():
+            if getattr(self, name) > 1:
+                raise ValueError(f"{self.prefix}{name} = {getattr(self, name)} needs {what}, "
+                                 f"which is not implemented yet; set {self.prefix}{name} = 1")
+
+    @property
+    def resolved(self) -> bool:
+        return self.dp_shard != -1
+
+    def _names(self, *dims: str) -> str:
+        used = [d for d in dims if d != "cp" or self.cp > 1]  # cp named once it is used
+        return " * ".join(f"{self.prefix}{d}" for d in used), \
+            " * ".join(str(getattr(self, d)) for d in used)
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """A copy with ``dp_shard`` filled in from ``world_size``; a ValueError (saying
+        what to change) if the degrees cannot multiply to it."""
+        rest = self.pp * self.dp_replicate * self.cp * self.tp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % rest:
+                names, values = self._names("pp", "dp_replicate", "cp", "tp")
+                raise ValueError(f"world size {world_size} is not divisible by {names} = "
+                                 f"{values} = {rest}; change those sizes or the number of "
+                                 f"processes")
+            dp_shard = world_size // rest
+        if rest * dp_shard != world_size:
+            names, values = self._names("pp", "dp_replicate", "dp_shard", "cp", "tp")
+            raise ValueError(f"{names} = {values} = {rest * dp_shard}, but the world size is "
+                             f"{world_size}; set {self.prefix}dp_shard = -1 to use the rest, or "
+                             f"change the sizes")
+        return dataclasses.replace(self, dp_shard=dp_shard)
+
+    def check_mode(self, mode: str) -> None:
+        """Raise a ValueError if data-parallel ``mode`` cannot run on these degrees:
+        ``fully_shard`` shards over ``dp_shard`` alone (``dp_replicate`` must be 1),
+        ``replicate`` replicates over ``dp_replicate`` alone (``dp_shard`` must be 1; not
+        checked while it is still -1), ``hybrid_shard`` uses both. The mode is named
+        ``{prefix}dp_mode``, or ``mode`` without a prefix."""
+        p, key = self.prefix, f"{self.prefix}dp_mode" if self.prefix else "mode"
+        if mode == "fully_shard" and self.dp_replicate > 1:
+            raise ValueError(f"{key}='fully_shard' shards over {p}dp_shard only, but "
+                             f"{p}dp_replicate = {self.dp_replicate}; use {key}='hybrid_shard' "
+                             f"or set {p}dp_replicate = 1")
+        if mode == "replicate" and self.dp_shard > 1:
+            raise ValueError(f"{key}='replicate' replicates over {p}dp_replicate only, but "
+                             f"{p}dp_shard = {self.dp_shard}; set {p}dp_shard = 1 and "
+                             f"{p}dp_replicate = {self.dp_replicate * self.dp_shard}, or use "
+                             f"{key}='fully_shard' / 'hybrid_shard'")
+
+    # ----------------------------------------------------------------- derived degrees
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self._shard() * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (slices of the global batch): ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self._shard()
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """Ranks a parameter is sharded over: ``dp_shard * cp``."""
+        return self._shard() * self.cp
+
+    def _shard(self) -> int:
+        if not self.resolved:
+            raise ValueError("dp_shard = -1 is not resolved yet: call resolve(world_size)")
+        return self.dp_shard
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The built mesh's ``{dim: size}``, outermost dim first (see ``MESH_DIMS``)."""
+        return {d: getattr(self, d) if d != "dp_shard" else self._shard() for d in MESH_DIMS}
+
+    def stride(self, dim: str) -> int:
+        """How many ranks apart neighbours in ``dim``'s groups are: the mesh lays ranks
+        out row-major, so the product of the sizes of the dims inside ``dim``."""
+        sizes, stride = self.sizes, 1
+        for d in reversed(MESH_DIMS):
+            if d == dim:
+                return stride
+            stride *= sizes[d]
+        raise ValueError(f"{dim!r} is not a mesh dim; the mesh has {MESH_DIMS}")
+
+    def coords(self, rank: int) -> Coords:
+        """``rank``'s coordinates (ranks are laid out row-major over ``MESH_DIMS``)."""
+        sizes, at = self.sizes, {}
+        for d in reversed(MESH_DIMS):
+            rank, at[d] = divmod(rank, sizes[d])
+        return Coords(at["pp"], at["dp_replicate"], at["dp_shard"], at["tp"], self.pp,
+                      at["dp_replicate"] * sizes["dp_shard"] + at["dp_shard"], self.dp)
+
+    # ----------------------------------------------------------------- meshes
+    def build_mesh(self, device_type: str = "cpu", fake: bool = False) -> DeviceMesh:
+        """The mesh over all ranks, dims ``MESH_DIMS``. The process group must exist
+        (``torchrun`` + ``dist.init_process_group``), with ``world_size`` ranks.
+        ``fake``: a mesh over a fake process group's world (the planner's traces)."""
+        shape = tuple(self.sizes.values())
+        if fake:
+            ranks = torch.arange(self.world_size).view(shape)
+            return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+    @staticmethod
+    def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
+        """The sub-mesh ``mode`` runs on: ``dp_shard`` for fully_shard, ``dp_replicate`` for
+        replicate, both for hybrid_shard (the loader's and the loss's data-parallel
+        ranks). A mesh without our dim names is used as given."""
+        names = mesh.mesh_dim_names or ()
+        if not {"dp_replicate", "dp_shard"} <= set(names):
+            return mesh
+        dims = ParallelDims(dp_replicate=mesh["dp_replicate"].size(),
+                            dp_shard=mesh["dp_shard"].size())
+        dims.check_mode(mode)
+        if mode == "hybrid_shard":
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"] if mode == "fully_shard" else mesh["dp_replicate"]
+
+    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh parameters are sharded over: ``dp_shard`` (``dp_shard x cp`` once
+        context parallelism lands)."""
+        return mesh["dp_shard"]
+
+    def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The experts' mesh: None while ``ep = 1`` (no expert parallelism yet)."""
+        return None
 
 
 def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 1,
@@ -77,8 +224,8 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
     """Build the ``(pp, dp_replicate, dp_shard, tp)`` mesh over all ranks.
 
     ``dp_shard=-1`` takes whatever the other sizes leave of the world size (see
-    ``mesh_sizes``). The process group must already be initialized (``torchrun`` +
-    ``dist.init_process_group``).
+    ``ParallelDims.resolve``). The process group must already be initialized
+    (``torchrun`` + ``dist.init_process_group``).
     """
     if not dist.is_initialized():
         raise RuntimeError("make_mesh needs an initialized process group: call "
@@ -86,9 +233,8 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("make_mesh(device_type='cuda'), but CUDA is not available here "
                            "(no GPU, or a CPU-only torch build); use device_type='cpu'")
-    sizes = mesh_sizes(dist.get_world_size(), pp, dp_replicate, dp_shard, tp)
-    return init_device_mesh(device_type, tuple(sizes[d] for d in MESH_DIMS),
-                            mesh_dim_names=MESH_DIMS)
+    dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    return dims.resolve(dist.get_world_size()).build_mesh(device_type)
 
 
 def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
@@ -107,14 +253,3 @@ def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
             mine = group
     return mine
 
-
-def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
-    """The sub-mesh ``mode`` runs on: ``dp_shard`` for fully_shard, ``dp_replicate`` for
-    replicate, both for hybrid_shard. A mesh without our dim names is used as given."""
-    names = mesh.mesh_dim_names or ()
-    if not {"dp_replicate", "dp_shard"} <= set(names):
-        return mesh
-    check_dp_mode(mode, mesh["dp_replicate"].size(), mesh["dp_shard"].size())
-    if mode == "hybrid_shard":
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"] if mode == "fully_shard" else mesh["dp_replicate"]

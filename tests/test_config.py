@@ -146,28 +146,68 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path):
 
 
 def test_mesh_rules_have_one_owner():
-    """``simplefsdp.mesh`` owns the size and mode rules: the config's resolve gives the
-    same sizes, and the same errors in the config's key names."""
-    from simplefsdp.mesh import check_dp_mode, mesh_sizes
+    """``simplefsdp.mesh.ParallelDims`` owns the size and mode rules: the config's resolve
+    gives the same sizes, and the same errors in the config's key names."""
+    from simplefsdp.mesh import ParallelDims
 
-    assert mesh_sizes(8, pp=2, tp=2) == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert ParallelDims(pp=2, tp=2).resolve(8).sizes == {
+        "pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
     for world, flags in [(8, ["--parallel.tp", "2"]), (12, ["--parallel.pp", "2"]),
                          (4, ["--parallel.dp_replicate", "2", "--parallel.dp_mode",
                               "hybrid_shard"])]:
         par = load_config(None, flags).parallel
-        sizes = mesh_sizes(world, par.pp, par.dp_replicate, par.dp_shard, par.tp)
-        assert par.resolve(world).dp_shard == sizes["dp_shard"]
+        dims = ParallelDims(pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard,
+                            tp=par.tp).resolve(world)
+        assert par.resolve(world).dp_shard == dims.dp_shard
     with pytest.raises(ValueError, match=r"^world size 6 is not divisible by pp \* "):
-        mesh_sizes(6, pp=4)
+        ParallelDims(pp=4).resolve(6)
     with pytest.raises(ConfigError, match=r"^world size 6 is not divisible by parallel.pp"):
         load_config(None, ["--parallel.pp", "4"]).parallel.resolve(6)
     with pytest.raises(ValueError, match=r"^tp = 0 is out of range"):
-        mesh_sizes(4, tp=0)
+        ParallelDims(tp=0)
     with pytest.raises(ConfigError, match=r"^parallel.tp = 0 is out of range"):
         load_config(None, ["--parallel.tp", "0"])
     with pytest.raises(ValueError, match="use mode='hybrid_shard'"):
-        check_dp_mode("fully_shard", 2, 2)
-    check_dp_mode("replicate", 4, -1)  # dp_shard not resolved yet: checked at resolve
+        ParallelDims(dp_replicate=2, dp_shard=2).check_mode("fully_shard")
+    ParallelDims(dp_replicate=4).check_mode("replicate")  # dp_shard = -1: checked at resolve
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("cp", "2", "parallel.cp = 2 needs context parallelism, which is not implemented yet; "
+                "set parallel.cp = 1"),
+    ("ep", "2", "parallel.ep = 2 needs expert parallelism, which is not implemented yet; "
+                "set parallel.ep = 1"),
+    ("ep", "0", "parallel.ep = 0 is out of range: it must be a positive integer"),
+])
+def test_cp_and_ep_are_refused_at_load(flag, value, message):
+    """cp and ep have their slots, but a size above 1 is refused when the config is read
+    (before any process starts), naming the key and the fix."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"--parallel.{flag}", value])
+    assert str(info.value) == message
+
+
+def test_parallel_dims_arithmetic():
+    """Degrees, strides and coordinates, against a mesh laid out by hand: 16 ranks as
+    (pp 2, dp_replicate 2, dp_shard 2, tp 2), row-major (torch's init_device_mesh order:
+    ``arange(16).view(2, 2, 2, 2)``)."""
+    from simplefsdp.mesh import ParallelDims
+
+    dims = ParallelDims(pp=2, dp_replicate=2, tp=2).resolve(16)
+    assert (dims.dp_shard, dims.dp, dims.dp_shard_cp, dims.world_size) == (2, 4, 2, 16)
+    assert {d: dims.stride(d) for d in ("tp", "dp_shard", "dp_replicate", "pp")} == {
+        "tp": 1, "dp_shard": 2, "dp_replicate": 4, "pp": 8}
+    # rank 13 = 1*8 + 1*4 + 0*2 + 1: stage 1, replica 1, shard 0, tp 1
+    at = dims.coords(13)
+    assert (at.pp, at.dp_replicate, at.dp_shard, at.tp) == (1, 1, 0, 1)
+    assert (at.dp, at.dp_size, at.first, at.last) == (2, 4, False, True)
+    assert not at.counts_loss and dims.coords(12).counts_loss  # tp 0 of the last stage
+    assert dims.coords(2).counts_tokens and not dims.coords(10).counts_tokens
+    # every data-parallel index once per (pp, tp) pair: the loader's slices cover the batch
+    assert sorted(dims.coords(r).dp for r in range(16)) == sorted(list(range(4)) * 4)
+    # ep divides dp_shard * cp (checked before the not-implemented refusal)
+    with pytest.raises(ValueError, match=r"^ep = 3 must divide dp_shard \* cp = 4"):
+        ParallelDims(dp_shard=4, ep=3)
 
 
 def test_pipeline_rules_have_one_owner():

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 def measure(cfg, gpus: int, steps: int = 3) -> dict:
     """Peak memory and median step time of rank 0's shard on ``cuda:0``."""
-    import simplefsdp
     from simplefsdp.train.step import build_optimizer, token_loss_sum
     from simplefsdp.train.trainer import build_model
 
@@ -33,8 +32,7 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
     p = cfg.parallel.resolve(gpus)
     cfg = dataclasses.replace(cfg, parallel=p)
-    mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, dp_replicate=p.dp_replicate, tp=p.tp,
-                                pp=p.pp, device_type="cuda")
+    mesh = p.dims().build_mesh("cuda")
     runnable, model = build_model(cfg, mesh, torch.device("cuda", 0))
     optimizer, _ = build_optimizer(model, cfg)
     t = cfg.training

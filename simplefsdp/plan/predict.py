@@ -125,14 +125,13 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     t, args = cfg.training, cfg.model.model_args()
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro
-    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
-    fabric = timing.MeshLinks(dev, sizes, gpus_per_node)
+    fabric = timing.MeshLinks(dev, p.dims(), gpus_per_node)
     logits_elem = memory.activation_elem_bytes(t)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.stage_params(args, role, f["layers"], p.tp) / max(p.dp_shard, 1)
+        params = memory.stage_params(args, role, f["layers"], p.tp) / p.dims().dp_shard_cp
         states = memory.states_bytes(params)
         step = f["seconds"]
         if role in ("full", "last"):

@@ -69,7 +69,8 @@ def _lower_bound(c: JobConfig) -> float:
     bound = 0.0
     for role in roles:
         layers = len(stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
-        need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp) / p.dp_shard)
+        need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp)
+                                    / p.dims().dp_shard_cp)
         if role != "first":
             need += memory.loss_peaks(mb * t.seq_len, args.vocab_size, elem)[0]
         bound = max(bound, need)
@@ -88,8 +89,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     mb = t.batch_size // micro
     elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
-    fabric = timing.MeshLinks(dev, {"pp": p.pp, "dp_replicate": p.dp_replicate,
-                                 "dp_shard": p.dp_shard, "tp": p.tp}, p.tp)
+    fabric = timing.MeshLinks(dev, p.dims(), p.tp)
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:
         n = args.n_layers if role == "full" else len(stage_layers(
@@ -103,7 +103,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
                 + timing.head_floor_seconds(args, mb * t.seq_len, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.stage_params(args, role, n, p.tp) / p.dp_shard
+        params = memory.stage_params(args, role, n, p.tp) / p.dims().dp_shard_cp
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
     return t.batch_size * t.seq_len * t.grad_accum_steps * p.dp_degree / seconds / gpus

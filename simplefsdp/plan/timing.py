@@ -29,6 +29,7 @@ from ..compiler.cost.memory import value_bytes
 from ..compiler.cost.state import optimizer_traffic_bytes_per_param
 from ..compiler.simulate import simulate_graph
 from ..hardware import KNOWN_FABRICS, GpuProfile
+from ..mesh import ParallelDims
 from ..models.llama import ATTENTION_BACKWARD_FLOPS, attention_flops, block_matmul_params
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
@@ -40,19 +41,15 @@ class MeshLinks:
     """Where each mesh dim's process group runs: NVLink inside a node, InfiniBand across
     (the device profile's two ``hardware.Fabric``), and a collective's time over it.
 
-    The mesh is ``(pp, dp_replicate, dp_shard, tp)`` over consecutive ranks, so a dim's
-    group strides by the product of the sizes to its right."""
+    A dim's group spans ``dims.stride(dim) * size`` consecutive ranks (the mesh's
+    layout is ``ParallelDims``'): inside a node if that fits in ``gpus_per_node``."""
 
-    def __init__(self, dev: GpuProfile, sizes: dict[str, int], gpus_per_node: int):
-        self.dev, self.sizes, self.gpn = dev, sizes, gpus_per_node
+    def __init__(self, dev: GpuProfile, dims: ParallelDims, gpus_per_node: int):
+        self.dev, self.dims, self.gpn = dev, dims, gpus_per_node
+        self.sizes = dims.sizes
 
     def link(self, dim: str) -> str:
-        stride = 1
-        for d in ("tp", "dp_shard", "dp_replicate", "pp"):
-            if d == dim:
-                break
-            stride *= self.sizes[d]
-        return "nvlink" if stride * self.sizes[dim] <= self.gpn else "ib"
+        return "nvlink" if self.dims.stride(dim) * self.sizes[dim] <= self.gpn else "ib"
 
     def seconds(self, kind: str, dim: str, nbytes: float) -> float:
         """One collective over mesh dim ``dim``; ``nbytes`` is the full tensor."""

@@ -128,12 +128,10 @@ def _job(key: TraceKey) -> JobConfig:
 
 @functools.cache
 def _mesh(dp_replicate: int, dp_shard: int, tp: int):
-    from torch.distributed.device_mesh import DeviceMesh
+    from ..mesh import ParallelDims
 
-    from ..mesh import MESH_DIMS
-
-    ranks = torch.arange(dp_replicate * dp_shard * tp).view(1, dp_replicate, dp_shard, tp)
-    return DeviceMesh("cpu", ranks, mesh_dim_names=MESH_DIMS)
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp).build_mesh(
+        "cpu", fake=True)
 
 
 def build_model(key: TraceKey):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from ..mesh import check_dp_mode, check_mesh_sizes, mesh_sizes
+from ..mesh import ParallelDims
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 from .config_reader import ConfigError, choices, config_errors, read_config, require, split_argv
 from .config_reader import config_help as help_text
@@ -92,12 +92,15 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    """Mesh sizes; their product must equal the world size (``dp_shard = -1``: the rest)."""
+    """Mesh sizes; their product must equal the world size (``dp_shard = -1``: the rest).
+    The rules are ``simplefsdp.mesh.ParallelDims``'s (:meth:`dims`)."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    ep: int = 1
     dp_mode: Literal["fully_shard", "hybrid_shard", "replicate"] = "fully_shard"
     pp_microbatches: int = 1
     # Free gathered parameters after forward and gather again in backward. "auto": on
@@ -105,15 +108,22 @@ class ParallelConfig:
     # would gather the same parameters once per microbatch); true / false are honoured.
     reshard_after_forward: bool | Literal["auto"] = "auto"
 
-    def resolve(self, world_size: int) -> ParallelConfig:
-        """A copy with ``dp_shard`` filled in; raises if ``pp * dp_replicate * dp_shard * tp``
-        cannot equal ``world_size`` or if ``dp_mode`` does not fit the sizes (the rules
-        are ``simplefsdp.mesh``'s, which ``make_mesh`` and ``data_parallel`` apply too)."""
+    def dims(self) -> ParallelDims:
+        """These sizes as ``ParallelDims`` (errors name the ``parallel.`` keys); raises a
+        ConfigError if a size is out of range or not supported yet."""
         with config_errors():
-            sizes = mesh_sizes(world_size, self.pp, self.dp_replicate, self.dp_shard, self.tp,
-                               prefix="parallel.")
-            check_dp_mode(self.dp_mode, self.dp_replicate, sizes["dp_shard"], "parallel.")
-        return dataclasses.replace(self, dp_shard=sizes["dp_shard"])
+            return ParallelDims(pp=self.pp, dp_replicate=self.dp_replicate,
+                                dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep,
+                                prefix="parallel.")
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """A copy with ``dp_shard`` filled in; raises if the sizes cannot multiply to
+        ``world_size`` or if ``dp_mode`` does not fit them."""
+        dims = self.dims()
+        with config_errors():
+            dims = dims.resolve(world_size)
+            dims.check_mode(self.dp_mode)
+        return dataclasses.replace(self, dp_shard=dims.dp_shard)
 
     @property
     def reshard(self) -> bool:
@@ -125,7 +135,7 @@ class ParallelConfig:
     @property
     def dp_degree(self) -> int:
         """Number of data-parallel ranks (after ``resolve``)."""
-        return self.dp_replicate * self.dp_shard
+        return self.dims().dp
 
 
 @dataclass
@@ -215,8 +225,7 @@ class JobConfig:
         if world_size is not None:
             p = p.resolve(world_size)  # the world first; then dp_mode on the sizes
         with config_errors():
-            check_mesh_sizes(p.pp, p.dp_replicate, p.dp_shard, p.tp, "parallel.")
-            check_dp_mode(p.dp_mode, p.dp_replicate, p.dp_shard, "parallel.")
+            p.dims().check_mode(p.dp_mode)
         if p.pp > 1 and t.batch_size % p.pp_microbatches:
             raise ConfigError(f"training.batch_size = {t.batch_size} must be divisible by "
                               f"parallel.pp_microbatches = {p.pp_microbatches}")

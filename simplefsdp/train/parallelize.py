@@ -35,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
-from simplefsdp._torch_compat import c10d_functional, checkpoint_wrapper, custom_partitioner_base
+from simplefsdp._torch_compat import checkpoint_wrapper, custom_partitioner_base
+from simplefsdp.compiler.collectives import CollectiveKind
 from simplefsdp.compiler.cost.state import optimizer_state_bytes
-from simplefsdp.mesh import stage_group
+from simplefsdp.mesh import ParallelDims, stage_group
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
@@ -120,14 +121,12 @@ def _saved_ops() -> set:
     """Ops whose outputs selective AC keeps (torchtitan's per-op list): attention, the TP
     reduce-scatters (not the FSDP all-gathers: those must be recomputed), ``max``; and
     matmuls, of which ``_selective_policy`` keeps every other one."""
-    aten, c10d = torch.ops.aten, c10d_functional
-    names = [(aten, "mm"), (aten, "max"),
-             (aten, "_scaled_dot_product_flash_attention"),
-             (aten, "_scaled_dot_product_flash_attention_for_cpu"),
-             (aten, "_scaled_dot_product_efficient_attention"),
-             (aten, "_scaled_dot_product_cudnn_attention"),
-             (c10d, "reduce_scatter_tensor")]
-    return {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
+    aten = torch.ops.aten
+    names = ["mm", "max", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
+    return ops | {CollectiveKind.REDUCE_SCATTER.op}
 
 
 def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func,
@@ -211,7 +210,7 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
         group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
     dp_mesh = None  # HSDP: plan each collective kind with its own group's figures
     if c.bucketing in ("auto", "greedy") and cfg.parallel.dp_replicate > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        dp_mesh = ParallelDims.data_parallel_mesh(mesh, "hybrid_shard")
     outside = 0
     if model is not None and c.memory_limit_gb is not None:
         outside = optimizer_state_bytes(OPTIMIZER, model.parameters())

@@ -105,7 +105,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
 def global_tokens(s: Setup, batches: list[Batch]) -> torch.Tensor:
     """Valid target tokens of the whole step, over every data-parallel rank (TP ranks
     and PP stages see the same tokens: only the first stage's TP rank 0 counts)."""
-    counts = s.at.first and s.at.tp == 0
+    counts = s.at.counts_tokens
     local = sum(int((tgt != IGNORE_INDEX).sum()) for _, tgt in batches)
     total = torch.tensor(float(local if counts else 0), device=s.device)
     dist.all_reduce(total)
@@ -161,6 +161,6 @@ def train_step(s: Setup, step: int, batches: list[Batch],
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
-    counts_loss = s.at.last and s.at.tp == 0  # one loss per data-parallel rank
+    counts_loss = s.at.counts_loss  # one loss per data-parallel rank
     contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
     return contribution, grad_norm.detach(), stop

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
+from simplefsdp.mesh import Coords
 from simplefsdp.state_dict import unwrapped_name
 
 from ..hf import hooks as hf_hooks
@@ -153,18 +154,6 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
 # ---------------------------------------------------------------------------------------
 # The loop.
 # ---------------------------------------------------------------------------------------
-class _Coords:
-    """This rank's place in the ``(pp, dp_replicate, dp_shard, tp)`` mesh."""
-
-    def __init__(self, mesh):
-        self.pp, self.tp = mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
-        self.pp_size = mesh["pp"].size()
-        rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
-        self.dp = rep.get_local_rank() * shard.size() + shard.get_local_rank()
-        self.dp_size = rep.size() * shard.size()
-        self.first, self.last = self.pp == 0, self.pp == self.pp_size - 1
-
-
 def _device(cfg: JobConfig) -> torch.device:
     if cfg.job.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -195,7 +184,7 @@ class Setup:
     cfg: JobConfig  # with parallel sizes resolved
     device: torch.device
     mesh: Any
-    at: _Coords
+    at: Coords  # this rank's coordinates (ParallelDims.coords)
     loader: Any
     tokenizer: Tokenizer
     runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
@@ -221,9 +210,9 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     p = cfg.parallel.resolve(world)
     cfg = dataclasses.replace(cfg, parallel=p)  # dp_shard filled in; the caller's untouched
     t = cfg.training
-    mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, dp_replicate=p.dp_replicate, tp=p.tp,
-                                pp=p.pp, device_type=device.type)
-    at = _Coords(mesh)
+    dims = p.dims()
+    mesh = dims.build_mesh(device.type)
+    at = dims.coords(rank)
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
     args = cfg.model.model_args()
@@ -284,7 +273,7 @@ def _fingerprint(cfg: JobConfig) -> str:
     return config_fingerprint(model_facts)
 
 
-def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: _Coords):
+def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: Coords):
     """This data-parallel rank's training batches and the tokenizer; refuses a corpus
     smaller than one global batch and a tokenizer that does not fit the model."""
     t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
@@ -390,7 +379,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     return result
 
 
-def _count_params(model: nn.Module, mesh, at: _Coords) -> int:
+def _count_params(model: nn.Module, mesh, at: Coords) -> int:
     """Parameters of the whole model (summed over pipeline stages)."""
     n = torch.tensor(float(num_params(model)))
     if at.pp_size > 1:
