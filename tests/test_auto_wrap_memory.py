@@ -130,6 +130,22 @@ def _limit_above_manual(rank, world):
     return manual_peak, limit_gb * 1e9, auto_peak, unlimited, reports, planned
 
 
+def _check_limit(results) -> None:
+    for manual_peak, limit, auto_peak, unlimited, reports, planned in results:
+        print(f"manual {manual_peak / 1e6:.3f} MB, limit {limit / 1e6:.3f} MB (planned "
+              f"{planned / 1e6:.3f}), auto "
+              f"{auto_peak / 1e6:.3f} MB; predicted " + ", ".join(
+                  f"{g} {p / 1e6:.3f}" for g, p, _ in reports))
+        assert auto_peak <= limit, (auto_peak, limit)
+        assert len(reports) == 2 and all(p <= lim == limit for _, p, lim in reports), reports
+        assert planned < limit  # Inductor's rescheduling margin (a target: where no plan
+        # predicts under it, the lowest-peaking plan tried is taken)
+        # the limit binds: some graph's plan is not the unlimited optimum, which has
+        # fewer buckets
+        assert any(chosen != free for chosen, free, _ in unlimited), unlimited
+        assert all(len(free) <= len(chosen) for chosen, free, _ in unlimited), unlimited
+
+
 def test_measured_peak_stays_under_a_limit_just_above_manual_bucketing():
     """Issue 13: 2 gloo ranks, Inductor. Measure manual bucketing's step peak, set
     ``memory_limit_gb`` 2% above it, compile auto wrapping under that limit: the
@@ -145,17 +161,59 @@ def test_measured_peak_stays_under_a_limit_just_above_manual_bucketing():
     predicted 26.76 MB under a 27.08 MB limit measured 27.17 MB (1.07 MB more live at
     its last all-gather than in the FX order), so under Inductor the graphs are planned
     ``INDUCTOR_SCHEDULE_MARGIN`` (5%) under their budget."""
-    results = run_ranks(_limit_above_manual, 2)
-    for manual_peak, limit, auto_peak, unlimited, reports, planned in results:
-        print(f"manual {manual_peak / 1e6:.3f} MB, limit {limit / 1e6:.3f} MB (planned "
-              f"{planned / 1e6:.3f}), auto "
-              f"{auto_peak / 1e6:.3f} MB; predicted " + ", ".join(
-                  f"{g} {p / 1e6:.3f}" for g, p, _ in reports))
-        assert auto_peak <= limit, (auto_peak, limit)
-        assert len(reports) == 2 and all(p <= lim == limit for _, p, lim in reports), reports
-        assert planned < limit  # Inductor's rescheduling margin (a target: where no plan
-        # predicts under it, the lowest-peaking plan tried is taken)
-        # the limit binds: some graph's plan is not the unlimited optimum, which has
-        # fewer buckets
-        assert any(chosen != free for chosen, free, _ in unlimited), unlimited
-        assert all(len(free) <= len(chosen) for chosen, free, _ in unlimited), unlimited
+    _check_limit(run_ranks(_limit_above_manual, 2))
+
+
+def _full_ac_plans(rank, world):
+    """The debug model under full AC, compiled (aot_eager) with auto wrapping twice:
+    without a limit, then under 90% of the larger graph peak the unlimited plans leave.
+    Per compile: each graph's matmul count and (buckets, applied peak) as planned."""
+    import simplefsdp
+    from simplefsdp.compiler import auto_wrap
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.step import token_loss_sum
+
+    cfg = load_config(None, ["--training.batch_size", "2", "--training.seq_len", "32",
+                             "--activation_checkpoint.mode", "full"])
+    mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
+    original, runs, limit_gb = auto_wrap.plan, [], None
+    for _ in range(2):
+        seen = []
+
+        def recording(graph, *args, seen=seen, **kwargs):
+            plan = original(graph, *args, **kwargs)
+            seen.append((sum(n.target == torch.ops.aten.mm.default for n in graph.nodes),
+                         plan.buckets, plan.peak_bytes))
+            return plan
+
+        torch._dynamo.reset()
+        auto_wrap.plan = recording
+        try:
+            runnable, _, _, _ = _build(cfg, mesh, lambda m, lim=limit_gb: simplefsdp.
+                                       compile_backend("aot_eager", bucketing="auto",
+                                                       memory_limit_gb=lim, plan_cache=False,
+                                                       comm_model=LATENCY_BOUND))
+            token_loss_sum(runnable(x), x).backward()
+        finally:
+            auto_wrap.plan = original
+        runs.append(seen)
+        limit_gb = 0.9 * max(peak for _, _, peak in seen) / 1e9
+    return runs
+
+
+def test_full_ac_limit_plans_the_recomputation():
+    """Issue 27: under full activation checkpointing the backward graph the auto wrapping
+    plans, and holds to ``memory_limit_gb``, is the one that recomputes each block. The
+    debug model's matmuls counted by hand: forward 4 blocks x 7 + the output = 29;
+    backward 2 per forward matmul (input and weight gradients) = 58, plus the recomputed
+    ones: per block the 6 whose outputs its backward reads (w2's output is only added to
+    the residual) and the last block's w2, whose sum the final norm's backward reads:
+    4 x 6 + 1 = 25, so 83. The liveness peak of the applied plan (``Plan.peak_bytes``)
+    is over that graph: under a limit of 90% of the unlimited
+    plans' larger peak, every graph's planned peak is under it and the plan changed."""
+    for free, limited in run_ranks(_full_ac_plans, 2):
+        assert [m for m, _, _ in free] == [m for m, _, _ in limited] == [29, 83], free
+        limit = 0.9 * max(peak for _, _, peak in free)
+        assert all(peak <= limit for _, _, peak in limited), (limited, limit)
+        assert [b for _, b, _ in free] != [b for _, b, _ in limited], limited
