@@ -200,7 +200,11 @@ def custom_graph_pass_base() -> type:
 def custom_partitioner_base() -> type | None:
     """Inductor's base class for ``config.custom_partitioner_fn`` (the joint graph's
     partitioner, run after Inductor's joint passes), or None where this torch has none.
-    checked: 2.13 (2.11 / 2.12 not verified: no wheel at hand)."""
+    checked: 2.13 (run). 2.11 / 2.12 from torch's history, not run (no wheel here): the
+    ``custom_partitioner_fn`` config key and the ``CustomPartitionerFn`` class came with
+    pytorch#157580 (July 2025, the 2.9 cycle), an ``ABC`` there and a ``CustomPassBase``
+    in 2.13, both with the ``__call__`` / ``uuid`` we implement: present in 2.11-2.13, so
+    the full-AC refusal (``train.parallelize.check_composition``) is for older torch."""
     try:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn
     except ImportError:
