@@ -157,3 +157,27 @@ def test_trainer_full_ac_compiled_matches_eager(tmp_path, layout):
         runs[name] = run_ranks(_trainer, 2, argv)[0]
     print(layout, runs)
     assert runs["compiled"] == runs["eager"], runs
+
+
+def test_inductor_full_ac_refused_where_torch_lacks_the_partitioner_hook(monkeypatch):
+    """A torch whose Inductor has no ``custom_partitioner_fn`` (older than the 2.9 cycle;
+    2.11-2.13 have it): full AC with Inductor is refused before any work, with the keys
+    and the ways out; aot_eager, selective AC and eager are not refused."""
+    from simplefsdp import _torch_compat
+    from simplefsdp.train.config import ConfigError
+    from simplefsdp.train.parallelize import check_composition
+
+    assert _torch_compat.custom_partitioner_base() is not None  # 2.13: present
+    monkeypatch.setattr(_torch_compat, "missing_inductor_options", lambda names: list(names))
+    assert _torch_compat.custom_partitioner_base() is None
+    with pytest.raises(ConfigError) as info:
+        check_composition("full", True, "inductor")
+    message = str(info.value)
+    for part in ("activation_checkpoint.mode = 'full'", "compile.backend = 'inductor'",
+                 "custom_partitioner_fn", f"torch {torch.__version__}",
+                 "compile.backend = 'aot_eager'", "activation_checkpoint.mode = 'selective'",
+                 "compile.enable = false"):
+        assert part in message, (part, message)
+    for allowed in (("full", True, "aot_eager"), ("selective", True, "inductor"),
+                    ("full", False, "inductor")):
+        check_composition(*allowed)
