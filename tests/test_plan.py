@@ -99,6 +99,17 @@ SAVED_CASTS_GIB = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2
     * 2 / 8 / 2**30  # 1.625 GiB
 
 
+# torchtitan's graph trainer, Llama 3 8B on 8 H100 (96 GB: 52.44 GiB is 55% there),
+# FSDP 8, full recompute, local batch 2 (torchtitan's 8B default), seq 8192 (its
+# pytorch/torchtitan#3429): 7,006 tokens/s, 32.07 GiB reserved.
+GRAPH_TRAINER_FULL = ("full", 2, True, 7006, 32.07)
+# Its memory is not comparable with ours: that trainer compiles the loss with the step,
+# ours computes the cross-entropy eagerly in float32 on the compiled model's bf16
+# logits: log_softmax, its gradient and the float32 logits' gradient, 12 B per logit,
+# 12 x 2 x 8192 x 128,256 B = 23.48 GiB active at this batch (plan.memory.loss_peaks),
+# which our prediction (53.33 GiB reserved) holds and the published run does not.
+
+
 def test_published_runs():
     rows = []
     for ac, batch, compiled, _, _ in PUBLISHED:
@@ -120,6 +131,17 @@ def test_published_runs():
     # (Before, "the two rows within 3%" bounded the prediction by its own output.)
     assert rows[3].peak_memory_gib - SAVED_CASTS_GIB < rows[2].peak_memory_gib, \
         (rows[2], rows[3])
+    # Compiled full recompute (issue 27): tokens/s within the same tolerance (reached
+    # +1.7%), and its reserved memory under the compiled selective row's, as published
+    # (32.07 < 77.0 GiB; predicted 53.33 < 81.15); not its GiB (see GRAPH_TRAINER_FULL).
+    ac, batch, compiled, tps, _ = GRAPH_TRAINER_FULL
+    full = predict_isolated(load_config("configs/llama3_8b.toml", [
+        "--activation_checkpoint.mode", ac, "--training.batch_size", str(batch),
+        "--compile.enable", str(compiled).lower(), "--compile.bucketing", "manual"]),
+        8, "h100-96gb")
+    assert abs(full.tokens_per_s_per_gpu - tps) / tps < TOKENS_TOL, full
+    assert full.reserved_memory_gib < rows[3].reserved_memory_gib, (full, rows[3])
+    assert full.fits
 
 
 def test_cli_json_fields(tmp_path):
