@@ -68,15 +68,22 @@ def plain_model(ctx: BuildContext) -> Transformer:
 # ---------------------------------------------------------------------------------------
 # simplefsdp variants.
 # ---------------------------------------------------------------------------------------
-def _simplefsdp(bucketing: str | None, reordering: bool = False) -> Callable[[BuildContext], Built]:
-    """Eager (``bucketing=None``) or compiled with our backend and these passes."""
+def _simplefsdp(bucketing: str | None, reordering: bool = False,
+                ac: str = "none") -> Callable[[BuildContext], Built]:
+    """Eager (``bucketing=None``) or compiled with our backend and these passes; ``ac``:
+    each block checkpointed as the trainer does ("none", "selective", "full")."""
 
     def build(ctx: BuildContext) -> Built:
+        from ..train.parallelize import apply_ac, check_composition
+
+        check_composition(ac, bucketing is not None, ctx.compile_backend)
         backend = None
         if bucketing is not None:  # a refused setting raises on every rank alike
             backend = sf.compile_backend(backend=ctx.compile_backend, bucketing=bucketing,
                                          reordering=reordering)
-        model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)
+        model = plain_model(ctx)
+        apply_ac(model, ac)
+        model = sf.data_parallel(model, ctx.fsdp_mesh)
         if backend is not None:
             model = torch.compile(model, fullgraph=True, backend=backend)
         return Built(model, backend)
@@ -199,6 +206,11 @@ _SPECS = [
                 _simplefsdp("manual"), compiled=True),
     VariantSpec("simplefsdp-reordering", "+ manual bucketing + reordering",
                 _simplefsdp("manual", True), compiled=True),
+    VariantSpec("simplefsdp-reordering-selective-ac", "simplefsdp-reordering, selective "
+                "activation checkpointing per block", _simplefsdp("manual", True, "selective"),
+                compiled=True),
+    VariantSpec("simplefsdp-reordering-full-ac", "simplefsdp-reordering, full activation "
+                "checkpointing per block", _simplefsdp("manual", True, "full"), compiled=True),
     VariantSpec("simplefsdp-auto", "+ auto wrapping + reordering",
                 _simplefsdp("auto", True), compiled=True),
     VariantSpec("upstream-fx-bucketing",

@@ -1,8 +1,9 @@
 """The planner's side of the benchmark's "predicted MiB" column: the trainer job a
 simplefsdp bench variant amounts to, and its predicted peak bytes per rank.
 
-Bench variants are ``data_parallel`` fully_shard in float32 with no activation
-checkpointing; the compiled ones use our backend with the variant's passes. Variants
+Bench variants are ``data_parallel`` fully_shard in float32, without activation
+checkpointing unless named (``-selective-ac``, ``-full-ac``); the compiled ones use our
+backend with the variant's passes. Variants
 the planner does not model (auto wrapping, upstream passes, FSDP2, DDP, compute-only)
 get None.
 """
@@ -13,12 +14,14 @@ import copy
 
 from ..train.config import JobConfig, ModelConfig
 
-# variant -> (compiled, bucketing, reordering)
+# variant -> (compiled, bucketing, reordering, activation checkpointing)
 VARIANTS = {
-    "simplefsdp-eager": (False, "none", False),
-    "simplefsdp-compiled": (True, "none", False),
-    "simplefsdp-bucketing": (True, "manual", False),
-    "simplefsdp-reordering": (True, "manual", True),
+    "simplefsdp-eager": (False, "none", False, "none"),
+    "simplefsdp-compiled": (True, "none", False, "none"),
+    "simplefsdp-bucketing": (True, "manual", False, "none"),
+    "simplefsdp-reordering": (True, "manual", True, "none"),
+    "simplefsdp-reordering-selective-ac": (True, "manual", True, "selective"),
+    "simplefsdp-reordering-full-ac": (True, "manual", True, "full"),
 }
 
 
@@ -27,12 +30,13 @@ def bench_job(variant: str, model: ModelConfig, batch_size: int, seq_len: int
     """The trainer config equivalent to one bench variant's step, or None."""
     if variant not in VARIANTS:
         return None
-    compiled, bucketing, reordering = VARIANTS[variant]
+    compiled, bucketing, reordering, ac = VARIANTS[variant]
     cfg = JobConfig()
     cfg.model = copy.deepcopy(model)
     cfg.training.batch_size, cfg.training.seq_len = batch_size, seq_len
     cfg.compile.enable, cfg.compile.bucketing = compiled, bucketing
     cfg.compile.reordering = reordering
+    cfg.activation_checkpoint.mode = ac
     cfg.validate()
     return cfg
 
