@@ -33,7 +33,7 @@ __all__ = [
     "aot_autograd",
     "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
-    "default_group", "default_store",
+    "default_group", "default_store", "nccl_flight_recorder",
     "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
     "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",
     "missing_inductor_options", "profiler_events",
@@ -112,6 +112,12 @@ def default_group() -> dist.ProcessGroup:
 def default_store() -> dist.Store:
     """The default process group's rendezvous store. checked: 2.13."""
     return dist.distributed_c10d._get_default_store()
+
+
+def nccl_flight_recorder() -> bytes:
+    """NCCL's flight recorder (the collectives recorded while TORCH_NCCL_TRACE_BUFFER_SIZE
+    is set), pickled. checked: 2.13."""
+    return torch._C._distributed_c10d._dump_nccl_trace()
 
 
 def backend_name(pg: dist.ProcessGroup, device: torch.device) -> str | None:

@@ -48,17 +48,31 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
 
     Every rank writes into ``<path>.tmp``; after a barrier rank 0 marks it complete and
     renames it to ``path``. A crash before the rename leaves no folder named ``path``,
-    so a half-written checkpoint never looks complete.
+    so a half-written checkpoint never looks complete. The two halves are
+    :func:`begin_save` and :func:`commit_save` (an asynchronous save writes in between).
     """
+    tmp = begin_save(path)
+    dcp.save(state, checkpoint_id=str(tmp))
+    return commit_save(path)
+
+
+def begin_save(path: str | os.PathLike) -> Path:
+    """The ``<path>.tmp`` folder a save writes into, emptied on rank 0 (a collective)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    return tmp
+
+
+def commit_save(path: str | os.PathLike) -> Path:
+    """Once every rank's DCP write into ``<path>.tmp`` has finished: rank 0 marks it
+    complete and renames it to ``path`` (a collective)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
     _barrier()
-    if rank == 0:
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         (tmp / _COMPLETE_MARK).touch()
         if path.exists():
             shutil.rmtree(path)

@@ -30,6 +30,7 @@ runs are never mixed in one folder and no checkpoint is overwritten by accident.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -37,6 +38,8 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +50,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
 import simplefsdp
-from simplefsdp.state_dict import ModelAndOptimizer, is_complete
+from simplefsdp.state_dict import ModelAndOptimizer, begin_save, commit_save, is_complete
 
 from ..agreement import broadcast_from_rank0
+from .async_save import AsyncMode, CheckpointWriter
 from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -278,11 +282,18 @@ def resume_point(folder: str | Path, resume: bool,
 
 
 class CheckpointManager:
-    """Saves every ``every`` steps, keeps the newest ``keep_latest``, resumes."""
+    """Saves every ``every`` steps, keeps the newest ``keep_latest``, resumes.
+
+    With ``async_mode`` "async"/"async_pinned" (``async_save.py``) a save returns once
+    the state is staged; the checkpoint is completed (renamed, manifest written) at the
+    first step end where every rank's write has finished (:meth:`poll`), before the next
+    save, or at the end (``save(..., wait=True)``/:meth:`finish`). Until then the newest
+    verified checkpoint is the previous one, whatever happens to the process.
+    """
 
     def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  trainer_state: TrainerState, every: int, keep_latest: int,
-                 fingerprint: str = ""):
+                 fingerprint: str = "", async_mode: AsyncMode = "sync"):
         self.folder = Path(folder)
         self.fingerprint = fingerprint
         self.params = [p for p in model.parameters()]
@@ -290,6 +301,10 @@ class CheckpointManager:
         self.trainer_state = trainer_state
         self.app = ModelAndOptimizer(model, optimizer)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.writer = CheckpointWriter(async_mode)
+        self.pending: tuple[int, Path, Future | None] | None = None  # step, target, write
+        # Called as on_phase("save" | "manifest", step) inside a save (fault injection).
+        self.on_phase: Callable[[str, int], None] = lambda phase, step: None
 
     def _state(self, with_rng: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {"app": self.app, "trainer": self.trainer_state}
@@ -300,8 +315,10 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, step: int) -> Path:
-        """Save after ``step`` completed steps (a collective: every rank calls it).
+    def save(self, step: int, wait: bool = False) -> Path | None:
+        """Save after ``step`` completed steps (a collective: every rank calls it); the
+        checkpoint's path once complete, or None while an asynchronous write is in flight
+        (``wait``: complete it before returning). A pending save completes first.
 
         Refuses (NonFiniteError) to save parameters that are not finite. A failed write
         removes its ``.tmp`` folder and raises a CheckpointError naming the path."""
@@ -310,11 +327,47 @@ class CheckpointManager:
         if not all_finite(self.params):
             raise NonFiniteError(f"the parameters after step {step} are not finite (NaN or "
                                  f"inf); no checkpoint written, the newest good one stays")
+        self.finish()
         self.trainer_state.step = step
         target = self.folder / f"step-{step}"
-        try:
-            path = simplefsdp.save_checkpoint(target, self._state())
+        with self._failing(target):
+            write = self.writer.start(self._state(), begin_save(target))
+            self.on_phase("save", step)
+        self.pending = (step, target, write)
+        return self.finish() if wait or write is None else None
+
+    def poll(self) -> Path | None:
+        """At a step end: complete the pending save if every rank's write has finished
+        (one small all-reduce while a save is pending, so all ranks decide alike)."""
+        if self.pending is None:
+            return None
+        done = torch.tensor(float(self.pending[2] is None or self.pending[2].done()))
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.finish() if done.item() > 0 else None
+
+    def finish(self) -> Path | None:
+        """Wait for the pending save, rename it into place and write its manifest (a
+        collective); its path, or None if nothing was pending."""
+        if self.pending is None:
+            return None
+        step, target, write = self.pending
+        self.pending = None
+        with self._failing(target):
+            if write is not None:
+                write.result()
+            path = commit_save(target)
+            self.on_phase("manifest", step)
             write_manifest(path, step, self.fingerprint)
+        if self.rank == 0:
+            self._prune(step)
+        return path
+
+    @contextlib.contextmanager
+    def _failing(self, target: Path):
+        """A failure inside: the ``.tmp`` folder goes and a CheckpointError names it."""
+        try:
+            yield
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
             if self.rank == 0:
                 shutil.rmtree(target.with_name(target.name + ".tmp"), ignore_errors=True)
@@ -327,9 +380,6 @@ class CheckpointManager:
                     if full else "check that the folder is writable and has free space")
             raise CheckpointError(f"saving checkpoint {target} failed ({hint}); its partial "
                                   f"files were removed. Cause: {cause}") from e
-        if self.rank == 0:
-            self._prune(step)
-        return path
 
     def _prune(self, step: int) -> None:
         """Keep the newest ``keep_latest`` checkpoints up to ``step`` that have a manifest

@@ -88,6 +88,9 @@ class TrainingConfig:
     # Module FQN globs (fnmatch, e.g. "*.router", "norm") kept in float32 (gathered,
     # computed and reduced) whatever mixed_precision_param/_reduce say; each must match.
     mixed_precision_fp32_modules: list[str] = field(default_factory=list)
+    # A step phase or collective waiting longer than this dumps every rank's Python
+    # stacks and fails the job (train/watchdog.py); 0 turns the watchdog off.
+    hang_watchdog_s: float = 180.0
 
 
 @dataclass
@@ -180,6 +183,10 @@ class CheckpointConfig:
     # Continue from the newest complete checkpoint in ``folder`` (``--resume``). Off, a
     # folder that already holds complete checkpoints is an error, not silently reused.
     resume: bool = False
+    # How the files are written (train/async_save.py): "sync" stops training for the
+    # whole write; "async"/"async_pinned" only for a copy of the state, then write in
+    # the background; the checkpoint counts (manifest) once the write has finished.
+    async_mode: Literal["sync", "async", "async_pinned"] = "sync"
 
 
 @dataclass
@@ -218,6 +225,8 @@ class JobConfig:
         require(t.warmup_steps >= 0, "training.warmup_steps", t.warmup_steps, ">= 0")
         require(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, ">= 0")
         require(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
+        require(t.hang_watchdog_s >= 0, "training.hang_watchdog_s", t.hang_watchdog_s,
+                ">= 0 (0 turns the watchdog off)")
         hf_model = self.model.hf_path is not None  # its shapes are in its config.json
         if not hf_model:
             check_seq_len(t.seq_len, args)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .guard import NonFiniteError, step_flags
+from .watchdog import phase
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -149,8 +150,13 @@ def train_step(s: Setup, step: int, batches: list[Batch],
 
     A loss or gradient norm that is not finite on any rank: the step is not applied and
     NonFiniteError is raised on every rank."""
-    step_loss = forward_backward(s, batches, global_tokens(s, batches))
+    phase("token-count all-reduce")  # the collective (or phase) entered, for the watchdog
+    tokens = global_tokens(s, batches)
+    phase("forward/backward (data-parallel all-gathers, reduce-scatters)")
+    step_loss = forward_backward(s, batches, tokens)
+    phase("grad-norm all-reduce")
     grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    phase("step-flags all-reduce")
     nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
     if nonfinite:
         s.optimizer.zero_grad(set_to_none=True)
@@ -158,6 +164,7 @@ def train_step(s: Setup, step: int, batches: list[Batch],
             f"step {step}: the loss or gradient norm is not finite (NaN/inf); the step was "
             f"not applied and no checkpoint is written from it. Lower training.lr, check "
             f"the data, or resume from the last checkpoint")
+    phase("optimizer step")
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)

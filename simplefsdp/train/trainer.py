@@ -22,7 +22,6 @@ initialized as DTensors, whose random ops use offsets into one stream.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import sys
 import time
@@ -64,11 +63,14 @@ from .console import (
     start_line,
 )
 from .data import TextDataset, Tokenizer
+from .elastic import init_distributed
+from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
 from .parallelize import parallelize
 from .pipeline import build_schedule, split_stage
 from .step import build_optimizer, token_loss_sum, train_step
+from .watchdog import Watchdog, phase
 
 
 @dataclass
@@ -83,30 +85,6 @@ class TrainResult:
     num_params: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     output_dir: str = ""
-
-
-# ---------------------------------------------------------------------------------------
-# Process group.
-# ---------------------------------------------------------------------------------------
-def init_distributed(device_type: str) -> bool:
-    """Initialize the default process group from torchrun's environment, or a world of
-    one without it. Returns True if this call created it (and so should destroy it)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("job.device = 'cuda' but CUDA is not available; use "
-                              "--job.device cpu")
-        torch.cuda.set_device(local_rank)
-    if dist.is_initialized():
-        return False
-    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:  # plain `python -m simplefsdp.train`: a world of one, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,7 +147,7 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
     each microbatch, e.g. set targets to ``IGNORE_INDEX`` to leave tokens out.
     ``tokenizer`` (any object with ``vocab_size`` and ``encode(text)``) replaces the one
     ``data.tokenizer`` names; its ``vocab_size`` must fit ``model.vocab_size``."""
-    owns_group = init_distributed(cfg.job.device)
+    owns_group = init_distributed(cfg.job.device, PG_TIMEOUT_S)
     try:
         return _train(cfg, batch_transform, tokenizer)
     finally:
@@ -239,7 +217,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
         preflight.agree([space] if space else [])
         ckpt = CheckpointManager(ckpt_folder, model, optimizer, state,
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest,
-                                 fingerprint)
+                                 fingerprint, cfg.checkpoint.async_mode)
         if resume_from is not None:
             start_step = ckpt.load(resume_from)
             if rank == 0:
@@ -314,9 +292,17 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
         print(compile_start_note(cfg, s.start_step + 1), flush=True)
     metrics.start_progress()
 
-    with StopOnSignal() as signal_:
+    faults = Injector(dist.get_rank())  # SIMPLEFSDP_FAULT (restart tests); else inert
+    faults.arm(s.model, s.optimizer)
+    if ckpt is not None:
+        ckpt.on_phase = faults.point
+    hang = Watchdog(t.hang_watchdog_s, cfg.metrics.output_dir, dist.get_rank())
+    with StopOnSignal() as signal_, hang:
         try:
             for step in range(s.start_step + 1, t.steps + 1):
+                faults.step = step
+                # Compiling (the first step) is long, not hung: the group's timeout bounds it.
+                phase("next batch", step, PG_TIMEOUT_S if compiling is not None else None)
                 batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]
@@ -340,6 +326,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 logs = step % cfg.metrics.log_every == 0 or is_last
                 if logs or (ckpt and ckpt.due(step)):
                     # One all-reduce for every step since the last flush.
+                    phase("metrics all-reduce")
                     stacked = torch.stack([c for c, _, _ in pending])
                     dist.all_reduce(stacked)
                     result.losses.extend(stacked.tolist())
@@ -353,8 +340,13 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                                     pending[-1][2], window_steps, elapsed)
                         window_start, window_steps = time.perf_counter(), 0
                     pending.clear()
-                if ckpt is not None and (ckpt.due(step) or is_last):
-                    saved = ckpt.save(step)
+                if ckpt is not None:  # a save's length is the group timeout's business
+                    phase("checkpoint (save, or the all-reduce asking if one is written)",
+                          limit_s=PG_TIMEOUT_S)
+                    if ckpt.due(step) or is_last:
+                        saved = ckpt.save(step, wait=is_last) or saved
+                    else:
+                        saved = ckpt.poll() or saved
                 if stop:
                     raise preempted(s, step, signal_.signum)
         finally:

@@ -1,0 +1,149 @@
+"""A hang that explains itself: stack dumps on every rank, then a failure naming them.
+
+The training thread marks where it is (:func:`phase`: the step and the phase or
+collective it entered, e.g. ``step 7: grad-norm all-reduce``). A watchdog thread per
+rank checks every ``POLL_S``: once one phase has lasted longer than
+``training.hang_watchdog_s`` (default 180 s, well under the process-group timeout of
+``SIMPLEFSDP_PG_TIMEOUT_S``, 600 s), it announces the hang through the rendezvous store
+(a key every rank's watchdog polls: a collective would wait behind the hung one), and
+every rank then writes its Python stacks (``faulthandler``, all threads) to stderr and
+to ``<metrics.output_dir>/hang-rank<r>.txt``, headed by the step and the phase, and
+exits with status ``HANG_EXIT`` and a message pointing at the files. On CUDA, NCCL's
+flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, e.g. 2000) adds the collectives each
+rank issued, dumped to ``hang-rank<r>.nccl.pkl`` when it is on.
+
+A compiled run's first step (compiling, possibly minutes) and checkpoint writes are
+bounded by the process-group timeout instead: their length is not a hang.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .._torch_compat import default_store, nccl_flight_recorder
+
+POLL_S = 0.5
+HANG_EXIT = 5
+_KEY = "simplefsdp/hang"
+
+_active: Watchdog | None = None
+
+
+def phase(name: str, step: int | None = None, limit_s: float | None = None) -> None:
+    """Record that this rank entered ``name`` (of ``step``: default the current one);
+    ``limit_s`` replaces the watchdog's limit from this phase to the step's end. A no-op
+    without a watchdog."""
+    if _active is not None:
+        _active.enter(name, step, limit_s)
+
+
+class Watchdog:
+    """Context manager: the watchdog thread of this rank while the loop runs."""
+
+    def __init__(self, limit_s: float, output_dir: str | Path, rank: int):
+        self.limit_s, self.rank = limit_s, rank
+        self.folder = Path(output_dir)
+        self.step, self.name, self.phase_limit = 0, "start-up", None
+        self.since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store = _store()
+
+    def enter(self, name: str, step: int | None, limit_s: float | None) -> None:
+        """A longer ``limit_s`` holds for the rest of its step (e.g. the compiling step)."""
+        if step is not None and step != self.step:
+            self.step, self.phase_limit = step, None
+        if limit_s is not None:
+            self.phase_limit = limit_s
+        self.name, self.since = name, time.monotonic()
+
+    def __enter__(self) -> Watchdog:
+        global _active
+        if self.limit_s > 0:
+            _active = self
+            self._thread = threading.Thread(target=self._watch, name="simplefsdp-watchdog",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        _active = None
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            waited = time.monotonic() - self.since
+            limit = self.phase_limit or self.limit_s
+            announced = self._announced()
+            if waited > limit or announced:
+                if not announced and self._store is not None:
+                    self._store.set(_KEY, f"rank {self.rank}, step {self.step}, {self.name}")
+                self._dump(waited, announced)
+
+    def _announced(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            return self._store.get(_KEY).decode() if self._store.check([_KEY]) else None
+        except Exception:  # noqa: BLE001 - a store gone away: judge by our own clock
+            return None
+
+    def _dump(self, waited: float, announced: str | None) -> None:
+        """Write this rank's stacks (stderr and a file) and exit with ``HANG_EXIT``."""
+        if self._stop.is_set():
+            return
+        path = self.folder / f"hang-rank{self.rank}.txt"
+        head = (f"[simplefsdp] hang watchdog: rank {self.rank} at step {self.step}, in "
+                f"{self.name} for {waited:.1f} s (training.hang_watchdog_s = {self.limit_s:g}"
+                f"{'; first seen by ' + announced if announced else ''})")
+        print(head + "; its Python stacks follow", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(head + "\n\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:
+            print(f"[simplefsdp] hang watchdog: could not write {path}: {e}", file=sys.stderr)
+        _flight_recorder(self.folder / f"hang-rank{self.rank}.nccl.pkl")
+        print(f"[simplefsdp] the job hung: every rank's stacks are in "
+              f"{self.folder}/hang-rank<r>.txt (and above); the step and phase each rank "
+              f"was in head each file. On CUDA, set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 to "
+              f"also record NCCL's flight recorder (hang-rank<r>.nccl.pkl). Exiting with "
+              f"status {HANG_EXIT}.", file=sys.stderr, flush=True)
+        time.sleep(2 * POLL_S)  # the others see the announcement before our sockets close
+        os._exit(HANG_EXIT)
+
+
+def _store():
+    """A store the watchdog thread may use while the training thread waits (None
+    without a process group of several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = default_store()
+    try:
+        return store.clone()  # its own connection: the training thread may hold the other
+    except Exception:  # noqa: BLE001 - a store that cannot clone: share it
+        return store
+
+
+def _flight_recorder(path: Path) -> None:
+    """NCCL's flight recorder, when CUDA is in use and TORCH_NCCL_TRACE_BUFFER_SIZE is on."""
+    if not torch.cuda.is_available() or not int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE",
+                                                               "0") or 0):
+        return
+    try:
+        path.write_bytes(nccl_flight_recorder())
+    except Exception as e:  # noqa: BLE001 - best effort: the stacks are written already
+        print(f"[simplefsdp] hang watchdog: no flight recorder dump ({e!r:.200})",
+              file=sys.stderr)
