@@ -133,3 +133,17 @@ def test_async_manifest_only_after_the_write_finished(tmp_path, monkeypatch):
     path = manager.finish()
     assert path == tmp_path / "step-1" and (path / MANIFEST).is_file()
     manager.writer.close()
+
+
+def test_an_unfinished_save_alone_means_starting_afresh(tmp_path, capsys):
+    """Killed between the rename and the manifest before any other checkpoint existed
+    (the fault script's run 1, kill at manifest:2): --resume skips it and starts from
+    step 0 instead of refusing, as it would for a damaged checkpoint (test_reliability)."""
+    from simplefsdp.train.checkpoint import resume_point
+
+    unfinished = tmp_path / "step-2"
+    unfinished.mkdir()
+    (unfinished / ".complete").touch()  # renamed into place: complete, but no manifest
+    assert resume_point(tmp_path, resume=True) is None
+    said = capsys.readouterr().out
+    assert "skipping" in said and "no manifest.json" in said and "starting from step 0" in said

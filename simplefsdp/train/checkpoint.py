@@ -227,7 +227,8 @@ def _choose(folder: str | Path, resume: bool, fingerprint: str | None) -> list[A
                                       f"another --checkpoint.folder"]
             return [str(path), newest, None]
         print(f"[simplefsdp] --resume: skipping {path}: {reason}", flush=True)
-        skipped.append(f"{path.name}: {reason}")
+        if (path / MANIFEST).is_file():  # written, then damaged (an unfinished save is not)
+            skipped.append(f"{path.name}: {reason}")
     if skipped:
         return [None, newest, f"--resume: none of the {len(skipped)} checkpoints in {folder} "
                               f"verifies ({'; '.join(skipped)}); move them away (or choose "

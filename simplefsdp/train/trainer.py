@@ -301,8 +301,9 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
         try:
             for step in range(s.start_step + 1, t.steps + 1):
                 faults.step = step
-                # Compiling (the first step) is long, not hung: the group's timeout bounds it.
-                phase("next batch", step, PG_TIMEOUT_S if compiling is not None else None)
+                # The first step waits out the ranks' start-up skew (and compiles): long,
+                # not hung; the group's timeout bounds it.
+                phase("next batch", step, PG_TIMEOUT_S if step == s.start_step + 1 else None)
                 batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]

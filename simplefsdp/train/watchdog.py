@@ -12,8 +12,9 @@ exits with status ``HANG_EXIT`` and a message pointing at the files. On CUDA, NC
 flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, e.g. 2000) adds the collectives each
 rank issued, dumped to ``hang-rank<r>.nccl.pkl`` when it is on.
 
-A compiled run's first step (compiling, possibly minutes) and checkpoint writes are
-bounded by the process-group timeout instead: their length is not a hang.
+A run's first step (it absorbs the ranks' start-up skew, and compiles: possibly
+minutes) and checkpoint writes are bounded by the process-group timeout instead: their
+length is not a hang. Start-up before the first step is not watched.
 """
 
 from __future__ import annotations

@@ -1,0 +1,53 @@
+"""A hang explains itself (issue 31, gap 4): rank 1 stops inside step 3 on purpose
+(its batch transform sleeps); within ``training.hang_watchdog_s`` every rank must write
+its Python stacks to ``hang-rank<r>.txt``, headed by the step and the phase or
+collective it was in, and the job must fail (exit status ``HANG_EXIT``) instead of
+waiting for the process-group timeout (120 s in the rank runner). The limit, 15 s, is
+ten times a step of this tiny model on the loaded 2-core host: a slow step is not a hang."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from rank_runner import RankFailure, run_ranks
+
+from simplefsdp.train.trainer import main
+from simplefsdp.train.watchdog import HANG_EXIT
+
+_calls = 0
+
+
+def _hang_on_rank1_in_step3(inputs, targets):
+    """The batch transform: on rank 1, the third call (step 3) never returns."""
+    import torch.distributed as dist
+
+    global _calls
+    _calls += 1
+    if dist.get_rank() == 1 and _calls == 3:
+        time.sleep(600)
+    return inputs, targets
+
+
+def _train(rank: int, world: int, argv: list[str]) -> None:
+    main(argv, batch_transform=_hang_on_rank1_in_step3)
+
+
+def test_a_hung_rank_makes_every_rank_dump_its_stacks(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
+            "--model.n_kv_heads", "2", "--training.seq_len", "32",
+            "--training.batch_size", "2", "--training.steps", "6",
+            "--training.hang_watchdog_s", "15", "--metrics.output_dir", str(out)]
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_train, 2, argv, timeout_s=300)
+    assert f"exit code {HANG_EXIT}" in str(failure.value)
+    hung, waiting = (Path(out / f"hang-rank{r}.txt").read_text() for r in (1, 0))
+    # The hung rank: in step 3's "next batch" phase, its stack inside the transform.
+    assert hung.startswith("[simplefsdp] hang watchdog: rank 1 at step 3, in next batch for")
+    assert "_hang_on_rank1_in_step3" in hung and 'File "' in hung
+    # Its peer: waiting in step 3's first collective, the token count all-reduce.
+    assert waiting.startswith("[simplefsdp] hang watchdog: rank 0 at step 3, in token-count "
+                              "all-reduce for"), waiting[:300]
+    assert "in global_tokens" in waiting
