@@ -6,9 +6,10 @@ Runs the debug config (``configs/debug.toml``, ``--training.steps 50``, a checkp
 every 10 steps and a metrics row every 10 (a row is the mean since the previous one,
 so rows must start where a resume can), ``--resume``) under ``torchrun --standalone
 --nproc_per_node=2 --max-restarts=K``, with ``SIMPLEFSDP_FAULT``
-(``simplefsdp/train/faults.py``) naming K kills: a random rank SIGKILLs itself in a random phase (forward, backward, optimizer,
-a checkpoint's write, its manifest) of a random step, one kill per restart round, each
-later than the one before. Even runs save synchronously, odd ones with
+(``simplefsdp/train/faults.py``) naming K kills: a random rank SIGKILLs itself in a
+random phase (forward, backward, optimizer, a checkpoint's write, its manifest) of a
+random step, one kill per restart round, each later than the one before. Even runs
+save synchronously, odd ones with
 ``checkpoint.async_mode = "async"``. A run passes when torchrun exits 0 within
 ``--timeout`` (else: a hang), every round resumed from the newest verified checkpoint
 at its kill (the largest multiple of 10 below the step; with async saves, one earlier
