@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "FakeTensor", "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode",
-    "aot_autograd",
+    "aot_autograd", "all_to_all_single_autograd", "grouped_mm", "grouped_mm_aligned",
     "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
     "default_group", "default_store", "nccl_flight_recorder",
@@ -310,3 +310,48 @@ def eager_backward_compile():
     from torch._functorch import config
 
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+# --------------------------------------------------------------------------------------
+# Mixture of experts: grouped matmuls and the differentiable all-to-all.
+# --------------------------------------------------------------------------------------
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm(device: torch.device, dtype: torch.dtype):
+    """``torch._grouped_mm`` when it runs forward and backward for ``device``/``dtype``
+    here, else None (callers then loop over the groups). Probed once per pair on a tiny
+    problem; the kernel also wants every stride a multiple of 16 bytes, which callers
+    check for their own shapes (``grouped_mm_aligned``).
+    checked: 2.13 (CPU float32: forward and backward; older releases lack the op)."""
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return None
+    key = (torch.device(device).type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        try:
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+            fn(x, w, offs=offs).backward(torch.ones(4, 8, device=device, dtype=dtype))
+            _GROUPED_MM_WORKS[key] = True
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_WORKS[key] = False
+    return fn if _GROUPED_MM_WORKS[key] else None
+
+
+def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's strides are multiples of 16 bytes, as ``_grouped_mm``
+    requires (a unit stride is exempt)."""
+    return all(s == 1 or (s * t.element_size()) % 16 == 0
+               for t in tensors for s in t.stride())
+
+
+def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
+                               input_split_sizes: list[int],
+                               group: dist.ProcessGroup) -> torch.Tensor:
+    """``all_to_all_single`` with uneven splits whose backward is the reverse exchange.
+    checked: 2.13 (``_functional_collectives.all_to_all_single_autograd``, on gloo)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)

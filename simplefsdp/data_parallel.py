@@ -362,6 +362,9 @@ def data_parallel(
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
+    A submodule sharded by an earlier ``data_parallel`` call keeps its own mesh and
+    placements (MoE experts on their expert-parallel mesh, ``parallel/expert.py``).
+
     Args:
         model: the module; its parameters may be on ``meta`` (then call ``to_empty`` and
             initialize under :func:`disable_active_parametrization`).
@@ -410,10 +413,9 @@ def data_parallel(
     check_model(model, mesh)  # not wrapped already; the same parameters on every rank
     if uses_gloo(mesh):  # gloo's coalesced all-gather path is unsafe with several in flight
         install_gloo_collectives()
-    if any(type(m).__name__.startswith(_CLASS_PREFIX) and hasattr(m, "_sf_compute")
-           for m in model.modules()):
-        raise ValueError("data_parallel was already applied to this model (or a submodule); "
-                         "apply it once, to the root module")
+    if getattr(model, "_sf_root", False):
+        raise ValueError("data_parallel was already applied to this model; apply it once "
+                         "(a submodule may be sharded first, on its own mesh)")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
@@ -421,7 +423,7 @@ def data_parallel(
     sharded: dict[int, tuple[nn.Parameter, _ReplicateComputation]] = {}  # tied weights
     for module_name, module in list(model.named_modules()):
         names = tuple(n for n, p in module._parameters.items() if p is not None)
-        if not names:
+        if not names or _sharded_already(module):  # a submodule sharded on its own mesh
             continue
         compute: dict[str, _ReplicateComputation] = {}
         for name in names:
@@ -440,8 +442,15 @@ def data_parallel(
         module.__class__ = _parametrized_class(type(module), names)
         _mark_forward(module)
     _mark_forward(model)
+    model._sf_root = True
     install_casts(model, overrides, mp_policy)
     return model
+
+
+def _sharded_already(module: nn.Module) -> bool:
+    """Whether an earlier ``data_parallel`` call (on a submodule, e.g. MoE experts on
+    their expert-parallel mesh) sharded this module's parameters: they keep that mesh."""
+    return type(module).__name__.startswith(_CLASS_PREFIX) and hasattr(module, "_sf_compute")
 
 
 def _mark_forward(module: nn.Module) -> None:

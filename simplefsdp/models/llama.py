@@ -184,15 +184,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``.
 
-    def __init__(self, layer_id: int, args: ModelArgs):
+    ``feed_forward`` replaces the SwiGLU FFN (a model family's own, e.g. the routed MoE of
+    ``models/moe.py``): any module mapping ``(batch, seq, dim)`` to the same shape with an
+    ``init_weights(init_std)``."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, feed_forward: nn.Module | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.n_layers = args.n_layers
         self.attention = Attention(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
+        self.feed_forward = feed_forward or FeedForward(args.dim, ffn_hidden_dim(args))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -216,7 +220,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i, args)
                                      for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -224,6 +228,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight  # one Parameter, two uses
         # Derived from args, so not saved in checkpoints; init_weights recomputes it.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+
+    def build_block(self, layer_id: int, args: ModelArgs) -> TransformerBlock:
+        """Block ``layer_id``; a model family that swaps the FFN overrides this."""
+        return TransformerBlock(layer_id, args)
 
     def _rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
         a = self.args

@@ -1,0 +1,276 @@
+"""A mixture-of-experts decoder: our Llama block with its FFN replaced by a routed MoE.
+
+Attention, norms and RoPE are ``models/llama.py``'s; only the FFN changes (the block's
+``feed_forward`` slot, so parameter names stay ``layers.<i>.feed_forward...``). Inside it
+the layout is Hugging Face transformers 5's (Qwen3-MoE, Qwen2-MoE, Mixtral):
+
+* ``gate.weight [E, dim]``: the router, kept and computed in float32;
+* ``experts.gate_up_proj [E, 2I, dim]`` and ``experts.down_proj [E, dim, I]``: the
+  routed SwiGLU experts as 3-D tensors (gate rows first, then up rows);
+* ``shared_expert.{w1,w2,w3}``: an optional always-on SwiGLU (DeepSeek, Qwen2-MoE).
+
+Routing is dropless: every token reaches its ``top_k`` experts, whatever the load.
+Load balancing is ``aux_loss`` (Switch Transformer's loss, scaled by a coefficient; the
+caller adds :func:`aux_loss` to its loss), ``bias`` (DeepSeek-V3's auxiliary-loss-free
+method: a per-expert bias shifts which experts are chosen, not their weights, and
+:func:`update_expert_bias` moves it after each step against the measured load) or
+``none``.
+
+Expert parallelism comes from outside (``simplefsdp/parallel/expert.py``): it swaps the
+class of ``experts`` for one that sends each expert's tokens to the rank holding it; the
+router, the token order and the combine below stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .._torch_compat import grouped_mm, grouped_mm_aligned
+from .llama import FeedForward, ModelArgs, Transformer, TransformerBlock, _trunc_normal
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+LOAD_BALANCE = ("aux_loss", "bias", "none")
+
+
+@dataclass
+class MoEArgs(ModelArgs):
+    """Llama's shape plus the routed FFN's. ``n_dense_layers`` first blocks keep the
+    dense SwiGLU (DeepSeek-V3); ``shared_hidden_dim = 0`` means no shared expert."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    moe_hidden_dim: int = 128  # width I of each routed expert
+    shared_hidden_dim: int = 0
+    score_func: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True  # rescale the top-k weights to sum to 1
+    load_balance: str = "aux_loss"  # aux_loss | bias | none
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    n_dense_layers: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and num_experts="
+                             f"{self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func={self.score_func!r}: choose one of {SCORE_FUNCS}")
+        if self.load_balance not in LOAD_BALANCE:
+            raise ValueError(f"load_balance={self.load_balance!r}: choose one of "
+                             f"{LOAD_BALANCE}")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be between 0 and "
+                             f"n_layers={self.n_layers}")
+
+
+MOE_PRESETS: dict[str, MoEArgs] = {
+    # The debug Llama's attention (dim 128, 4 blocks, 4 heads, 2 KV heads) with 8 experts of
+    # width 128, top-2: 1.84M parameters, ~0.66M active per token. CPU, minutes.
+    "debug_moe": MoEArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256,
+                         multiple_of=32, rope_theta=10000.0, max_seq_len=256,
+                         num_experts=8, top_k=2, moe_hidden_dim=128),
+    # Qwen3-30B-A3B's routed shapes (128 experts of width 768, top-8, normalized softmax
+    # weights, aux loss 0.001). Attention is our Llama's: head_dim = dim / n_heads = 64
+    # and no q/k norms, where Qwen3 has head_dim 128 (q: 2048 -> 4096) and q/k RMSNorm.
+    "qwen3_30b_a3b": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                             vocab_size=151936, norm_eps=1e-6, rope_theta=1e6,
+                             max_seq_len=4096, num_experts=128, top_k=8, moe_hidden_dim=768,
+                             norm_topk_prob=True, load_balance="aux_loss",
+                             aux_loss_coef=0.001),
+    # DeepSeek-V3 16B (torchtitan's "16B" DeepSeek-V3 flavour; DeepSeek-MoE-16B shapes): the
+    # first block dense (width 10944), then 64 experts of width 1408, top-6 softmax without
+    # renormalization, 2 shared experts (one SwiGLU of width 2 * 1408), bias balancing.
+    # Attention is our GQA Llama's (16 heads of 128), not DeepSeek's MLA.
+    "deepseek_v3_16b": MoEArgs(dim=2048, n_layers=27, n_heads=16, vocab_size=102400,
+                               multiple_of=64, ffn_dim_multiplier=2.004, rope_theta=10000.0,
+                               max_seq_len=4096, num_experts=64, top_k=6, moe_hidden_dim=1408,
+                               shared_hidden_dim=2816, norm_topk_prob=False,
+                               load_balance="bias", n_dense_layers=1),
+}
+
+
+class Router(nn.Module):
+    """Scores every expert, picks ``top_k`` per token, returns their weights.
+
+    The gate's matmul runs in float32 whatever the model's dtype (routing decisions are
+    sensitive to rounding). With bias balancing, ``expert_bias`` is added to the scores
+    for the choice only; the weights come from the unbiased scores."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.top_k, self.score_func, self.norm = args.top_k, args.score_func, args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.dim, dtype=torch.float32))
+        bias = torch.zeros(args.num_experts) if args.load_balance == "bias" else None
+        self.register_buffer("expert_bias", bias)  # None: no bias balancing
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` (tokens, dim) -> (scores (tokens, E) float32, weights (tokens, k) float32,
+        expert ids (tokens, k))."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return scores, weights, ids
+
+    def init_weights(self) -> None:
+        _trunc_normal(self.weight, 0.02)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+
+def expert_ffn(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts on tokens grouped by expert: rows ``[sum(counts[:e]), +counts[e])``
+    of ``x`` go through expert ``e`` of ``gate_up [E, 2I, dim]`` / ``down [E, dim, I]``.
+
+    One grouped matmul per projection where torch has one for this device and dtype
+    (``_torch_compat.grouped_mm``) and the shapes are aligned for it; a loop otherwise."""
+    mm = grouped_mm(x.device, x.dtype)
+    gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    if mm is not None and x.shape[0] and grouped_mm_aligned(x, gate_up_t, down_t):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = mm(x, gate_up_t, offs=offsets).chunk(2, dim=-1)
+        return mm((F.silu(gate) * up).contiguous(), down_t, offs=offsets)
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+class Experts(nn.Module):
+    """The routed experts as two 3-D parameters (Hugging Face transformers 5's layout)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` (slots, dim) grouped by expert, ``counts`` (E,) slots per expert ->
+        each slot through its expert, same order."""
+        return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
+
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.gate_up_proj, 0.02)
+        _trunc_normal(self.down_proj, init_std)
+
+
+class MoE(nn.Module):
+    """Router, routed experts and an optional shared expert, in place of the FFN.
+
+    After each forward: ``aux_loss`` holds this call's load-balancing loss (uncoefficed;
+    None unless ``load_balance = "aux_loss"``) and ``tokens_per_expert`` has this call's
+    routed slots per expert added (for bias balancing and load metrics)."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.score_func, self.load_balance = args.score_func, args.load_balance
+        self.gate = Router(args)
+        self.experts = Experts(args.num_experts, args.dim, args.moe_hidden_dim)
+        self.shared_expert = (FeedForward(args.dim, args.shared_hidden_dim)
+                              if args.shared_hidden_dim else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts),
+                             persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores, weights, ids = self.gate(x)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        if self.load_balance == "aux_loss":
+            self.aux_loss = switch_aux_loss(scores, counts, self.score_func)
+        # Slots (choice, token) sorted by expert; the stable sort keeps them by choice rank,
+        # then token, inside one expert: transformers' order, so rows meet the same matmuls.
+        order = ids.t().flatten().argsort(stable=True)
+        token = order % x.shape[0]
+        routed = self.experts(x[token], counts)
+        routed = routed * weights.t().flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out.view(shape)
+
+    def init_weights(self, init_std: float) -> None:
+        self.gate.init_weights()
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+        self.tokens_per_expert.zero_()
+
+
+def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Switch Transformer's balance loss, as transformers computes it for one layer:
+    ``E * sum_e (slots to e / tokens) * mean score of e``; ``top_k`` when perfectly
+    balanced. Sigmoid scores are normalized per token first."""
+    if score_func == "sigmoid":
+        scores = scores / scores.sum(-1, keepdim=True)
+    tokens = scores.shape[0]
+    return scores.shape[1] * (counts.float() / tokens * scores.mean(0)).sum()
+
+
+class MoETransformer(Transformer):
+    """The Llama decoder whose blocks (after ``n_dense_layers``) use :class:`MoE`."""
+
+    def build_block(self, layer_id: int, args: MoEArgs) -> TransformerBlock:
+        if layer_id < args.n_dense_layers:
+            return TransformerBlock(layer_id, args)
+        return TransformerBlock(layer_id, args, feed_forward=MoE(args))
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every :class:`MoE` of ``model`` (through wrappers), in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """``aux_loss_coef`` times the sum of the last forward's per-layer balance losses
+    (None without ``load_balance = "aux_loss"``). Each is over the tokens of that forward:
+    a caller that normalizes its loss by a global token count weights this by its share
+    of the tokens, as the language-model loss is."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    if not losses:
+        return None
+    return model_args(model).aux_loss_coef * torch.stack(losses).sum()
+
+
+def model_args(model: nn.Module) -> MoEArgs:
+    args = getattr(model, "args", None)
+    if not isinstance(args, MoEArgs):
+        raise TypeError(f"{type(model).__name__} is not an MoE model (no MoEArgs)")
+    return args
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None
+                       ) -> torch.Tensor:
+    """Bias balancing's step (DeepSeek-V3, auxiliary-loss-free): every layer's
+    ``expert_bias`` moves by ``bias_update_rate`` towards under-loaded experts
+    (``+rate * sign(mean load - load)``), with loads summed over ``group``'s ranks when
+    given (the ranks that routed different tokens: the data-parallel ranks of one pipeline
+    stage and TP rank); then the counts restart.
+    Returns the per-layer loads used, (layers, E). Call after each optimizer step."""
+    layers = moe_layers(model)
+    if not layers:
+        return torch.zeros(0)
+    loads = torch.stack([m.tokens_per_expert for m in layers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    rate = model_args(model).bias_update_rate
+    for m, load in zip(layers, loads, strict=True):
+        if m.gate.expert_bias is not None:
+            m.gate.expert_bias += rate * torch.sign(load.mean() - load)
+        m.tokens_per_expert.zero_()
+    return loads

@@ -1,0 +1,155 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of every MoE
+layer's routed experts, and tokens travel to the rank of their expert and back.
+
+The experts' mesh is the job's mesh with ``dp_shard`` split in two, ``(dp_shard / ep, ep)``,
+``ep`` inside (neighbouring ranks exchange tokens): :func:`expert_mesh`. Its dims are named
+as the job mesh's, ``dp_shard`` now meaning the ranks that hold the *same* experts, so
+``data_parallel`` runs on it unchanged in every mode (``fully_shard`` shards each EP
+group's local experts over those ranks, ``hybrid_shard`` adds the replicas, ``replicate``
+needs ``dp_shard = ep``).
+
+Sharding rule: an expert weight ``[E, ...]`` is a DTensor ``Shard(0)`` on ``ep`` (whole
+experts per rank), and ``data_parallel`` shards those local experts on dim 0 again over
+the experts' ``dp_shard`` (torchtitan's ``Shard(0)`` case; the rows of a local expert are
+split when there are fewer local experts than ranks to shard them over). The guide's
+dim-1 rule is not used: dim 0 keeps each expert whole on a rank whenever it can.
+
+Gradients: the exchange is differentiable (the reverse all-to-all in backward), expert
+gradients are summed over the experts' ``dp_shard`` ranks by ``data_parallel`` and the
+rest over the job's data-parallel ranks, so under the trainer's token-normalized loss with
+``reduce_op="sum"`` every gradient is the exact sum over all tokens: no divide factor.
+
+The dispatch per MoE layer (:class:`ExpertParallelExperts`, swapped in as the experts'
+class): tokens arrive grouped by global expert; their per-expert counts are exchanged
+first (one ``all_to_all_single``), then the tokens with uneven splits
+(``all_to_all_single_autograd``), regrouped by local expert, run through the local
+experts (``models.moe.expert_ffn``: grouped matmuls or a loop) and sent back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from .._torch_compat import all_to_all_single_autograd
+from ..models.moe import expert_ffn, moe_layers
+
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+
+
+def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
+             prefix: str = "") -> None:
+    """Raise a ValueError unless ``ep`` divides the experts and the ``dp_shard`` ranks
+    (each when given); ``prefix`` as the caller spells the sizes (``"parallel."``)."""
+    if num_experts is not None and num_experts % ep:
+        raise ValueError(f"{prefix}ep = {ep} does not divide the {num_experts} experts; pick "
+                         f"a divisor of the number of experts")
+    if dp_shard is not None and dp_shard % ep:
+        raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}dp_shard = {dp_shard} "
+                         f"(the expert-parallel groups are carved out of dp_shard)")
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The experts' mesh over ``mesh``'s ranks (dims ``pp, dp_replicate, dp_shard, tp`` as
+    ``simplefsdp.make_mesh`` builds them): ``dp_shard`` split into ``(dp_shard / ep, ep)``,
+    dims :data:`EXPERT_MESH_DIMS`. Collective: every rank builds every group."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != ("pp", "dp_replicate", "dp_shard", "tp"):
+        raise ValueError(f"expert_mesh needs the job mesh (dims pp, dp_replicate, dp_shard, "
+                         f"tp, as simplefsdp.make_mesh builds it), got dims {names}")
+    dp_shard = mesh["dp_shard"].size()
+    check_ep(ep, dp_shard=dp_shard)
+    ranks = mesh.mesh.unflatten(2, (dp_shard // ep, ep))
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+
+
+def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
+    """Expert parallelism over ``experts_mesh["ep"]`` for every MoE layer of ``model``, in
+    place: each experts module keeps its slice of experts (a ``Shard(0)`` DTensor on the
+    ``ep`` mesh; from rank 0 of each group unless on ``meta``) and exchanges tokens.
+    Apply it before ``data_parallel`` (:func:`shard_experts`, then the rest)."""
+    ep_mesh = experts_mesh["ep"]
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no MoE layer: expert parallelism "
+                         f"needs an MoE model")
+    for layer in layers:
+        check_ep(ep_mesh.size(), num_experts=layer.num_experts)
+        experts = layer.experts
+        for name in ("gate_up_proj", "down_proj"):
+            param = experts._parameters[name]
+            src = None if param.device.type == "meta" else 0
+            local = distribute_tensor(param.detach(), ep_mesh, (Shard(0),), src_data_rank=src)
+            experts._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+        experts._sf_ep_group = ep_mesh.get_group()
+        experts.__class__ = _ep_class(type(experts))
+
+
+def shard_experts(model: nn.Module, experts_mesh: DeviceMesh, **data_parallel_kwargs) -> None:
+    """``data_parallel`` on each MoE layer's experts over ``experts_mesh`` (so the model's
+    later ``data_parallel`` leaves them on it); the keyword arguments are its own."""
+    from ..data_parallel import data_parallel
+
+    for layer in moe_layers(model):
+        data_parallel(layer.experts, experts_mesh, **data_parallel_kwargs)
+
+
+_EP_CLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with :class:`ExpertParallelExperts`'s forward (one subclass per class)."""
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls),
+                                {})
+    return _EP_CLASSES[cls]
+
+
+class ExpertParallelExperts(nn.Module):
+    """The experts' forward under expert parallelism (mixed into the experts' class)."""
+
+    _sf_ep_group: dist.ProcessGroup
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` (slots, dim) grouped by global expert, ``counts`` (E,) -> the slots
+        through their experts, same order."""
+        group = self._sf_ep_group
+        ep = dist.get_world_size(group)
+        local_experts = counts.numel() // ep
+        # received[s, e]: slots rank s sends to our local expert e.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        received = received.view(ep, local_experts)
+        send = counts.view(ep, local_experts).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        tokens = all_to_all_single_autograd(x, recv, send, group)
+        by_expert = _source_to_expert_order(received)
+        out = expert_ffn(tokens[by_expert], received.sum(0).tolist(),
+                         _local(self.gate_up_proj), _local(self.down_proj))
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        return all_to_all_single_autograd(out[back], send, recv, group)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
+    """Row indices that regroup slots laid out by (source rank, local expert) into
+    (local expert, source rank): the grouped matmul wants each expert's rows together."""
+    sizes = received.flatten()
+    starts = sizes.cumsum(0) - sizes  # where each (source, expert) run starts
+    runs = torch.arange(sizes.numel(), device=sizes.device).view_as(received).t().flatten()
+    lengths, run_starts = sizes[runs], starts[runs]
+    first = lengths.cumsum(0) - lengths  # where each run lands in expert order
+    total = int(lengths.sum())
+    return (torch.repeat_interleave(run_starts - first, lengths)
+            + torch.arange(total, device=sizes.device))
+
+
+__all__ = ["EXPERT_MESH_DIMS", "ExpertParallelExperts", "apply_ep", "check_ep",
+           "expert_mesh", "shard_experts"]

@@ -1,0 +1,134 @@
+"""The MoE model family (models/moe.py) against transformers' own Qwen3-MoE sparse block,
+and its load balancing against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
+
+from simplefsdp import _torch_compat
+from simplefsdp.models import moe
+from simplefsdp.models.llama import num_params
+
+DIM, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 2
+
+
+def _pair(norm_topk_prob: bool, seed: int = 0):
+    """transformers' Qwen3MoeSparseMoeBlock with random weights and our MoE holding copies
+    of them (gate.weight, experts.gate_up_proj, experts.down_proj: the same layout)."""
+    torch.manual_seed(seed)
+    config = hf_qwen3_moe.Qwen3MoeConfig(
+        hidden_size=DIM, moe_intermediate_size=WIDTH, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob, hidden_act="silu")
+    theirs = hf_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    for param in theirs.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    args = moe.MoEArgs(dim=DIM, n_layers=1, n_heads=4, num_experts=EXPERTS, top_k=TOP_K,
+                       moe_hidden_dim=WIDTH, norm_topk_prob=norm_topk_prob)
+    ours = moe.MoE(args)
+    ours.load_state_dict(theirs.state_dict())  # same names, same shapes
+    return theirs, ours
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_matches_transformers_qwen3_moe_block(monkeypatch, norm_topk_prob: bool, grouped: bool):
+    """Same output as transformers 5's Qwen3-MoE block on the same weights and input.
+
+    The loop path runs transformers' own per-expert ``F.linear`` calls on the same rows
+    in the same order (choice rank, then token, inside each expert) and adds each token's
+    expert outputs in expert order, as its ``index_add_`` does: bitwise (with token order
+    inside an expert instead, 7e-7 = 1 ulp apart). The
+    grouped-matmul path (CPU float32 has ``torch._grouped_mm`` on torch 2.13) sums the
+    same products in another kernel: within 1e-6 (float32 rounding of ~dim-long sums of
+    values ~1, a few ulps of outputs ~1-10)."""
+    if not grouped:
+        monkeypatch.setattr(moe, "grouped_mm", lambda device, dtype: None)
+    elif _torch_compat.grouped_mm(torch.device("cpu"), torch.float32) is None:
+        pytest.fail("this torch has no CPU float32 grouped matmul; the loop test covers it")
+    theirs, ours = _pair(norm_topk_prob)
+    x = torch.randn(3, 5, DIM)
+    expected = theirs(x)
+    got = ours(x)
+    if grouped:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(got, expected)
+    # Gradients reach every parameter the same way (same tolerance reasoning).
+    grad = torch.randn_like(x)
+    expected.backward(grad)
+    got.backward(grad)
+    theirs_grads = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param.grad, theirs_grads[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_matches_transformers():
+    """One layer's Switch balance loss equals transformers' ``load_balancing_loss_func``
+    on that layer's router logits (float32 sums of 15 tokens: 1e-6)."""
+    theirs, ours = _pair(True, seed=1)
+    x = torch.randn(15, DIM)
+    logits, _, _ = theirs.gate(x)
+    expected = hf_qwen3_moe.load_balancing_loss_func((logits,), EXPERTS, TOP_K)
+    ours(x)
+    torch.testing.assert_close(ours.aux_loss, expected, rtol=0, atol=1e-6)
+
+
+def test_bias_steers_the_choice_not_the_weights():
+    """Bias balancing by hand: two experts, top-1, one token whose softmax scores are
+    (0.8, 0.2). A bias of +1 on expert 1 makes the router pick it, with weight 0.2 (its
+    unbiased score; no renormalization). One update after that choice: expert 1 had the
+    token (load (0, 1), mean 0.5), so bias 0 rises by the rate and bias 1 falls by it."""
+    args = moe.MoEArgs(dim=4, n_layers=1, n_heads=1, num_experts=2, top_k=1, moe_hidden_dim=16,
+                       norm_topk_prob=False, load_balance="bias", bias_update_rate=0.25)
+    model = moe.MoETransformer(args)
+    layer = moe.moe_layers(model)[0]
+    router = layer.gate
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = torch.log(torch.tensor(4.0))  # exp(l0) / exp(l1) = 4: 0.8 / 0.2
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    _, weights, ids = router(x)
+    assert ids.tolist() == [[0]] and weights.item() == pytest.approx(0.8)
+    router.expert_bias.copy_(torch.tensor([0.0, 1.0]))
+    _, weights, ids = router(x)
+    assert ids.tolist() == [[1]] and weights.item() == pytest.approx(0.2)
+    layer(x.view(1, 1, 4))
+    assert layer.tokens_per_expert.tolist() == [0.0, 1.0]
+    loads = moe.update_expert_bias(model)
+    assert loads.tolist() == [[0.0, 1.0]]
+    assert router.expert_bias.tolist() == [0.25, 0.75]
+    assert layer.tokens_per_expert.tolist() == [0.0, 0.0]
+
+
+def test_presets_parameter_counts():
+    """Counted by hand from the shapes (embedding + output V*d each, per block attention
+    d*hd*(2h + 2kv), two norms 2d, router E*d, experts 3*E*d*I, shared 3*d*S, dense FFN
+    3*d*F; final norm d). Published totals for comparison: Qwen3-30B-A3B 30.5B (ours
+    attends with head_dim 64, see the preset), DeepSeek-V3 16B ~15.7B (MLA there)."""
+    def expected(a, dense_width=0):
+        attention = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)
+        moe_block = (attention + 2 * a.dim + a.num_experts * a.dim
+                     + 3 * a.num_experts * a.dim * a.moe_hidden_dim
+                     + 3 * a.dim * a.shared_hidden_dim)
+        dense_block = attention + 2 * a.dim + 3 * a.dim * dense_width
+        return (2 * a.vocab_size * a.dim + a.dim + a.n_dense_layers * dense_block
+                + (a.n_layers - a.n_dense_layers) * moe_block)
+
+    presets = moe.MOE_PRESETS
+    for name, dense_width in (("debug_moe", 0), ("qwen3_30b_a3b", 0),
+                              ("deepseek_v3_16b", 10944)):
+        with torch.device("meta"):
+            model = moe.MoETransformer(presets[name])
+        assert num_params(model) == expected(presets[name], dense_width), name
+    assert num_params(moe.MoETransformer(presets["debug_moe"])) == 1_840_256
+
+
+def test_bad_args_refused():
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
+        moe.MoEArgs(num_experts=8, top_k=9)
+    with pytest.raises(ValueError, match="score_func='relu'"):
+        moe.MoEArgs(score_func="relu")
+    with pytest.raises(ValueError, match="load_balance='x'"):
+        moe.MoEArgs(load_balance="x")
