@@ -3,7 +3,7 @@
 Each returns the trainer's own default when the job asks for nothing from this package,
 so the trainer calls them unconditionally:
 
-- :func:`choose_tokenizer`, :func:`check_vocab`, :func:`build_dataset`
+- :func:`choose_tokenizer`, :func:`check_vocab`
 - :func:`build_model` (``model.hf_path``: transformers' class; ``model.init_from_hf``: our
   Llama, weights read from a Hugging Face Llama folder); both load sharded
 - :func:`flops_per_token`, :func:`export` (``checkpoint.export_hf``)
@@ -81,22 +81,6 @@ def check_vocab(cfg, tokenizer) -> None:
         raise HFError(f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but "
                       f"{Path(cfg.model.hf_path) / 'config.json'} has vocab_size = {vocab}; "
                       f"use the model's own tokenizer (data.tokenizer = 'auto')")
-
-
-def build_dataset(cfg, tokenizer):
-    """A ``DocumentDataset`` for .jsonl / .parquet / folders, and for .txt files with a
-    tokenizer that has an EOS; None: the trainer's plain ``TextDataset``."""
-    from ..train.data import SHAKESPEARE
-
-    path = cfg.data.dataset
-    if path == SHAKESPEARE:
-        return None
-    plain_text = Path(path).is_file() and Path(path).suffix == ".txt"
-    if plain_text and getattr(tokenizer, "eos_id", None) is None:
-        return None
-    from .data import DocumentDataset
-
-    return DocumentDataset(path, tokenizer, cfg.data.text_field)
 
 
 # ---------------------------------------------------------------------------------------

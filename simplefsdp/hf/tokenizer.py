@@ -4,6 +4,7 @@ BPE file. Both give ``vocab_size``, ``encode(text)``, ``encode_batch(texts)``, `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -39,6 +40,8 @@ class HFTokenizer:
         self.folder = file.parent
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_id if eos_id is not None else self._find_eos()
+        # Keys the token cache: changes whenever the serialized tokenizer does.
+        self.fingerprint = "hf:" + hashlib.sha256(self.tok.to_str().encode()).hexdigest()
 
     def _find_eos(self) -> int | None:
         config = self.folder / "tokenizer_config.json"
@@ -93,6 +96,7 @@ class TiktokenTokenizer:
                                      mergeable_ranks=ranks,
                                      special_tokens={TIKTOKEN_EOS: self.eos_id})
         self.vocab_size = self.enc.n_vocab
+        self.fingerprint = "tiktoken:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)

@@ -163,6 +163,13 @@ class DataConfig:
     # model.hf_path folder's own tokenizer, else 'byte'.
     tokenizer: str = "auto"
     text_field: str = "text"  # the document text's field in .jsonl / .parquet rows
+    # Token caches (one folder per source, files and tokenizer); "": $SIMPLEFSDP_CACHE_DIR
+    # /tokens, default ~/.cache/simplefsdp/tokens.
+    cache_dir: str = ""
+    weights: list[float] = field(default_factory=list)  # mixture weight per dataset source
+    tokenize_workers: int = 0  # processes tokenizing a new cache; 0: every core
+    streaming: bool = False  # tokenize on the fly, no cache, no validation split
+    document_mask: bool = False  # attend within documents only; positions restart at EOS
 
 
 @dataclass
@@ -250,13 +257,23 @@ class JobConfig:
             _check_shapes(args, p)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
-        dataset = self.data.dataset
-        if dataset != "shakespeare" and not Path(dataset).exists():
-            raise ConfigError(f"data.dataset = {dataset!r} is neither 'shakespeare' nor an "
-                              f"existing file or folder")
+        _check_data(self)
         from ..hf.hooks import validate as validate_hf  # [hf] keys; imports nothing heavy
 
         validate_hf(self)
+
+
+def _check_data(cfg: JobConfig) -> None:
+    """``[data]``: the sources exist and match the weights; the mask's limits."""
+    from ..corpus.sources import resolve_all
+
+    d = cfg.data
+    resolve_all(d.dataset, list(d.weights))
+    require(d.tokenize_workers >= 0, "data.tokenize_workers", d.tokenize_workers, ">= 0")
+    if d.document_mask and (cfg.parallel.pp > 1 or cfg.model.hf_path is not None):
+        raise ConfigError("data.document_mask = true works with our Llama without pipeline "
+                          "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
+                          "turn data.document_mask off")
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .config import ConfigError
@@ -38,6 +39,7 @@ class ByteTokenizer:
     """UTF-8 bytes are the tokens: 256 ids, no unknown words, no training needed."""
 
     vocab_size = 256
+    fingerprint = "byte"  # keys the token cache (simplefsdp.corpus.cache)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -70,7 +72,42 @@ def read_corpus(dataset: str) -> str:
                           f"cannot be decoded; a binary file?); give a .txt file") from None
 
 
-class BatchLoader:
+def gather_windows(tokens, windows: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``(len(windows), seq_len + 1)`` int64 tokens of the given windows; ``tokens`` is a
+    tensor or a NumPy array (a memory map: only the windows' pages are read)."""
+    index = windows[:, None] * seq_len + torch.arange(seq_len + 1)
+    if isinstance(tokens, torch.Tensor):
+        return tokens[index].long()
+    return torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
+
+
+class SampleCounter:
+    """The position of a loader whose batches are a pure function of the global sample
+    counter: ``state_dict`` is the counter (and the seed it was drawn with)."""
+
+    samples: int
+    seed: int
+    batch_size: int
+    dp_world: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.dp_world
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"checkpointed data seed {state['seed']} differs from the "
+                             f"configured training.seed {self.seed}")
+        self.samples = int(state["samples"])
+
+
+class BatchLoader(SampleCounter):
     """Endless iterator of ``(inputs, targets)``, each ``(batch_size, seq_len)`` int64,
     for one data-parallel rank. ``state_dict`` / ``load_state_dict`` save and restore
     the position, so a resumed run sees exactly the batches it would have seen."""
@@ -93,10 +130,6 @@ class BatchLoader:
         self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
     @property
-    def global_batch_size(self) -> int:
-        return self.batch_size * self.dp_world
-
-    @property
     def epoch(self) -> int:
         return self.samples // self.num_windows
 
@@ -115,25 +148,13 @@ class BatchLoader:
             out[mask] = self._perm[offsets[mask]]
         return out
 
-    def __iter__(self) -> BatchLoader:
-        return self
-
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         first = self.samples + self.dp_rank * self.batch_size
         windows = self._windows(torch.arange(first, first + self.batch_size))
-        index = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
-        chunk = self.tokens[index].long()
+        chunk = gather_windows(self.tokens, windows, self.seq_len)
         self.samples += self.global_batch_size
         return chunk[:, :-1], chunk[:, 1:]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"samples": self.samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"checkpointed data seed {state['seed']} differs from the "
-                             f"configured training.seed {self.seed}")
-        self.samples = int(state["samples"])
 
 
 class TextDataset:

@@ -40,6 +40,7 @@ import simplefsdp
 from simplefsdp.mesh import Coords
 from simplefsdp.state_dict import unwrapped_name
 
+from ..corpus import build_loader
 from ..hf import hooks as hf_hooks
 from ..models.llama import Transformer, flops_per_token, num_params
 from . import preflight
@@ -62,7 +63,7 @@ from .console import (
     quiet_our_checkpoint_warning,
     start_line,
 )
-from .data import TextDataset, Tokenizer
+from .data import Tokenizer
 from .elastic import init_distributed
 from .faults import Injector
 from .guard import StopOnSignal
@@ -266,10 +267,8 @@ def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: Coords):
         raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
                           f"{tokenizer.vocab_size} tokens but model.vocab_size = "
                           f"{vocab_size}; raise model.vocab_size")
-    dataset = hf_hooks.build_dataset(cfg, tokenizer) or TextDataset(cfg.data.dataset, tokenizer)
-    loader = dataset.loader("train", t.batch_size, t.seq_len, dp_rank=at.dp,
-                            dp_world=at.dp_size, seed=t.seed,
-                            min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
+    loader = build_loader(cfg, tokenizer, at.dp, at.dp_size,
+                          min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
     return loader, tokenizer
 
 

@@ -1,0 +1,296 @@
+"""Token caches: built once, keyed by files and tokenizer, never half-used; mapped loaders
+match in-memory ones; mixtures; the data errors. Expectations are written by hand
+(bytes of the text, EOS after each document) or come from the tokenizer itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from simplefsdp.corpus import cache as cache_mod
+from simplefsdp.corpus import open_caches
+from simplefsdp.corpus.mixture import MixtureLoader
+from simplefsdp.train.config import load_config
+from simplefsdp.train.config_reader import ConfigError
+from simplefsdp.train.data import ByteTokenizer, TextDataset
+
+DOCS = ["first doc", "", "second, longer document", "third ☃"]
+
+
+class EosBytes(ByteTokenizer):
+    """Bytes plus an EOS id 256 (so documents are joined by something visible)."""
+
+    vocab_size = 257
+    eos_id = 256
+    fingerprint = "eos-bytes"
+
+
+def _jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d}) + "\n" for d in docs))
+    return path
+
+
+def _data(tmp_path: Path, dataset: str, **kw) -> SimpleNamespace:
+    d = dict(dataset=dataset, weights=[], text_field="text", cache_dir=str(tmp_path / "cache"),
+             tokenize_workers=1, streaming=False, document_mask=False)
+    return SimpleNamespace(**{**d, **kw})
+
+
+def _expected(docs: list[str], eos: int | None) -> list[int]:
+    out: list[int] = []
+    for d in docs:
+        if d:
+            out += list(d.encode()) + ([eos] if eos is not None else [])
+    return out
+
+
+def _folders(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir())
+
+
+def test_cache_hit_miss_and_invalidation(tmp_path: Path, monkeypatch):
+    data = _jsonl(tmp_path / "a.jsonl", DOCS)
+    cfg = _data(tmp_path, str(data), tokenize_workers=2)  # two workers: the forked pool
+    (first,) = open_caches(cfg, EosBytes())
+    assert first.tokens.dtype == np.uint16 and isinstance(first.tokens, np.memmap)
+    assert first.tokens.tolist() == _expected(DOCS, 256)
+    lengths = [len(d.encode()) + 1 for d in DOCS if d]
+    assert first.doc_ends.tolist() == np.cumsum(lengths).tolist()
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("a cache hit tokenized again")
+
+    with monkeypatch.context() as m:  # hit: same files, same tokenizer
+        m.setattr(cache_mod, "_tokenize", no_tokenizing)
+        (hit,) = open_caches(cfg, EosBytes())
+    assert hit.folder == first.folder and _folders(tmp_path / "cache") == [first.folder.name]
+
+    class OtherEos(EosBytes):  # a changed tokenizer: another EOS id, another fingerprint
+        eos_id = 10
+        fingerprint = "eos-bytes-2"
+
+    (other,) = open_caches(cfg, OtherEos())
+    assert other.folder != first.folder and other.tokens.tolist() == _expected(DOCS, 10)
+    # A changed file (same size, new mtime and content) is a new cache.
+    time.sleep(0.01)
+    _jsonl(data, ["FIRST doc"] + DOCS[1:])
+    (changed,) = open_caches(cfg, EosBytes())
+    assert changed.folder not in (first.folder, other.folder)
+    assert changed.tokens.tolist() == _expected(["FIRST doc"] + DOCS[1:], 256)
+    assert len(_folders(tmp_path / "cache")) == 3
+
+
+def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path):
+    pytest.importorskip("tokenizers")  # the [hf] extra; CI installs it
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from simplefsdp.hf.tokenizer import load_tokenizer
+
+    def train(vocab: int) -> Path:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        path = tmp_path / f"tok{vocab}.json"
+        tok.save(str(path))
+        return path
+
+    data = _jsonl(tmp_path / "a.jsonl", DOCS)
+    caches = []
+    for vocab in (270, 290):
+        tok = load_tokenizer(train(vocab))
+        (f,) = open_caches(_data(tmp_path, str(data)), tok)
+        want = [i for d in DOCS if d for i in tok.encode(d) + [tok.eos_id]]
+        assert f.tokens.tolist() == want
+        caches.append(f.folder)
+    assert caches[0] != caches[1]
+
+
+_KILLED_BUILD = """
+import sys, time
+from types import SimpleNamespace
+from simplefsdp.corpus import open_caches
+
+class SlowBytes:  # the byte tokenizer's fingerprint, so the parent would reuse its cache
+    vocab_size, fingerprint = 256, "byte"
+    def encode(self, text):
+        print("encoding", flush=True)
+        time.sleep(60)
+        return list(text.encode())
+
+open_caches(SimpleNamespace(dataset=sys.argv[1], weights=[], text_field="text",
+    cache_dir=sys.argv[2], tokenize_workers=1, streaming=False, document_mask=False),
+    SlowBytes())
+"""
+
+
+def test_a_killed_build_leaves_no_usable_cache(tmp_path: Path):
+    data = _jsonl(tmp_path / "a.jsonl", DOCS)
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED_BUILD), str(data),
+                             str(cache)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline().strip() == "encoding"  # mid-build
+        tmp = [p for p in cache.iterdir()]
+        assert len(tmp) == 1 and ".tmp-" in tmp[0].name
+        assert not cache_mod.is_complete(tmp[0])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (f,) = open_caches(_data(tmp_path, str(data)), ByteTokenizer())
+    assert f.tokens.tolist() == _expected(DOCS, None)
+    assert _folders(cache) == [f.folder.name]  # the dead build's temporary folder is gone
+
+
+def test_mapped_loader_equals_in_memory_and_resumes(tmp_path: Path):
+    """Windows, per-rank slices and exact resume read from the map equal those of an
+    in-memory ``TextDataset`` over the hand-built token list."""
+    docs = [f"document {i}: " + "abcdefghij"[i % 10] * (7 * i % 23) for i in range(60)]
+    data = _jsonl(tmp_path / "d.jsonl", docs)
+    (f,) = open_caches(_data(tmp_path, str(data)), EosBytes())
+    reference = TextDataset("ref", EosBytes(), tokens=torch.tensor(_expected(docs, 256)))
+    mapped = TextDataset("mapped", EosBytes(), tokens=f.tokens)
+    make = lambda ds: ds.loader("train", 3, 8, dp_rank=1, dp_world=2, seed=4)
+    loader, ref = make(mapped), make(reference)
+    for _ in range(4):
+        got, want = next(loader), next(ref)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].dtype == torch.long
+    state, expected = loader.state_dict(), [next(loader) for _ in range(3)]
+    resumed = make(mapped)
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, (next(resumed) for _ in range(3)), strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(next(mapped.loader("val", 2, 8))[0], next(reference.loader("val", 2, 8))[0])
+
+
+def test_formats_folders_and_globs_read_the_same_documents(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _jsonl(folder / "a.jsonl", DOCS[:2], field="body")
+    pq.write_table(pa.table({"body": DOCS[2:]}), folder / "b.parquet", row_group_size=1)
+    (folder / "c.txt").write_text("a text file is one document\n")
+    (folder / "notes.md").write_text("ignored: not a data file")
+    want = _expected(DOCS + ["a text file is one document\n"], 256)
+    for dataset in (str(folder), str(folder / "*.*"), str(tmp_path / "corpus" / "**" / "*")):
+        (f,) = open_caches(_data(tmp_path, dataset, text_field="body"), EosBytes())
+        assert f.tokens.tolist() == want, dataset
+
+
+def test_mixture_follows_the_weights_and_resumes(tmp_path: Path):
+    a = tmp_path / "a.txt"
+    b = tmp_path / "b.txt"
+    a.write_text("a" * 4001)  # every window of a holds only 'a', of b only 'b'
+    b.write_text("b" * 4001)
+    files = open_caches(_data(tmp_path, f"{a},{b}", weights=[3.0, 1.0]), ByteTokenizer())
+    sources = [TextDataset(str(i), ByteTokenizer(), tokens=f.tokens).loader("train", 1, 16,
+                                                                            seed=i)
+               for i, f in enumerate(files)]
+    make = lambda rank, world, batch: MixtureLoader(sources, [3.0, 1.0], batch, 16, rank,
+                                                    world, seed=2)
+    single = make(0, 1, 8)
+    n = 500 * 8
+    firsts = torch.cat([next(single)[0][:, 0] for _ in range(500)])
+    assert set(firsts.tolist()) == {ord("a"), ord("b")}
+    share = float((firsts == ord("a")).float().mean())
+    # i.i.d. draws: std of the share sqrt(0.75 * 0.25 / 4000) = 0.0068; allow 5 std.
+    assert abs(share - 0.75) <= 5 * (0.75 * 0.25 / n) ** 0.5, share
+    # Two ranks take the two halves of each global batch; resume from the counter.
+    ranks = [make(r, 2, 4) for r in range(2)]
+    fresh = make(0, 1, 8)
+    for _ in range(3):
+        assert torch.equal(torch.cat([next(r)[0] for r in ranks]), next(fresh)[0])
+    state = ranks[1].state_dict()
+    expected = [next(ranks[1])[0] for _ in range(2)]
+    resumed = make(1, 2, 4)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(next(resumed)[0], e) for e in expected)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--data.dataset", "{a},{b}", "--data.weights", "1"],
+     "data.weights has 1 entries but data.dataset names 2 sources"),
+    (["--data.dataset", "{a},{b}"], "data.dataset names 2 sources: set data.weights"),
+    (["--data.dataset", "{a}", "--data.weights", "-1"], "data.weights = .*must be > 0"),
+    (["--data.dataset", "{bad}"], r"data.dataset = .*x.csv': unsupported file type '.csv'"),
+    (["--data.dataset", "{empty}"], r"data.dataset = .*empty.jsonl is empty"),
+    (["--data.dataset", "{tmp}/*.nothing"], r"data.dataset = .*the glob pattern matches no"),
+    (["--data.dataset", "{tmp}/missing.jsonl"], r"data.dataset = .*no such file"),
+    (["--data.document_mask", "true", "--parallel.pp", "2", "--model.n_layers", "2"],
+     "data.document_mask = true works with our Llama without pipeline stages"),
+])
+def test_bad_data_config_names_the_key(tmp_path: Path, overrides, message):
+    paths = dict(a=_jsonl(tmp_path / "a.jsonl", DOCS), b=_jsonl(tmp_path / "b.jsonl", DOCS),
+                 bad=tmp_path / "x.csv", empty=tmp_path / "empty.jsonl", tmp=tmp_path)
+    paths["bad"].write_text("text\nhello\n")
+    paths["empty"].write_text("")
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [o.format(**paths) for o in overrides])
+
+
+def test_bad_data_found_while_tokenizing_names_the_key(tmp_path: Path):
+    with pytest.raises(ConfigError, match="data.tokenizer: a vocabulary of 8589934592 ids"):
+        cache_mod.token_dtype(2**33)
+    assert cache_mod.token_dtype(2**16) == np.uint16 and cache_mod.token_dtype(2**16 + 1) == \
+        np.uint32
+    data = _jsonl(tmp_path / "a.jsonl", DOCS)
+    with pytest.raises(ConfigError, match=r"no 'body' field .*set data.text_field"):
+        open_caches(_data(tmp_path, str(data), text_field="body"), EosBytes())
+    blank = _jsonl(tmp_path / "blank.jsonl", ["", ""])
+    with pytest.raises(ConfigError, match="no non-empty document"):
+        open_caches(_data(tmp_path, str(blank)), EosBytes())
+
+    class Overflowing(ByteTokenizer):
+        vocab_size, fingerprint = 100, "overflow"  # bytes reach 255
+
+    with pytest.raises(ConfigError, match="data.tokenizer: the tokenizer gave id"):
+        open_caches(_data(tmp_path, str(data)), Overflowing())
+    assert not any(cache_mod.is_complete(p) for p in (tmp_path / "cache").iterdir())
+
+
+def _shared_build(rank: int, world: int, data: str, cache: str):
+    from simplefsdp.corpus import build_loader
+    from simplefsdp.train.config import load_config
+
+    out = []
+    for folder, field in ((cache, "text"), (cache + "-bad", "body")):
+        cfg = load_config(None, ["--data.dataset", data, "--data.cache_dir", folder,
+                                 "--data.text_field", field, "--training.batch_size", "2",
+                                 "--training.seq_len", "8", "--data.tokenize_workers", "1"])
+        try:
+            loader = build_loader(cfg, EosBytes(), rank, world, min_windows=4)
+            out.append([next(loader)[0].tolist() for _ in range(2)])  # no tensors: the queue
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+def test_ranks_share_one_build_and_its_errors(tmp_path: Path):
+    from rank_runner import run_ranks
+
+    docs = [f"doc {i} " * (i % 5 + 1) for i in range(40)]
+    data, cache = _jsonl(tmp_path / "d.jsonl", docs), tmp_path / "cache"
+    (good0, bad0), (good1, bad1) = run_ranks(_shared_build, 2, str(data), str(cache))
+    assert len(_folders(cache)) == 1  # one build, nothing half-done left
+    reference = TextDataset("ref", EosBytes(), tokens=torch.tensor(_expected(docs, 256)))
+    single = reference.loader("train", 4, 8, seed=0)
+    for step in range(2):
+        assert good0[step] + good1[step] == next(single)[0].tolist()
+    # Only local rank 0 reads the file; rank 1 gets its error all the same.
+    assert all(isinstance(e, str) and "no 'body' field" in e for e in (bad0, bad1))
