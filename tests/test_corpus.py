@@ -265,10 +265,22 @@ def test_bad_data_found_while_tokenizing_names_the_key(tmp_path: Path):
 
 
 def _shared_build(rank: int, world: int, data: str, cache: str):
+    import torch.distributed.checkpoint as dcp
+
     from simplefsdp.corpus import build_loader
     from simplefsdp.train.config import load_config
 
-    out = []
+    # Streaming: each rank's own position goes through a DCP checkpoint and back.
+    stream = _stream(data, rank, world)
+    for _ in range(3):
+        next(stream)
+    dcp.save({"loader": stream.state_dict()}, checkpoint_id=cache + "-ckpt")
+    expected = [next(stream)[0].tolist() for _ in range(2)]
+    resumed = _stream(data, rank, world)
+    state = {"loader": resumed.state_dict()}
+    dcp.load(state, checkpoint_id=cache + "-ckpt")
+    resumed.load_state_dict(state["loader"])
+    out: list = [[next(resumed)[0].tolist() for _ in range(2)] == expected]
     for folder, field in ((cache, "text"), (cache + "-bad", "body")):
         cfg = load_config(None, ["--data.dataset", data, "--data.cache_dir", folder,
                                  "--data.text_field", field, "--training.batch_size", "2",
@@ -286,7 +298,9 @@ def test_ranks_share_one_build_and_its_errors(tmp_path: Path):
 
     docs = [f"doc {i} " * (i % 5 + 1) for i in range(40)]
     data, cache = _jsonl(tmp_path / "d.jsonl", docs), tmp_path / "cache"
-    (good0, bad0), (good1, bad1) = run_ranks(_shared_build, 2, str(data), str(cache))
+    (stream0, good0, bad0), (stream1, good1, bad1) = run_ranks(_shared_build, 2, str(data),
+                                                               str(cache))
+    assert stream0 and stream1  # each rank resumed its own stream from the checkpoint
     assert len(_folders(cache)) == 1  # one build, nothing half-done left
     reference = TextDataset("ref", EosBytes(), tokens=torch.tensor(_expected(docs, 256)))
     single = reference.loader("train", 4, 8, seed=0)
@@ -294,3 +308,71 @@ def test_ranks_share_one_build_and_its_errors(tmp_path: Path):
         assert good0[step] + good1[step] == next(single)[0].tolist()
     # Only local rank 0 reads the file; rank 1 gets its error all the same.
     assert all(isinstance(e, str) and "no 'body' field" in e for e in (bad0, bad1))
+
+
+def _stream(data: str, rank: int = 0, world: int = 1, batch: int = 2, seq_len: int = 8):
+    from simplefsdp.corpus.sources import resolve
+    from simplefsdp.corpus.stream import StreamLoader
+
+    return StreamLoader([resolve(data)], EosBytes(), "text", batch, seq_len, rank, world)
+
+
+def test_streaming_packs_each_ranks_documents_and_resumes(tmp_path: Path):
+    docs = [f"doc {i} " * (i % 4) for i in range(30)]  # every 4th is empty
+    data = str(_jsonl(tmp_path / "d.jsonl", docs))
+    for rank in range(2):
+        # Rank r packs documents r, r + 2, ... with EOS; windows of 9 advance by 8 and
+        # run on into the next epoch (the same documents again).
+        packed = _expected(docs[rank::2], 256)
+        loop = packed * 10
+        loader = _stream(data, rank, 2)
+        windows = [w for _ in range(30) for w in next(loader)[0].tolist()]
+        targets = torch.cat([next(_stream(data, rank, 2))[1]])
+        assert windows == [loop[8 * k:8 * k + 8] for k in range(60)] and 8 * 60 > len(packed)
+        assert targets[0].tolist() == loop[1:9]
+        state = loader.state_dict()
+        assert set(state) == {"samples", "seed", f"stream_dp{rank}"} and state["samples"] == 120
+        expected = [next(loader) for _ in range(3)]
+        resumed = _stream(data, rank, 2)
+        resumed.load_state_dict(state)
+        for want, got in zip(expected, (next(resumed) for _ in range(3)), strict=True):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ConfigError, match="data-parallel rank 3 of 4 got no document"):
+        next(_stream(str(_jsonl(tmp_path / "few.jsonl", ["a", "b", "c", ""])), 3, 4))
+
+
+def test_document_mask_equals_each_document_alone():
+    """Three documents packed (the last cut off) with the mask give, token for token, the
+    logits of each document run alone (positions from 0, plain causal attention)."""
+    from simplefsdp.models.llama import LLAMA3_PRESETS, Transformer, document_positions
+
+    torch.manual_seed(0)
+    model = Transformer(LLAMA3_PRESETS["debug"])
+    model.init_weights()
+    eos = 3
+    docs = [torch.randint(4, 256, (n,)) for n in (11, 1, 7)]
+    parts = [torch.cat([docs[0], torch.tensor([eos])]), torch.cat([docs[1], torch.tensor([eos])]),
+             docs[2]]
+    packed = torch.cat(parts)[None]
+    positions, mask = document_positions(packed, eos)
+    assert positions[0].tolist() == list(range(12)) + [0, 1] + list(range(7))
+    with torch.no_grad():
+        alone = torch.cat([model(p[None])[0] for p in parts])
+        plain = model(packed)[0]
+        model.document_eos = eos
+        masked = model(packed)[0]
+    # float32; SDPA with a boolean mask against is_causal on the shorter sequence: the
+    # masked scores add exact zeros, kernels may order sums differently: 1e-5 relative.
+    torch.testing.assert_close(masked, alone, rtol=1e-5, atol=1e-5)
+    assert (plain[12:] - alone[12:]).abs().max() > 1e-2  # without it, documents mix
+    torch.testing.assert_close(plain[:12], alone[:12], rtol=1e-5, atol=1e-5)
+    # One compiled step (aot_eager: the same kernels as eager) equals eager, gradients too.
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    eager_loss = model(packed).float().logsumexp(-1).sum()
+    eager_loss.backward()
+    eager_grad = model.layers["0"].attention.wq.weight.grad.clone()
+    model.zero_grad()
+    compiled_loss = compiled(packed).float().logsumexp(-1).sum()
+    compiled_loss.backward()
+    assert torch.equal(compiled_loss, eager_loss)
+    assert torch.equal(model.layers["0"].attention.wq.weight.grad, eager_grad)

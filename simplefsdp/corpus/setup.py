@@ -66,6 +66,10 @@ def open_caches(data_cfg, tokenizer) -> list[TokenFile]:
 def build_loader(cfg, tokenizer, dp_rank: int, dp_world: int, min_windows: int):
     """This data-parallel rank's training batches for the job ``cfg``."""
     d, t = cfg.data, cfg.training
+    if d.document_mask and getattr(tokenizer, "eos_id", None) is None:
+        raise ConfigError(f"data.document_mask = true needs a tokenizer with an EOS token to "
+                          f"mark document ends; {type(tokenizer).__name__} has none (use a "
+                          f"tokenizer.json or tiktoken file as data.tokenizer)")
     if d.streaming:
         from .stream import StreamLoader
 

@@ -170,19 +170,22 @@ def parquet_rows(file: Path, field: str, start: int = 0, stop: int | None = None
             return
 
 
-def documents(files: tuple[Path, ...], field: str, cursor: tuple[int, int] = (0, 0)
-              ) -> Iterator[tuple[tuple[int, int], str | None]]:
+def documents(files: tuple[Path, ...], field: str, cursor: tuple[int, int] = (0, 0),
+              select=None) -> Iterator[tuple[tuple[int, int], str | None]]:
     """``(cursor, text)`` of every document unit from ``cursor`` on, in order; ``text`` is
-    None for an empty unit (kept, so that unit numbering does not depend on content)."""
+    None for an empty unit (kept, so that unit numbering does not depend on content) and
+    for a unit that ``select(cursor)`` turns down (then not even parsed)."""
+    take = select or (lambda _: True)
     first_file, place = cursor
     for index in range(first_file, len(files)):
         file, start = files[index], place if index == first_file else 0
         if file.suffix == ".txt":
             if start == 0:
-                yield (index, 0), _read_txt(file) or None
+                yield (index, 0), (_read_txt(file) or None) if take((index, 0)) else None
         elif file.suffix == ".parquet":
             for row, text in parquet_rows(file, field, start):
-                yield (index, row), text
+                yield (index, row), text if take((index, row)) else None
         else:
             for offset, line in jsonl_lines(file, start):
-                yield (index, offset), parse_jsonl(file, offset, line, field)
+                yield (index, offset), (parse_jsonl(file, offset, line, field)
+                                        if take((index, offset)) else None)

@@ -122,14 +122,36 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by the first ``seq`` angles."""
-    seq_len = x.shape[1]
-    cos = cache[:seq_len, :, 0].view(1, seq_len, 1, -1)
-    sin = cache[:seq_len, :, 1].view(1, seq_len, 1, -1)
+    """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by the first ``seq`` angles
+    of ``cache``, or, for a ``(batch, seq, head_dim // 2, 2)`` cache (each token's own
+    position, see ``document_positions``), by each token's angles."""
+    if cache.dim() == 4:
+        cos, sin = cache[..., 0].unsqueeze(2), cache[..., 1].unsqueeze(2)
+    else:
+        seq_len = x.shape[1]
+        cos = cache[:seq_len, :, 0].view(1, seq_len, 1, -1)
+        sin = cache[:seq_len, :, 1].view(1, seq_len, 1, -1)
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents end at ``eos_id`` (the EOS is the last token of its document).
+    Returns each token's position in its document, restarting at 0 after every EOS and
+    at the sequence start, ``(batch, seq)``, and the block-diagonal causal mask
+    ``(batch, 1, seq, seq)``: a token attends to earlier tokens of its own document."""
+    is_eos = (tokens == eos_id).long()
+    doc = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    starts = torch.ones_like(is_eos)
+    starts[:, 1:] = is_eos[:, :-1]  # a document starts after each EOS
+    first = torch.cummax(index * starts, dim=1).values  # its first token's index
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool,
+                        device=tokens.device).tril()
+    mask = (doc[:, :, None] == doc[:, None, :]) & causal
+    return index - first, mask[:, None]
 
 
 class Attention(nn.Module):
@@ -145,7 +167,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
@@ -154,9 +177,10 @@ class Attention(nn.Module):
         if self.n_rep > 1:  # each key/value head serves n_rep query heads, in order
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
-        # SDPA wants (batch, heads, seq, head_dim).
+        # SDPA wants (batch, heads, seq, head_dim); a document mask replaces is_causal.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
+                                             v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -199,8 +223,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = feed_forward or FeedForward(args.dim, ffn_hidden_dim(args))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -228,6 +253,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight  # one Parameter, two uses
         # Derived from args, so not saved in checkpoints; init_weights recomputes it.
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        # data.document_mask: the EOS id that ends packed documents; None: plain causal.
+        self.document_eos: int | None = None
 
     def build_block(self, layer_id: int, args: ModelArgs) -> TransformerBlock:
         """Block ``layer_id``; a model family that swaps the FFN overrides this."""
@@ -245,8 +272,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len="
                              f"{self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope, mask = self.rope_cache, None
+        if self.document_eos is not None:  # positions restart per document
+            positions, mask = document_positions(tokens, self.document_eos)
+            rope = self.rope_cache[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

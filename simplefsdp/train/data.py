@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .config import ConfigError
+from .config_reader import ConfigError
 
 SHAKESPEARE = "shakespeare"  # the corpus shipped in simplefsdp/data/
 

@@ -207,6 +207,8 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
     runnable, model = hf_hooks.build_model(cfg, mesh, device, default=build_model)
+    if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
+        model.document_eos = tokenizer.eos_id
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     state = TrainerState(scheduler, loader)
