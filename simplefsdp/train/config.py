@@ -157,7 +157,8 @@ class CompileConfig:
 
 @dataclass
 class DataConfig:
-    # The shipped corpus, or a .txt / .jsonl / .parquet file or a folder of them.
+    # The shipped corpus, or .txt / .jsonl / .parquet data: a file, a folder or a glob;
+    # several, comma-separated, are a mixture sampled by data.weights.
     dataset: str = "shakespeare"
     # 'byte', a tokenizer.json (or its folder), a tiktoken file; 'auto': the
     # model.hf_path folder's own tokenizer, else 'byte'.
