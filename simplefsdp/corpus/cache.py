@@ -220,6 +220,8 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
     started = last = time.perf_counter()
     lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(tasks)
     workers = max(1, min(workers, len(tasks)))
+    if mp.current_process().daemon:  # a daemonic process may not fork workers: tokenize here
+        workers = 1
     pool = None
     if workers > 1:  # fork: the workers inherit the tokenizer, whatever its class
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
