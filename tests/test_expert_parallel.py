@@ -27,6 +27,20 @@ def test_source_to_expert_order_by_hand():
     assert expert._source_to_expert_order(torch.tensor([[0, 0], [0, 2]])).tolist() == [0, 1]
 
 
+def test_bad_input_refused():
+    """Refused before any exchange, naming the size to change."""
+    with pytest.raises(ValueError, match="parallel.ep = 3 does not divide the 8 experts"):
+        expert.check_ep(3, num_experts=8, prefix="parallel.")
+    with pytest.raises(ValueError, match="parallel.ep = 4 does not divide parallel.dp_shard = 2"):
+        expert.check_ep(4, num_experts=8, dp_shard=2, prefix="parallel.")
+    expert.check_ep(2, num_experts=8, dp_shard=4)  # fine
+    from simplefsdp.models.llama import ModelArgs, Transformer
+
+    dense = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8))
+    with pytest.raises(ValueError, match="Transformer has no MoE layer"):
+        expert.apply_ep(dense, None)
+
+
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     out = []

@@ -71,11 +71,11 @@ def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
     place: each experts module keeps its slice of experts (a ``Shard(0)`` DTensor on the
     ``ep`` mesh; from rank 0 of each group unless on ``meta``) and exchanges tokens.
     Apply it before ``data_parallel`` (:func:`shard_experts`, then the rest)."""
-    ep_mesh = experts_mesh["ep"]
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no MoE layer: expert parallelism "
                          f"needs an MoE model")
+    ep_mesh = experts_mesh["ep"]
     for layer in layers:
         check_ep(ep_mesh.size(), num_experts=layer.num_experts)
         experts = layer.experts
