@@ -231,8 +231,7 @@ def test_one_definition_each():
     llama = "simplefsdp/models/llama.py"
     assert _defs(src, fn, lambda n: n in ("block_matmul_params", "attention_flops")) == [
         (llama, "attention_flops"), (llama, "block_matmul_params")]
-    # FLOPs per token: Llama's; hf/hooks.py's is the Hugging Face family's (the model
-    # registry of issue 26 makes it that family's registered entry)
+    # FLOPs per token: Llama's; hf/hooks.py's is the Hugging Face family's registered entry
     assert _defs(src, fn, lambda n: n == "flops_per_token") == [
         ("simplefsdp/hf/hooks.py", "flops_per_token"), (llama, "flops_per_token")]
     state = "simplefsdp/compiler/cost/state.py"
@@ -275,16 +274,8 @@ def test_no_function_over_80_lines_in_compiler_and_plan():
 
 # ------------------------------------------------------------------ import cycles
 
-# The one known cycle: train/ and hf/ import each other (train.config -> hf.hooks ->
-# train.parallelize, ...). Issue 26's model registry removes it: then delete this entry.
-KNOWN_CYCLES = [frozenset({
-    "simplefsdp.hf", "simplefsdp.hf.convert", "simplefsdp.hf.data", "simplefsdp.hf.export",
-    "simplefsdp.hf.hooks", "simplefsdp.hf.model", "simplefsdp.hf.tokenizer",
-    "simplefsdp.hf.weights", "simplefsdp.train.checkpoint", "simplefsdp.train.config",
-    "simplefsdp.train.data", "simplefsdp.train.parallelize", "simplefsdp.train.pipeline",
-    "simplefsdp.train.preflight", "simplefsdp.train.step", "simplefsdp.train.trainer",
-    "simplefsdp.train.console",  # trainer's messages, split out of it (imports train.*)
-})]
+# Cycles allowed among the package's modules: none (issue 26 removed train <-> hf).
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
@@ -371,3 +362,34 @@ def test_no_import_cycles_beyond_the_known_one():
     cycles = import_cycles(import_graph(_sources()))
     unknown = [sorted(c) for c in cycles if not any(c <= known for known in KNOWN_CYCLES)]
     assert not unknown, f"import cycles among the package's modules: {unknown}"
+
+
+def test_import_train_does_not_import_hf():
+    """The trainer reaches model families through ``models.registry`` only: importing it
+    (and its config) loads no Hugging Face module. In a fresh interpreter, so modules
+    other tests imported do not count."""
+    import subprocess
+    import sys
+
+    code = ("import sys, simplefsdp.train, simplefsdp.train.trainer, simplefsdp.train.config;"
+            "print(sorted(m for m in sys.modules if m.startswith('simplefsdp.hf')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", f"importing the trainer imported {out}"
+
+
+def test_model_families_register_themselves():
+    """One registry, one entry per family, each registered by its own module (family ->
+    registry): the registry imports no family, every family module registers the name the
+    table gives it, and nothing else defines a ModelFamily."""
+    src = _sources()
+    assert _defs(src, ast.ClassDef, lambda n: n == "ModelFamily") == [
+        ("simplefsdp/models/registry.py", "ModelFamily")]
+    graph = import_graph(src)
+    from simplefsdp.models import registry
+
+    for name, module in registry.FAMILIES.items():
+        assert module not in graph["simplefsdp.models.registry"]
+        assert registry.get(name).name == name
+        path = module.replace(".", "/") + ".py"
+        assert "registry.register(" in src[path], path

@@ -44,8 +44,8 @@ def test_outside_bytes_shrink_the_budget():
 def _build(cfg, mesh, make_backend):
     """The debug model on ``mesh`` compiled with ``make_backend(model)``, the model, the
     trainer's AdamW and the backend."""
+    from simplefsdp.train.llama_family import build_model
     from simplefsdp.train.step import build_optimizer
-    from simplefsdp.train.trainer import build_model
 
     runnable, model = build_model(cfg, mesh, torch.device("cpu"))
     optimizer, _ = build_optimizer(model, cfg)

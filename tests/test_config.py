@@ -202,7 +202,7 @@ def test_parallel_dims_arithmetic():
     assert (at.pp, at.dp_replicate, at.dp_shard, at.tp) == (1, 1, 0, 1)
     assert (at.dp, at.dp_size, at.first, at.last) == (2, 4, False, True)
     assert not at.counts_loss and dims.coords(12).counts_loss  # tp 0 of the last stage
-    assert dims.coords(2).counts_tokens and not dims.coords(10).counts_tokens
+    assert dims.coords(2).counts_tokens and not dims.coords(1).counts_tokens  # stage 0, tp 1
     # every data-parallel index once per (pp, tp) pair: the loader's slices cover the batch
     assert sorted(dims.coords(r).dp for r in range(16)) == sorted(list(range(4)) * 4)
     # ep divides dp_shard * cp (checked before the not-implemented refusal)
@@ -283,3 +283,34 @@ def test_trainer_reshards_after_forward_by_the_guides_rule():
              ("--parallel.reshard_after_forward", "auto", *pp2): False}
     got = run_ranks(_reshard_by_config, 2, [list(c) for c in cases])[0]
     assert got == [{want} for want in cases.values()]
+
+
+def test_help_prints_each_fields_meaning(capsys):
+    """``--help`` of train, bench and plan prints the comment next to each field (a few
+    fields checked by their text), and every field of both schemas has one."""
+    from dataclasses import fields
+
+    from simplefsdp.bench.__main__ import main as bench_main
+    from simplefsdp.bench.config import BenchConfig
+    from simplefsdp.plan.__main__ import main as plan_main
+    from simplefsdp.train.config_reader import field_docs
+    from simplefsdp.train.trainer import main as train_main
+
+    for schema in (JobConfig(), BenchConfig()):
+        for section in fields(schema):
+            cls = type(getattr(schema, section.name))
+            docs = field_docs(cls)
+            assert [f.name for f in fields(cls) if not docs.get(f.name)] == [], cls
+    train_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--parallel.dp_shard" in text and \
+        "ranks each parameter is sharded over; -1: the rest of the world" in text
+    assert "Continue from the newest complete checkpoint in ``folder`` (``--resume``)" in text
+    bench_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "False: Inductor/AOT caches off, so compile time is cold" in text
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--training.grad_accum_steps" in text and \
+        "micro-steps (forward + backward) per optimizer step" in text

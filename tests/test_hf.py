@@ -247,10 +247,9 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
     import safetensors
 
     import simplefsdp
-    from simplefsdp.hf import hooks, weights
+    from simplefsdp.hf import weights
     from simplefsdp.state_dict import unwrapped_name
     from simplefsdp.train.config import load_config
-    from simplefsdp.train.trainer import build_model
 
     loads = []
     real_load = weights.load_sharded
@@ -272,7 +271,7 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
                                       "--model.vocab_size", str(VOCAB)])):
         for mode in ("broadcast", "all_ranks"):
             cfg = load_config(None, [*extra, "--model.load_weights", mode])
-            _, model = hooks.build_model(cfg, mesh, torch.device("cpu"), default=build_model)
+            _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
             state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
             # A collective on all ranks; numpy: plain pickles back to the test process
             # (tensors would go through shared memory that dies with the rank).
@@ -326,25 +325,27 @@ def test_sharded_loading_reads_the_files_tensors(assets, tmp_path):
 
 
 def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+    import dataclasses
+
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.hf import hooks
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.models import registry
     from simplefsdp.train.trainer import main
 
     built = []
-    original = hooks.build_model
+    family = registry.get("hf")
 
     def capture(*args, **kwargs):  # keep the trained sharded model for the parity check
-        built.append(original(*args, **kwargs))
+        built.append(family.build(*args, **kwargs))
         return built[-1]
 
-    hooks.build_model = capture
+    registry.register(dataclasses.replace(family, build=capture))
     try:
         result = main(argv)
     finally:
-        hooks.build_model = original
+        registry.register(family)
     runnable, _ = built[0]
     tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
     batch = tokens[: 2 * 32].long().view(2, 32)

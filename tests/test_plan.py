@@ -27,8 +27,8 @@ def _measured_peak(rank, world, overrides):
 
     import simplefsdp
     from simplefsdp.bench.measure import held_bytes, least_transient
+    from simplefsdp.train.llama_family import build_model
     from simplefsdp.train.step import build_optimizer, token_loss_sum
-    from simplefsdp.train.trainer import build_model
 
     cfg = load_config(None, overrides)
     p = cfg.parallel.resolve(world)

@@ -31,23 +31,23 @@ class BenchTraining:
     """``[training]``: the trainer's keys the benchmark uses, with the same meaning."""
 
     batch_size: int = 4  # sequences per rank and step
-    seq_len: int = 128
-    lr: float = 1e-3
-    seed: int = 0
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 1e-3  # AdamW learning rate, constant
+    seed: int = 0  # initialization and data
 
 
 @dataclass
 class BenchCompile:
     """``[compile]``: backend of our compiled variants and of FSDP2's per-block compile."""
 
-    backend: CompileBackend = "inductor"
+    backend: CompileBackend = "inductor"  # inductor (kernels) or aot_eager (no codegen)
 
 
 @dataclass
 class BenchJob:
     """``[job]``: cpu (gloo) or cuda (NCCL, one GPU per rank)."""
 
-    device: Device = "cpu"
+    device: Device = "cpu"  # cpu (gloo) or cuda (NCCL, one GPU per rank)
 
 
 @dataclass

@@ -1,12 +1,9 @@
-"""The calls the trainer makes for Hugging Face models, tokenizers, data and export.
+"""The Hugging Face pieces of the model families (``hf.family``: Hugging Face causal
+LMs; ``train.llama_family``: our Llama, initialized from or exported to a Hugging Face
+Llama folder): folder checks, tokenizer files, sharded loading, FLOPs, export.
 
-Each returns the trainer's own default when the job asks for nothing from this package,
-so the trainer calls them unconditionally:
-
-- :func:`choose_tokenizer`, :func:`check_vocab`
-- :func:`build_model` (``model.hf_path``: transformers' class; ``model.init_from_hf``: our
-  Llama, weights read from a Hugging Face Llama folder); both load sharded
-- :func:`flops_per_token`, :func:`export` (``checkpoint.export_hf``)
+Each is imported only when a job asks for it; nothing here imports transformers & co.
+at import time.
 """
 
 from __future__ import annotations
@@ -21,25 +18,16 @@ from torch import nn
 from . import HFError, require
 
 
-def uses_hf_model(cfg) -> bool:
-    return cfg.model.hf_path is not None
-
-
-def validate(cfg) -> None:
-    """Config checks that need no Hugging Face import (run by ``JobConfig.validate``)."""
-    m = cfg.model
-    if m.hf_path is not None and m.init_from_hf is not None:
+def validate_folder(cfg, folder: str) -> None:
+    """Config checks of a Hugging Face folder (``model.hf_path`` or ``init_from_hf``)
+    that need no Hugging Face import."""
+    if cfg.model.hf_path is not None and cfg.model.init_from_hf is not None:
         raise HFError("model.hf_path and model.init_from_hf exclude each other: hf_path trains "
                       "transformers' own class, init_from_hf our Llama preset")
-    if m.hf_path is not None or m.init_from_hf is not None:
-        from .model import check_folder, refuse_unsupported
+    from .model import check_folder, refuse_unsupported
 
-        check_folder(m.hf_path or m.init_from_hf)
-        refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
-    name = cfg.data.tokenizer
-    if name not in ("auto", "byte") and not Path(name).exists():
-        raise HFError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path of a "
-                      f"tokenizer.json, a folder holding one, or a tiktoken file")
+    check_folder(folder)
+    refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,20 +74,10 @@ def check_vocab(cfg, tokenizer) -> None:
 # ---------------------------------------------------------------------------------------
 # Model.
 # ---------------------------------------------------------------------------------------
-def build_model(cfg, mesh, device: torch.device, default):
-    """(module to call, model): ``default(cfg, mesh, device)`` unless a Hugging Face
-    model or weights are configured."""
-    if cfg.model.hf_path is not None:
-        return _build_hf(cfg, mesh, device)
-    if cfg.model.init_from_hf is not None:
-        return _build_llama_from_hf(cfg, mesh, device)
-    return default(cfg, mesh, device)
-
-
-def _build_hf(cfg, mesh, device):
-    from ..train.parallelize import apply_dp
+def build_hf(cfg, mesh, device):
+    """(module to call, model): transformers' class for ``model.hf_path``, built on meta,
+    parallelized (:func:`parallelize_hf`), its weights loaded sharded."""
     from .model import (
-        apply_ac,
         build_on_meta,
         causal_lm_call,
         load_config,
@@ -107,26 +85,32 @@ def _build_hf(cfg, mesh, device):
         name_sources,
         refuse_unsupported,
     )
-    from .weights import WeightFiles, load_sharded
+    from .weights import WeightFiles, check_sources, load_sharded
 
     refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
     folder = Path(cfg.model.hf_path)
-    config = load_config(folder)
-    model = build_on_meta(config)
+    model = build_on_meta(load_config(folder))
     files = WeightFiles(folder)
     sources = name_sources(model, files, getattr(model, "base_model_prefix", ""))
-    from .weights import check_sources
-
     check_sources(model, files, sources)  # names and shapes, before anything is allocated
-    apply_ac(model, config, cfg.activation_checkpoint.mode)
-    apply_dp(model, mesh, cfg)
+    runnable = parallelize_hf(model, mesh, cfg, compile_=False)
     materialize(model, device)
     report = load_sharded(model, folder, cfg.model.load_weights, sources)
     _print_report(report, folder, cfg.model.load_weights)
-    runnable = model
     if cfg.compile.enable:
         runnable = _compile(model, mesh, cfg)
     return causal_lm_call(runnable), model
+
+
+def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
+    """A Hugging Face causal LM's parallelisms, in place: activation checkpointing per
+    decoder layer, data parallel, then (``compile.enable``, and ``compile_``) compile."""
+    from ..train.parallelize import apply_dp
+    from .model import apply_ac
+
+    apply_ac(model, model.config, cfg.activation_checkpoint.mode)
+    apply_dp(model, mesh, cfg)
+    return _compile(model, mesh, cfg) if compile_ and cfg.compile.enable else model
 
 
 def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
@@ -137,14 +121,15 @@ def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
 
 
-def _build_llama_from_hf(cfg, mesh, device):
-    """Our Llama preset, its weights read (sharded, converted) from a Hugging Face Llama
-    folder. RoPE is recomputed; no full random init, so no rank holds the whole model."""
+def build_llama_from_hf(cfg, mesh, device, convert):
+    """Our Llama preset, its weights read (sharded, ``convert``: our names -> the folder's)
+    from a Hugging Face Llama folder. RoPE is recomputed; no full random init, so no rank
+    holds the whole model."""
     import simplefsdp
 
     from ..models.llama import Transformer
     from ..train.parallelize import parallelize
-    from .convert import check_matches, sources_from_hf
+    from .convert import check_matches
     from .model import load_config, refuse_unsupported
     from .weights import WeightFiles, check_sources, load_sharded, unique_tensors
 
@@ -155,7 +140,7 @@ def _build_llama_from_hf(cfg, mesh, device):
     with torch.device("meta"):
         model = Transformer(args)
     names = [n for names, _ in unique_tensors(model) for n in names]
-    sources = sources_from_hf(names, args)
+    sources = convert(names, cfg)
     check_sources(model, WeightFiles(folder), sources)
     runnable = parallelize(model, mesh, cfg)
     model.to_empty(device=device)
@@ -181,9 +166,7 @@ def _print_report(report, folder: Path, mode: str) -> None:
 
 def flops_per_token(cfg, model: nn.Module, seq_len: int) -> float | None:
     """Training FLOPs per token of a Hugging Face model: 6 per parameter plus attention
-    (``12 * layers * hidden * seq_len``); None for our own Llama."""
-    if cfg.model.hf_path is None:
-        return None
+    (``12 * layers * hidden * seq_len``)."""
     from ..models.llama import num_params
 
     text = _text_config(model.config)
@@ -195,28 +178,36 @@ def flops_per_token(cfg, model: nn.Module, seq_len: int) -> float | None:
 # ---------------------------------------------------------------------------------------
 # Export.
 # ---------------------------------------------------------------------------------------
-def export(cfg, model: nn.Module, tokenizer) -> Path | None:
-    """``checkpoint.export_hf``: write ``<metrics.output_dir>/hf`` (a collective)."""
-    if not cfg.checkpoint.export_hf:
-        return None
+def export_hf_model(cfg, model: nn.Module, tokenizer) -> Path:
+    """``checkpoint.export_hf`` of a Hugging Face model: its own config and names."""
     require("transformers", "safetensors")
     from .export import export_hf
 
-    folder = Path(cfg.metrics.output_dir) / "hf"
-    started = time.perf_counter()
-    if cfg.model.hf_path is not None:
-        config = type(model.config).from_dict(model.config.to_dict())
-        out = export_hf(model, folder, config, tokenizer)
-    else:
-        from .convert import hf_config, rope_heads, to_hf_name
+    config = type(model.config).from_dict(model.config.to_dict())
+    return _exporting(lambda folder: export_hf(model, folder, config, tokenizer), cfg)
 
-        args = cfg.model.model_args()
-        config = hf_config(args)
-        eos = getattr(tokenizer, "eos_id", None)
-        if eos is not None:
-            config.eos_token_id = eos
-        out = export_hf(model, folder, config, tokenizer, rename=to_hf_name,
-                        rope_heads=lambda name: rope_heads(name, args))
+
+def export_llama(cfg, model: nn.Module, tokenizer) -> Path:
+    """``checkpoint.export_hf`` of our Llama: a Hugging Face Llama folder."""
+    require("transformers", "safetensors")
+    from .convert import hf_config, rope_heads, to_hf_name
+    from .export import export_hf
+
+    args = cfg.model.model_args()
+    config = hf_config(args)
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None:
+        config.eos_token_id = eos
+    return _exporting(lambda folder: export_hf(
+        model, folder, config, tokenizer, rename=to_hf_name,
+        rope_heads=lambda name: rope_heads(name, args)), cfg)
+
+
+def _exporting(write, cfg) -> Path:
+    """Run ``write(<metrics.output_dir>/hf)`` (a collective); rank 0 says where and how
+    long it took."""
+    started = time.perf_counter()
+    out = write(Path(cfg.metrics.output_dir) / "hf")
     if dist.get_rank() == 0:
         print(f"[simplefsdp] exported a Hugging Face model to {out} "
               f"({time.perf_counter() - started:.1f}s)", flush=True)

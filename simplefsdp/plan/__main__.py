@@ -14,7 +14,7 @@ import sys
 import time
 
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
-from ..train.config import ConfigError, load_config
+from ..train.config import ConfigError, config_help, load_config
 from ..train.console import quiet_our_checkpoint_warning
 from . import report
 from .predict import ALLOC_OVERHEAD, predict
@@ -36,7 +36,9 @@ def _progress(started: float):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="the trainer's keys, as overrides:\n"
+                                     + config_help().split("\n", 5)[-1])
     parser.add_argument("--config", help="the trainer's TOML config")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpus-per-node", type=int, default=8)

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..mesh import ParallelDims
+from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
+from ..models.registry import ModelFamily
 from .config_reader import ConfigError, choices, config_errors, read_config, require, split_argv
 from .config_reader import config_help as help_text
 
@@ -31,7 +33,7 @@ CompileBackend = Literal["inductor", "aot_eager"]
 PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
 
-_NOT_MODEL_ARGS = ("name", "hf_path", "init_from_hf", "load_weights")
+_NOT_MODEL_ARGS = ("family", "name", "hf_path", "init_from_hf", "load_weights")
 
 
 @dataclass
@@ -39,18 +41,21 @@ class ModelConfig:
     """``name`` picks a preset of ``LLAMA3_PRESETS``; any other key overrides one of its
     ``ModelArgs`` fields (left out = the preset's value)."""
 
-    name: str = "debug"
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    vocab_size: int | None = None
-    multiple_of: int | None = None
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None
+    # The model family (``models.registry.FAMILIES``); left out: 'hf' with hf_path, else
+    # 'llama'.
+    family: str | None = None
+    name: str = "debug"  # the preset (LLAMA3_PRESETS) the shape keys below override
+    dim: int | None = None  # model width (hidden size)
+    n_layers: int | None = None  # transformer blocks
+    n_heads: int | None = None  # attention (query) heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query attention)
+    vocab_size: int | None = None  # embedding rows; must hold every token id
+    multiple_of: int | None = None  # the FFN width is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None  # scales the FFN width (Llama 3: 1.3 for 70B)
+    norm_eps: float | None = None  # RMSNorm epsilon
+    rope_theta: float | None = None  # RoPE base frequency
+    max_seq_len: int | None = None  # longest sequence the RoPE table covers
+    tie_embeddings: bool | None = None  # the output projection shares the embedding
     # [hf] A local Hugging Face causal LM folder, trained with transformers' own class
     # (``name`` and the shape keys above are then unused) ...
     hf_path: str | None = None
@@ -58,6 +63,12 @@ class ModelConfig:
     init_from_hf: str | None = None
     # How those weights are read: rank 0 reads and scatters, or each rank reads its rows.
     load_weights: Literal["broadcast", "all_ranks"] = "broadcast"
+
+    def family_entry(self) -> ModelFamily:
+        """This model's entry in the model registry (a ConfigError if unknown)."""
+        name = self.family or ("hf" if self.hf_path is not None else "llama")
+        with config_errors():
+            return registry.get(name)
 
     def model_args(self) -> ModelArgs:
         """The preset with the overrides applied."""
@@ -74,15 +85,15 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps of the whole run
     batch_size: int = 8  # sequences per data-parallel rank and micro-step
-    seq_len: int = 128
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    max_norm: float = 1.0  # gradient clipping
-    grad_accum_steps: int = 1
-    seed: int = 0
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 1e-3  # peak AdamW learning rate (after warmup, then cosine decay)
+    warmup_steps: int = 20  # steps of linear LR warmup
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    max_norm: float = 1.0  # gradient clipping: the global gradient norm is scaled to at most this
+    grad_accum_steps: int = 1  # micro-steps (forward + backward) per optimizer step
+    seed: int = 0  # initialization and data order
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
     mixed_precision_reduce: DType = "float32"  # dtype of gradient reduction
     # Module FQN globs (fnmatch, e.g. "*.router", "norm") kept in float32 (gathered,
@@ -98,14 +109,16 @@ class ParallelConfig:
     """Mesh sizes; their product must equal the world size (``dp_shard = -1``: the rest).
     The rules are ``simplefsdp.mesh.ParallelDims``'s (:meth:`dims`)."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    dp_replicate: int = 1  # data-parallel replicas (hybrid_shard, replicate)
+    dp_shard: int = -1  # ranks each parameter is sharded over; -1: the rest of the world
+    tp: int = 1  # tensor (+ sequence) parallel ranks, innermost: keep within a node
+    pp: int = 1  # pipeline stages, outermost
+    cp: int = 1  # context-parallel ranks (not implemented yet: 1)
+    ep: int = 1  # expert-parallel ranks, dividing dp_shard * cp (not implemented yet: 1)
+    # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
+    # replicas over dp_replicate; replicate: DDP over dp_replicate.
     dp_mode: Literal["fully_shard", "hybrid_shard", "replicate"] = "fully_shard"
-    pp_microbatches: int = 1
+    pp_microbatches: int = 1  # microbatches per pipeline step; divides training.batch_size
     # Free gathered parameters after forward and gather again in backward. "auto": on
     # without PP, off with PP (1F1B runs several forwards before a backward: resharding
     # would gather the same parameters once per microbatch); true / false are honoured.
@@ -143,15 +156,19 @@ class ParallelConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
+    # none; selective: keep attention and every other matmul, recompute the rest; full:
+    # recompute each block in backward.
     mode: Literal["none", "selective", "full"] = "none"
 
 
 @dataclass
 class CompileConfig:
-    enable: bool = False
-    backend: CompileBackend = "inductor"
+    enable: bool = False  # torch.compile the model with the simplefsdp backend
+    backend: CompileBackend = "inductor"  # inductor (kernels) or aot_eager (no codegen)
+    # How collectives are merged: none; manual: one bucket per block; auto / greedy:
+    # planned from the cost model (under memory_limit_gb).
     bucketing: Literal["none", "manual", "auto", "greedy"] = "manual"
-    reordering: bool = True
+    reordering: bool = True  # prefetch gathers and delay reductions to hide them
     memory_limit_gb: float | None = None  # for bucketing = "auto" or "greedy"; None: no limit
 
 
@@ -175,14 +192,14 @@ class DataConfig:
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 10
-    output_dir: str = "outputs"
-    tensorboard: bool = False
+    log_every: int = 10  # steps between metrics rows (metrics.csv, the console)
+    output_dir: str = "outputs"  # metrics.csv, TensorBoard logs, checkpoints and exports
+    tensorboard: bool = False  # also write TensorBoard event files
 
 
 @dataclass
 class CheckpointConfig:
-    enable: bool = False
+    enable: bool = False  # write sharded checkpoints (torch.distributed.checkpoint)
     every: int = 100  # steps between checkpoints
     folder: str = "checkpoints"  # a relative path lies under metrics.output_dir
     keep_latest: int = 2  # 0 keeps them all
@@ -199,8 +216,8 @@ class CheckpointConfig:
 
 @dataclass
 class JobSection:
-    device: Device = "cpu"
-    name: str = "debug"
+    device: Device = "cpu"  # cpu (gloo) or cuda (NCCL, one GPU per rank)
+    name: str = "debug"  # a label for the run (nothing in the trainer reads it)
 
 
 @dataclass
@@ -259,9 +276,11 @@ class JobConfig:
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
-        from ..hf.hooks import validate as validate_hf  # [hf] keys; imports nothing heavy
-
-        validate_hf(self)
+        name = self.data.tokenizer
+        if name not in ("auto", "byte") and not Path(name).exists():
+            raise ConfigError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path "
+                              f"of a tokenizer.json, a folder holding one, or a tiktoken file")
+        self.model.family_entry().validate(self)
 
 
 def _check_data(cfg: JobConfig) -> None:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
+import inspect
 import math
+import textwrap
 import tomllib
 import types
 from collections.abc import Iterator, Mapping
@@ -245,14 +248,39 @@ def split_argv(argv: list[str], aliases: Mapping[str, str] | None = None
 
 
 def config_help(cfg: Any, usage: str, aliases: Mapping[str, str] | None = None) -> str:
-    """Every key of ``cfg``'s sections with its type and default, for ``--help``."""
+    """Every key of ``cfg``'s sections with its type, default and meaning (the comment
+    next to its field, :func:`field_docs`), for ``--help``."""
     aliases = aliases or {}
     lines = [f"usage: {usage}",
              *(f"  {short} is short for {long}" for short, long in aliases.items()), ""]
     for section in fields(cfg):
         obj = getattr(cfg, section.name)
         lines.append(f"[{section.name}]")
+        docs = field_docs(type(obj))
         for key, tp in get_type_hints(type(obj)).items():
             flag = f"--{section.name}.{key}"
             lines.append(f"  {flag:<40} {_type_name(tp)}; default {getattr(obj, key)!r}")
+            lines += textwrap.wrap(docs.get(key, ""), 88, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6)
     return "\n".join(lines)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: meaning}`` of a config section: the comment lines right above each field
+    and the comment after it on its line, as written in the class's source (the one
+    place a key's meaning is kept)."""
+    names = {f.name for f in fields(cls)}
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        name = text.split(":", 1)[0]
+        if name in names and line.startswith("    ") and not line.startswith("     "):
+            after = text.partition("  # ")[2].strip()
+            docs[name] = " ".join([*above, after] if after else above)
+        above = []
+    return docs

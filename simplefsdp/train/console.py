@@ -27,7 +27,7 @@ from .guard import Preempted
 
 if TYPE_CHECKING:
     from .config import JobConfig
-    from .trainer import Setup, TrainResult
+    from .run import Setup, TrainResult
 
 
 # ---------------------------------------------------------------------------------------

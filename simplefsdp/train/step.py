@@ -25,7 +25,7 @@ from .watchdog import phase
 
 if TYPE_CHECKING:
     from .config import JobConfig
-    from .trainer import Setup
+    from .run import Setup
 
 IGNORE_INDEX = -100
 # The trainer's optimizer (``build_optimizer``); its state lives outside the

@@ -14,9 +14,10 @@ folders, free space, no overwritten metrics; the dataset's size). A step whose l
 gradient norm is not finite is not applied and stops the run; SIGTERM/SIGINT finish the
 step, save and stop (``guard.py``).
 
-Initialization does not depend on the parallel layout: on CPU every rank initializes
-the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
-initialized as DTensors, whose random ops use offsets into one stream.
+The model comes from its family's entry in ``models.registry`` (built, parallelized,
+initialized or loaded; its tokenizer, FLOPs, checkpoint facts and exports): our Llama's
+is ``llama_family.py``. What a run holds (``Setup``) and returns (``TrainResult``) is
+in ``run.py``.
 """
 
 from __future__ import annotations
@@ -25,24 +26,17 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-import simplefsdp
 from simplefsdp.mesh import Coords
-from simplefsdp.state_dict import unwrapped_name
 
 from ..corpus import build_loader
-from ..hf import hooks as hf_hooks
-from ..models.llama import Transformer, flops_per_token, num_params
+from ..models.llama import num_params
 from . import preflight
 from .checkpoint import (
     CheckpointManager,
@@ -68,66 +62,12 @@ from .elastic import init_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
-from .parallelize import parallelize
-from .pipeline import build_schedule, split_stage
+from .pipeline import build_schedule
+from .run import Setup, TrainResult
 from .step import build_optimizer, token_loss_sum, train_step
 from .watchdog import Watchdog, phase
 
-
-@dataclass
-class TrainResult:
-    """What a run did; ``losses[i]`` is the global loss of step ``start_step + i + 1``."""
-
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    start_step: int = 0
-    steps: int = 0
-    wall_time_s: float = 0.0
-    num_params: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
-    output_dir: str = ""
-
-
 # ---------------------------------------------------------------------------------------
-# Model.
-# ---------------------------------------------------------------------------------------
-@torch.no_grad()
-def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
-    """Overwrite every (sharded) parameter with its piece of a full model initialized
-    from the seed on this rank: the same weights for every parallel layout."""
-    torch.manual_seed(cfg.training.seed)
-    with torch.device("meta"):
-        reference = Transformer(cfg.model.model_args())
-    reference.to_empty(device="cpu")
-    reference.init_weights()
-    full = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        source = full[unwrapped_name(name)]
-        if isinstance(param, DTensor):
-            piece = distribute_tensor(source, param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            param.to_local().copy_(piece)
-        else:
-            param.copy_(source)
-
-
-def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """(module to call, the underlying Transformer/stage): built on meta, split for PP,
-    parallelized, then materialized on ``device`` and initialized."""
-    args = cfg.model.model_args()
-    with torch.device("meta"):
-        model = Transformer(args)
-    split_stage(model, cfg.parallel.pp, mesh["pp"].get_local_rank())
-    runnable = parallelize(model, mesh, cfg)
-    model.to_empty(device=device)
-    with simplefsdp.disable_active_parametrization():
-        with warnings.catch_warnings():  # CPU DTensor random ops; overwritten just below
-            warnings.filterwarnings("ignore", message="DTensor random operators")
-            torch.manual_seed(cfg.training.seed)
-            model.init_weights()  # also recomputes the non-persistent RoPE buffer
-        if device.type == "cpu":
-            _copy_full_init(model, cfg)
-    return runnable, model
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,32 +96,6 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             dist.destroy_process_group()
 
 
-@dataclass
-class Setup:
-    """Everything the loop needs, built once by :func:`setup`."""
-
-    cfg: JobConfig  # with parallel sizes resolved
-    device: torch.device
-    mesh: Any
-    at: Coords  # this rank's coordinates (ParallelDims.coords)
-    loader: Any
-    tokenizer: Tokenizer
-    runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
-    model: nn.Module  # the underlying Transformer (or stage)
-    params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    schedule: Any  # the pipeline schedule, None without PP
-    ckpt: CheckpointManager | None
-    metrics: MetricsLogger
-    start_step: int
-    n_params: int
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
-
-
 def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     """Mesh, data, model, optimizer, checkpoint (resumed if asked), metrics."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,7 +108,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     at = dims.coords(rank)
     torch.manual_seed(t.seed)
     ckpt_folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
-    args = cfg.model.model_args()
+    family = cfg.model.family_entry()
     fingerprint = _fingerprint(cfg)
     resume_from = None
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
@@ -206,7 +120,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                           f"nothing to do; raise --training.steps above it to train on")
 
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
-    runnable, model = hf_hooks.build_model(cfg, mesh, device, default=build_model)
+    runnable, model = family.build(cfg, mesh, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
         model.document_eos = tokenizer.eos_id
     params = [q for q in model.parameters() if q.requires_grad]
@@ -235,8 +149,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
-                            flops_per_token=hf_hooks.flops_per_token(cfg, model, t.seq_len)
-                            or flops_per_token(args, t.seq_len),
+                            flops_per_token=family.flops_per_token(cfg, model, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard)
     s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
@@ -248,27 +161,20 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
 def _fingerprint(cfg: JobConfig) -> str:
     """The model config a checkpoint was written for (a Hugging Face model: its folder)."""
-    model_facts = dataclasses.asdict(cfg.model.model_args())
-    if cfg.model.hf_path is not None:
-        model_facts = {"hf_path": str(Path(cfg.model.hf_path).resolve())}
-    return config_fingerprint(model_facts)
+    return config_fingerprint(cfg.model.family_entry().fingerprint(cfg))
 
 
 def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: Coords):
     """This data-parallel rank's training batches and the tokenizer; refuses a corpus
     smaller than one global batch and a tokenizer that does not fit the model."""
-    t, vocab_size = cfg.training, cfg.model.model_args().vocab_size
+    t, family = cfg.training, cfg.model.family_entry()
     if tokenizer is None:
-        tokenizer = hf_hooks.choose_tokenizer(cfg)
+        tokenizer = family.tokenizer(cfg)
     elif not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
                         f"simplefsdp.train.data.Tokenizer protocol), got "
                         f"{type(tokenizer).__name__}")
-    hf_hooks.check_vocab(cfg, tokenizer)
-    if cfg.model.hf_path is None and tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
-                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
-                          f"{vocab_size}; raise model.vocab_size")
+    family.check_tokenizer(cfg, tokenizer)
     loader = build_loader(cfg, tokenizer, at.dp, at.dp_size,
                           min_windows=t.batch_size * at.dp_size * t.grad_accum_steps)
     return loader, tokenizer
@@ -359,7 +265,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
         path = Path(cfg.metrics.output_dir) / "model.safetensors"
         export_safetensors(s.model, path, s.pp_group)
         outputs.append(path)
-    exported = hf_hooks.export(cfg, s.model, s.tokenizer)
+    exported = cfg.model.family_entry().export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
     if rank0 and result.losses:

@@ -1,0 +1,36 @@
+"""Hugging Face causal LMs (``model.hf_path``) as a model family of ``models.registry``:
+transformers' own class from a local folder, parallelized with ``data_parallel`` and
+activation checkpointing, its weights loaded sharded under their own names, its
+tokenizer the folder's own, exported back to a folder transformers opens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models import registry
+from . import HFError, hooks
+
+
+def _validate(cfg) -> None:
+    if cfg.model.hf_path is None:
+        raise HFError(f"model.family = {cfg.model.family!r} trains a Hugging Face model: set "
+                      f"model.hf_path to its local folder")
+    hooks.validate_folder(cfg, cfg.model.hf_path)
+
+
+def _export(cfg, model, tokenizer) -> Path | None:
+    return hooks.export_hf_model(cfg, model, tokenizer) if cfg.checkpoint.export_hf else None
+
+
+registry.register(registry.ModelFamily(
+    name="hf",
+    validate=_validate,
+    build=hooks.build_hf,
+    parallelize=hooks.parallelize_hf,
+    tokenizer=hooks.choose_tokenizer,
+    check_tokenizer=hooks.check_vocab,
+    convert=None,  # the folder's names are the model's (``hf.model.name_sources``)
+    flops_per_token=hooks.flops_per_token,
+    fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
+    export=_export,
+))

@@ -1,0 +1,133 @@
+"""Our Llama as a model family of ``models.registry``: built on meta, split into pipeline
+stages, parallelized (``parallelize.py``), then initialized from ``training.seed`` or
+loaded from a Hugging Face Llama folder (``model.init_from_hf``, converted by
+``hf.convert``).
+
+Initialization does not depend on the parallel layout: on CPU every rank initializes
+the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
+initialized as DTensors, whose random ops use offsets into one stream.
+
+The Hugging Face pieces (weights, tokenizer files, export) are imported only when a job
+asks for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import simplefsdp
+from simplefsdp.state_dict import unwrapped_name
+
+from ..models import registry
+from ..models.llama import Transformer, flops_per_token
+from .config import ConfigError, JobConfig
+from .data import build_tokenizer
+from .parallelize import parallelize
+from .pipeline import split_stage
+
+
+@torch.no_grad()
+def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
+    """Overwrite every (sharded) parameter with its piece of a full model initialized
+    from the seed on this rank: the same weights for every parallel layout."""
+    torch.manual_seed(cfg.training.seed)
+    with torch.device("meta"):
+        reference = Transformer(cfg.model.model_args())
+    reference.to_empty(device="cpu")
+    reference.init_weights()
+    full = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        source = full[unwrapped_name(name)]
+        if isinstance(param, DTensor):
+            piece = distribute_tensor(source, param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param.to_local().copy_(piece)
+        else:
+            param.copy_(source)
+
+
+def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(module to call, the underlying Transformer/stage): built on meta, split for PP,
+    parallelized, then materialized on ``device`` and initialized (or, with
+    ``model.init_from_hf``, loaded)."""
+    if cfg.model.init_from_hf is not None:
+        from ..hf.hooks import build_llama_from_hf
+
+        return build_llama_from_hf(cfg, mesh, device, _convert)
+    args = cfg.model.model_args()
+    with torch.device("meta"):
+        model = Transformer(args)
+    split_stage(model, cfg.parallel.pp, mesh["pp"].get_local_rank())
+    runnable = parallelize(model, mesh, cfg)
+    model.to_empty(device=device)
+    with simplefsdp.disable_active_parametrization():
+        with warnings.catch_warnings():  # CPU DTensor random ops; overwritten just below
+            warnings.filterwarnings("ignore", message="DTensor random operators")
+            torch.manual_seed(cfg.training.seed)
+            model.init_weights()  # also recomputes the non-persistent RoPE buffer
+        if device.type == "cpu":
+            _copy_full_init(model, cfg)
+    return runnable, model
+
+
+def _validate(cfg: JobConfig) -> None:
+    if cfg.model.hf_path is not None:
+        raise ConfigError(f"model.hf_path trains a Hugging Face model: set model.family = "
+                          f"'hf' (or leave it out), not {cfg.model.family!r}")
+    if cfg.model.init_from_hf is not None:
+        from ..hf.hooks import validate_folder
+
+        validate_folder(cfg, cfg.model.init_from_hf)
+
+
+def _tokenizer(cfg: JobConfig):
+    """'auto' and 'byte': bytes; a tokenizer file: read by ``hf.tokenizer``."""
+    if cfg.data.tokenizer in ("auto", "byte"):
+        return build_tokenizer("byte")
+    from ..hf.hooks import choose_tokenizer
+
+    return choose_tokenizer(cfg)
+
+
+def _check_tokenizer(cfg: JobConfig, tokenizer) -> None:
+    vocab_size = cfg.model.model_args().vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has "
+                          f"{tokenizer.vocab_size} tokens but model.vocab_size = "
+                          f"{vocab_size}; raise model.vocab_size")
+
+
+def _convert(names: list[str], cfg: JobConfig) -> dict:
+    """Where each of our parameters lies in a Hugging Face Llama folder."""
+    from ..hf.convert import sources_from_hf
+
+    return sources_from_hf(names, cfg.model.model_args())
+
+
+def _export(cfg: JobConfig, model: nn.Module, tokenizer) -> Path | None:
+    if not cfg.checkpoint.export_hf:
+        return None
+    from ..hf.hooks import export_llama
+
+    return export_llama(cfg, model, tokenizer)
+
+
+registry.register(registry.ModelFamily(
+    name="llama",
+    validate=_validate,
+    build=build_model,
+    parallelize=parallelize,
+    tokenizer=_tokenizer,
+    check_tokenizer=_check_tokenizer,
+    convert=_convert,
+    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
+                                                                seq_len),
+    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    export=_export,
+))

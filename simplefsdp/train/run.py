@@ -1,0 +1,59 @@
+"""What one training run holds (:class:`Setup`, built by ``trainer.setup``) and returns
+(:class:`TrainResult`): their own module, so the step and console modules that take a
+``Setup`` do not import the trainer back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..mesh import Coords
+    from .checkpoint import CheckpointManager
+    from .config import JobConfig
+    from .data import Tokenizer
+    from .metrics import MetricsLogger
+
+
+@dataclass
+class TrainResult:
+    """What a run did; ``losses[i]`` is the global loss of step ``start_step + i + 1``."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    start_step: int = 0
+    steps: int = 0
+    wall_time_s: float = 0.0
+    num_params: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    output_dir: str = ""
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once by ``trainer.setup``."""
+
+    cfg: JobConfig  # with parallel sizes resolved
+    device: torch.device
+    mesh: Any
+    at: Coords  # this rank's coordinates (ParallelDims.coords)
+    loader: Any
+    tokenizer: Tokenizer
+    runnable: nn.Module  # what the loop calls (compiled / pipeline stage)
+    model: nn.Module  # the underlying Transformer (or stage)
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    schedule: Any  # the pipeline schedule, None without PP
+    ckpt: CheckpointManager | None
+    metrics: MetricsLogger
+    start_step: int
+    n_params: int
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.cfg.parallel.pp > 1 else None
