@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                         help="search: processes tracing (each one tensor-parallel size, "
                              "with or without PP, at a time); default: 2 where there are "
-                             "2 cores (8B on 8 GPUs: 92 s -> 47 s on 2 idle cores; on "
-                             "2 cores busy with another job, use 1)")
+                             "2 cores (on cores busy with another job, use 1)")
     args, overrides = parser.parse_known_args(argv)
     try:
         dev = gpu_profile(args.gpu)
