@@ -96,8 +96,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None
         root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if root:
         parallelize_module(model, tp_mesh, root)
-    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                         desired_input_layouts=(Replicate(), None))
+    # attention(x, rope, mask): only x is sequence-sharded
+    gather_sequence = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                         desired_input_layouts=(Replicate(), None, None))
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": gather_sequence,
