@@ -11,7 +11,7 @@ The key hashes each file's path, size and mtime, the tokenizer's fingerprint (it
 serialized content), the EOS id, ``data.text_field`` and the dtype: a changed file or
 tokenizer is a new folder. A build writes ``<folder>.tmp-<pid>`` and renames it last, so
 a killed build never leaves a folder that looks complete (a dead build's temporary folder
-is removed by the next build). The files are cut into chunks (a ``.txt`` file, 8 MB of
+is removed by the next build). The files are cut into chunks (a ``.txt`` file, 4 MB of
 ``.jsonl`` lines, a parquet row group) that worker processes tokenize in batches.
 """
 
@@ -35,7 +35,7 @@ from ..train.config_reader import ConfigError
 from .sources import Source, documents, jsonl_lines, parquet_rows, parse_jsonl
 
 FORMAT_VERSION = 1
-CHUNK_BYTES = 8 << 20  # .jsonl bytes per worker task
+CHUNK_BYTES = 4 << 20  # .jsonl bytes per worker task
 ENCODE_BATCH = 256  # documents per encode_batch call
 PROGRESS_EVERY_S = 2.0
 
@@ -156,21 +156,23 @@ def _tokenize_chunk(task: tuple[int, tuple[int, int, int]]) -> tuple[int, np.nda
     texts = [t for t in _chunk_texts(w["files"], w["field"], index, start, stop) if t]
     eos, dtype, tok = w["eos"], w["dtype"], w["tokenizer"]
     encode_batch = getattr(tok, "encode_batch", None)
-    lengths, largest, vocab = [], -1, w["vocab_size"]
+    lengths, vocab = [], w["vocab_size"]
     with open(w["tmp"] / f"chunk-{i:06d}.bin", "wb") as out:
         for b in range(0, len(texts), ENCODE_BATCH):
             batch = texts[b:b + ENCODE_BATCH]
             ids = encode_batch(batch) if encode_batch else [tok.encode(t) for t in batch]
-            for doc in ids:
-                arr = np.asarray(doc + [eos] if eos is not None else doc, dtype=np.int64)
-                if arr.size:
-                    largest = max(largest, int(arr.max()))
-                    if arr.min() < 0 or largest >= vocab:
-                        raise ConfigError(f"data.tokenizer: the tokenizer gave id {largest}, "
-                                          f"outside its vocab_size = {vocab}; fix the "
-                                          f"tokenizer's vocab_size")
-                out.write(arr.astype(dtype).tobytes())
-                lengths.append(arr.size)
+            flat: list[int] = []
+            for doc in ids:  # one array per batch: per-document arrays cost more than BPE
+                flat.extend(doc)
+                if eos is not None:
+                    flat.append(eos)
+                lengths.append(len(doc) + (eos is not None))
+            arr = np.asarray(flat, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+                raise ConfigError(f"data.tokenizer: the tokenizer gave id {int(arr.max())}, "
+                                  f"outside its vocab_size = {vocab}; fix the tokenizer's "
+                                  f"vocab_size")
+            out.write(arr.astype(dtype).tobytes())
     return i, np.asarray(lengths, dtype=np.int64)
 
 
