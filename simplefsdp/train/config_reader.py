@@ -87,6 +87,8 @@ def _first_that_reads(read, value: Any, tp: Any, key: str) -> Any:
     for alternative in _union(tp)[0]:
         try:
             return read(value, alternative, key)
+        except NotFinite:
+            raise  # the type matched: the value itself is wrong, whatever the union
         except ConfigError:
             continue
     raise ConfigError(f"{key} = {value!r} is invalid: expected {_type_name(tp)}")
@@ -117,10 +119,14 @@ def _check(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+class NotFinite(ConfigError):
+    """A float field read NaN or an infinity."""
+
+
 def _finite(value: float, key: str) -> float:
     """Reject NaN and infinities (``1e400`` in TOML reads as inf): they would train to NaN."""
     if not math.isfinite(value):
-        raise ConfigError(f"{key} = {value!r} is invalid: expected a finite number")
+        raise NotFinite(f"{key} = {value!r} is invalid: expected a finite number")
     return value
 
 
