@@ -68,7 +68,10 @@ class Cell:
 
     @property
     def world(self) -> int:
-        return self.dp[0] * self.dp[1] * self.tp * self.pp
+        from simplefsdp.mesh import ParallelDims
+
+        return ParallelDims(pp=self.pp, dp_replicate=self.dp[0], dp_shard=self.dp[1],
+                            tp=self.tp).world_size
 
     @property
     def name(self) -> str:
@@ -164,15 +167,16 @@ class _Built:
 
     def __init__(self, cell: Cell, compiled: bool):
         import simplefsdp as sf
-        from simplefsdp.mesh import stage_group
+        from simplefsdp.mesh import ParallelDims, stage_group
         from simplefsdp.models.llama import Transformer
         from simplefsdp.train.parallelize import apply_ac, apply_tp, check_composition
         from simplefsdp.train.pipeline import build_schedule, split_stage
 
         check_composition(cell.ac, compiled, cell.backend)
         replicate, shard = cell.dp
-        self.mesh = sf.make_mesh(dp_shard=shard, dp_replicate=replicate, tp=cell.tp,
-                                 pp=cell.pp)
+        dims = ParallelDims(pp=cell.pp, dp_replicate=replicate, dp_shard=shard, tp=cell.tp)
+        self.mesh = dims.build_mesh()
+        at = dims.coords(dist.get_rank())
         self.backend = None
         if compiled:  # before the model, so a refused setting costs nothing
             group = stage_group(self.mesh) if cell.bucketing == "auto" else None
@@ -180,7 +184,7 @@ class _Built:
                                               reordering=True, group=group)
         torch.manual_seed(0)  # the same initial weights on every rank and run
         model = Transformer(_model_args())
-        stage = self.mesh["pp"].get_local_rank()
+        stage = at.pp
         split_stage(model, cell.pp, stage)
         if cell.tp > 1:
             apply_tp(model, self.mesh["tp"], SEQ)
@@ -198,8 +202,7 @@ class _Built:
 
             self.schedule, _ = build_schedule(runnable, self.mesh["pp"], torch.device("cpu"),
                                               MICROBATCHES, loss_fn)
-        self.dp_index = (self.mesh["dp_replicate"].get_local_rank() * shard
-                         + self.mesh["dp_shard"].get_local_rank())
+        self.dp_index = at.dp
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
 
     def step(self, step: int) -> float:

@@ -324,7 +324,7 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
-            local = _dim0_chunk(local, mesh.size(dim), mesh.get_local_rank(dim))
+            local = _dim0_chunk(local, mesh.size(dim), ParallelDims.local_rank(mesh, dim))
             tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
             # DP slices *within* the TP shard: DTensor calls that a strided shard.
             placement = StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the built mesh, outermost first
+# The experts' mesh (ParallelDims.expert_mesh): the job mesh with dp_shard split, ep inside.
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 # Degrees whose parallelism is not implemented yet: only 1 is accepted.
 NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
@@ -198,7 +201,9 @@ class ParallelDims:
     def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
         """The sub-mesh ``mode`` runs on: ``dp_shard`` for fully_shard, ``dp_replicate`` for
         replicate, both for hybrid_shard (the loader's and the loss's data-parallel
-        ranks). A mesh without our dim names is used as given."""
+        ranks, and the ranks parameters are sharded over: ``dp_shard x cp`` will need its
+        own mesh once context parallelism lands). A mesh without our dim names is used as
+        given."""
         names = mesh.mesh_dim_names or ()
         if not {"dp_replicate", "dp_shard"} <= set(names):
             return mesh
@@ -209,14 +214,54 @@ class ParallelDims:
             return mesh["dp_replicate", "dp_shard"]
         return mesh["dp_shard"] if mode == "fully_shard" else mesh["dp_replicate"]
 
-    def shard_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh parameters are sharded over: ``dp_shard`` (``dp_shard x cp`` once
-        context parallelism lands)."""
-        return mesh["dp_shard"]
+    @staticmethod
+    def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+        """The experts' mesh over the job ``mesh``'s ranks (dims ``MESH_DIMS``, as
+        :meth:`build_mesh` makes them): ``dp_shard`` split into ``(dp_shard / ep, ep)``, ``ep``
+        inside so that neighbouring ranks exchange tokens; dims ``EXPERT_MESH_DIMS``, where
+        ``dp_shard`` now counts the ranks holding the *same* experts."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if names != MESH_DIMS:
+            raise ValueError(f"expert_mesh needs the job mesh (dims {', '.join(MESH_DIMS)}, "
+                             f"as simplefsdp.make_mesh builds it), got dims {names}")
+        dp_shard = mesh["dp_shard"].size()
+        ParallelDims.check_ep(ep, dp_shard)
+        ranks = mesh.mesh.unflatten(MESH_DIMS.index("dp_shard"), (dp_shard // ep, ep))
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
-    def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
-        """The experts' mesh: None while ``ep = 1`` (no expert parallelism yet)."""
-        return None
+    @staticmethod
+    def check_ep(ep: int, dp_shard: int, prefix: str = "") -> None:
+        """Raise a ValueError unless ``ep`` divides ``dp_shard`` (the expert-parallel groups
+        are carved out of it); sizes named as the caller spells them (``prefix``)."""
+        if dp_shard % ep:
+            raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}dp_shard = {dp_shard} "
+                             f"(the expert-parallel groups are carved out of dp_shard)")
+
+    @staticmethod
+    def local_rank(mesh: DeviceMesh, dim: int | str | None = None) -> int:
+        """This rank's coordinate along ``dim`` (a name or an index) of ``mesh``; a 1-D mesh
+        needs no ``dim``. E.g. its pipeline stage along ``"pp"``."""
+        return mesh.get_local_rank(dim)
+
+    @staticmethod
+    def coordinate(mesh: DeviceMesh) -> list[int] | None:
+        """This rank's coordinates in ``mesh``, one per dim (None if not in it)."""
+        return mesh.get_coordinate()
+
+    @classmethod
+    def layouts(cls, world_size: int) -> Iterator[ParallelDims]:
+        """Every resolved way to lay ``world_size`` ranks out as ``tp x pp x dp_replicate x
+        dp_shard`` (cp = ep = 1), ordered by ``tp``, then ``pp``, then ``dp_replicate``,
+        each ascending (the planner's search filters these)."""
+        for tp in _divisors(world_size):
+            for pp in _divisors(world_size // tp):
+                dp = world_size // (tp * pp)
+                for rep in _divisors(dp):
+                    yield cls(pp=pp, dp_replicate=rep, dp_shard=dp // rep, tp=tp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 1,

@@ -255,6 +255,71 @@ def test_second_spellings_are_flagged(snippet, what):
     assert len(found) == 1 and what in found[0], found
 
 
+# ------------------------------------------------------------------ mesh rules
+# Issue 26 (debt 1): ParallelDims (simplefsdp/mesh.py) is the one place that computes a
+# degree or a rank's coordinate; the package and the scripts ask it.
+
+_DEGREE_NAMES = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"})
+MESH = "simplefsdp/mesh.py"
+
+
+def _mentioned(node: ast.AST) -> set[str]:
+    return {x.id for x in ast.walk(node) if isinstance(x, ast.Name)} | {
+        x.attr for x in ast.walk(node) if isinstance(x, ast.Attribute)}
+
+
+def mesh_rule_spellings(sources: dict[str, str]) -> list[str]:
+    """Mesh rules computed outside ``mesh.py``, as ``"path:line: what"``: arithmetic
+    combining two different degrees (``gpus // (tp * pp)``; a ratio of one degree, e.g.
+    a traced shard count over the planned one, is a scale, not a rule), and a rank's
+    coordinate read off a mesh (``get_local_rank``, ``get_coordinate``)."""
+    found = []
+    for path, source in sources.items():
+        if path == MESH:
+            continue
+        for n in ast.walk(_parse(source)):
+            where = f"{path}:{getattr(n, 'lineno', 0)}"
+            if isinstance(n, ast.BinOp) and isinstance(
+                    n.op, ast.Mult | ast.FloorDiv | ast.Div | ast.Mod):
+                left, right = _mentioned(n.left) & _DEGREE_NAMES, \
+                    _mentioned(n.right) & _DEGREE_NAMES
+                if left and right and len(left | right) >= 2:
+                    found.append(f"{where}: degrees combined {sorted(left | right)}")
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                    and n.func.attr in ("get_local_rank", "get_coordinate"):
+                found.append(f"{where}: a rank coordinate from {n.func.attr}")
+    return sorted(found)
+
+
+def test_parallel_dims_is_the_one_owner_of_mesh_rules():
+    src = _sources()
+    scripts = PACKAGE.parent / "scripts"
+    src.update({str(p.relative_to(PACKAGE.parent)): p.read_text()
+                for p in sorted(scripts.glob("*.py"))})
+    assert _defs(src, ast.ClassDef, lambda n: n in ("ParallelDims", "Coords")) == [
+        (MESH, "Coords"), (MESH, "ParallelDims")]
+    owned = ("dp_degree", "dp_shard_cp", "coords", "local_rank", "coordinate", "build_mesh",
+             "data_parallel_mesh", "expert_mesh", "shard_mesh", "world_size")
+    assert {p for p, _ in _defs(src, ast.FunctionDef, lambda n: n in owned)} == {MESH}
+    assert mesh_rule_spellings(src) == []
+
+
+@pytest.mark.parametrize("snippet, what", [
+    ("def f(gpus, tp, pp):\n    return gpus // (tp * pp)", "degrees combined"),
+    ("def f(p):\n    return p.dp_replicate * p.dp_shard", "degrees combined"),
+    ("def f(mesh):\n    return mesh['pp'].get_local_rank()", "get_local_rank"),
+    ("def f(mesh):\n    return mesh.get_coordinate()", "get_coordinate"),
+])
+def test_mesh_rule_spellings_are_flagged(snippet, what):
+    found = mesh_rule_spellings({"simplefsdp/plan/x.py": snippet})
+    assert len(found) == 1 and what in found[0], found
+
+
+def test_a_ratio_of_one_degree_is_not_a_mesh_rule():
+    assert mesh_rule_spellings({"simplefsdp/plan/x.py":
+                                "def f(tr, p):\n    return tr.key.dp_shard / p.dp_shard"}) == []
+
+
 # ------------------------------------------------------------------ size of functions
 
 MAX_FUNCTION_LINES = 80

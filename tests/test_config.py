@@ -117,7 +117,7 @@ def test_bad_file_input_names_the_key(tmp_path: Path, text: str, named: str):
 def test_world_size_product():
     par = load_config(None, ["--parallel.tp", "2", "--parallel.pp", "2"]).parallel
     resolved = par.resolve(8)
-    assert (resolved.dp_shard, resolved.dp_degree) == (2, 2)
+    assert (resolved.dp_shard, resolved.dims().dp) == (2, 2)
     with pytest.raises(ConfigError, match="not divisible"):
         par.resolve(6)
     fixed = load_config(None, ["--parallel.dp_shard", "3"]).parallel
@@ -127,7 +127,7 @@ def test_world_size_product():
     with pytest.raises(ConfigError, match="dp_replicate = 4"):
         replicate.resolve(4)
     assert load_config(None, ["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
-                              "--parallel.dp_replicate", "4"]).parallel.resolve(4).dp_degree == 4
+                              "--parallel.dp_replicate", "4"]).parallel.resolve(4).dims().dp == 4
     with pytest.raises(ConfigError, match="hybrid_shard"):
         load_config(None, ["--parallel.dp_replicate", "2"])
 
@@ -208,6 +208,21 @@ def test_parallel_dims_arithmetic():
     # ep divides dp_shard * cp (checked before the not-implemented refusal)
     with pytest.raises(ValueError, match=r"^ep = 3 must divide dp_shard \* cp = 4"):
         ParallelDims(dp_shard=4, ep=3)
+
+
+def test_parallel_dims_layouts():
+    """The layouts of 12 ranks (the planner's candidates before its filters), against a
+    count by hand: 12 = 2^2 * 3 over 4 degrees is C(5, 3) * C(4, 3) = 10 * 4 = 40 ordered
+    factorizations, visited by tp, then pp, then dp_replicate."""
+    from simplefsdp.mesh import ParallelDims
+
+    got = [(d.tp, d.pp, d.dp_replicate, d.dp_shard) for d in ParallelDims.layouts(12)]
+    assert len(got) == len(set(got)) == 40 and got == sorted(got)
+    assert all(tp * pp * rep * shard == 12 for tp, pp, rep, shard in got)
+    assert got[:4] == [(1, 1, 1, 12), (1, 1, 2, 6), (1, 1, 3, 4), (1, 1, 4, 3)]
+    assert got[-1] == (12, 1, 1, 1)
+    assert [(d.tp, d.pp, d.dp_replicate, d.dp_shard) for d in ParallelDims.layouts(1)] == [
+        (1, 1, 1, 1)]
 
 
 def test_pipeline_rules_have_one_owner():

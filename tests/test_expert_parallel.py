@@ -9,6 +9,7 @@ from rank_runner import run_ranks
 from torch.distributed.tensor import DTensor, Shard
 
 import simplefsdp as sf
+from simplefsdp.mesh import ParallelDims
 from simplefsdp.models import moe
 from simplefsdp.parallel import expert
 
@@ -86,7 +87,7 @@ def _ep_fsdp(rank: int, world: int, ep: int):
     model = moe.MoETransformer(ARGS)
     model.init_weights()
     mesh = sf.make_mesh(dp_shard=world)
-    experts_mesh = expert.expert_mesh(mesh, ep)
+    experts_mesh = ParallelDims.expert_mesh(mesh, ep)
     expert.apply_ep(model, experts_mesh)
     expert.shard_experts(model, experts_mesh, mode="fully_shard", reduce_op="sum")
     sf.data_parallel(model, mesh, mode="fully_shard", reduce_op="sum")

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..data_parallel import dim0_rows
+from ..mesh import ParallelDims
 from . import HFError
 
 LoadMode = Literal["broadcast", "all_ranks"]
@@ -284,7 +285,7 @@ def _load_dtensor(value: DTensor, files: WeightFiles, src: Source, mode: LoadMod
     local = value.to_local()
     total = value.shape[0]
     if mode == "all_ranks":
-        start, stop = row_range(total, mesh, placements, mesh.get_coordinate())
+        start, stop = row_range(total, mesh, placements, ParallelDims.coordinate(mesh))
         if stop > start:
             rows = _read_rows(files, src, start, stop, total)
             report.bytes_read += rows.numel() * rows.element_size()

@@ -2,7 +2,8 @@
 layer's routed experts, and tokens travel to the rank of their expert and back.
 
 The experts' mesh is the job's mesh with ``dp_shard`` split in two, ``(dp_shard / ep, ep)``,
-``ep`` inside (neighbouring ranks exchange tokens): :func:`expert_mesh`. Its dims are named
+``ep`` inside (neighbouring ranks exchange tokens): ``simplefsdp.mesh.ParallelDims.expert_mesh``
+builds it. Its dims are named
 as the job mesh's, ``dp_shard`` now meaning the ranks that hold the *same* experts, so
 ``data_parallel`` runs on it unchanged in every mode (``fully_shard`` shards each EP
 group's local experts over those ranks, ``hybrid_shard`` adds the replicas, ``replicate``
@@ -35,9 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .._torch_compat import all_to_all_single_autograd
+from ..mesh import ParallelDims
 from ..models.moe import expert_ffn, moe_layers
-
-EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 
 
 def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
@@ -47,23 +47,8 @@ def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = Non
     if num_experts is not None and num_experts % ep:
         raise ValueError(f"{prefix}ep = {ep} does not divide the {num_experts} experts; pick "
                          f"a divisor of the number of experts")
-    if dp_shard is not None and dp_shard % ep:
-        raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}dp_shard = {dp_shard} "
-                         f"(the expert-parallel groups are carved out of dp_shard)")
-
-
-def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The experts' mesh over ``mesh``'s ranks (dims ``pp, dp_replicate, dp_shard, tp`` as
-    ``simplefsdp.make_mesh`` builds them): ``dp_shard`` split into ``(dp_shard / ep, ep)``,
-    dims :data:`EXPERT_MESH_DIMS`. Collective: every rank builds every group."""
-    names = tuple(mesh.mesh_dim_names or ())
-    if names != ("pp", "dp_replicate", "dp_shard", "tp"):
-        raise ValueError(f"expert_mesh needs the job mesh (dims pp, dp_replicate, dp_shard, "
-                         f"tp, as simplefsdp.make_mesh builds it), got dims {names}")
-    dp_shard = mesh["dp_shard"].size()
-    check_ep(ep, dp_shard=dp_shard)
-    ranks = mesh.mesh.unflatten(2, (dp_shard // ep, ep))
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+    if dp_shard is not None:
+        ParallelDims.check_ep(ep, dp_shard, prefix)
 
 
 def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
@@ -151,5 +136,4 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
             + torch.arange(total, device=sizes.device))
 
 
-__all__ = ["EXPERT_MESH_DIMS", "ExpertParallelExperts", "apply_ep", "check_ep",
-           "expert_mesh", "shard_experts"]
+__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "shard_experts"]

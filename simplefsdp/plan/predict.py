@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..hardware import GiB, gpu_profile
+from ..mesh import ParallelDims
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
@@ -101,7 +102,8 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
-            fits = p.dp_shard * dp_rep_t * p.tp <= FAKE_WORLD
+            fits = ParallelDims(dp_replicate=dp_rep_t, dp_shard=p.dp_shard,
+                                tp=p.tp).world_size <= FAKE_WORLD
             em = eager_memory(dataclasses.replace(
                 tr.key, dp_shard=p.dp_shard if fits else dp_shard_t), fits)
             fig.update(eager_peak=em.peak, eager_saved=em.saved)
@@ -159,7 +161,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "activations_gib": (role_active - states) / GiB,
                         "saved_per_microbatch_gib": f["saved"] / GiB, "step_s": stage_s}
     reserved = active * (1 + ALLOC_OVERHEAD)
-    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dp_degree
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
     tps = tokens / seconds / gpus
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,

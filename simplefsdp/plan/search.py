@@ -19,16 +19,13 @@ import copy
 from collections.abc import Iterator
 
 from ..hardware import gpu_profile
+from ..mesh import ParallelDims
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
 from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 AC_MODES = ("none", "selective", "full")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _cause(e: Exception) -> str:
@@ -40,22 +37,22 @@ def _cause(e: Exception) -> str:
 def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig]:
     """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set)."""
     n_layers = cfg.model.model_args().n_layers
-    for tp in [d for d in _divisors(gpus) if d <= gpus_per_node and d & (d - 1) == 0]:
-        for pp in [d for d in _divisors(gpus // tp) if d <= n_layers]:
-            dp = gpus // (tp * pp)
-            for rep in _divisors(dp):
-                if rep > 1 and dp // rep < min(gpus_per_node, dp):
-                    continue
-                for batch in [1, 2] if pp == 1 else [pp, 2 * pp]:
-                    for ac in AC_MODES:
-                        c = copy.deepcopy(cfg)
-                        c.parallel.tp, c.parallel.pp = tp, pp
-                        c.parallel.dp_replicate, c.parallel.dp_shard = rep, dp // rep
-                        c.parallel.dp_mode = "fully_shard" if rep == 1 else "hybrid_shard"
-                        c.parallel.pp_microbatches = batch if pp > 1 else 1
-                        c.training.batch_size = batch
-                        c.activation_checkpoint.mode = ac
-                        yield c
+    for dims in ParallelDims.layouts(gpus):
+        tp, pp, rep, shard = dims.tp, dims.pp, dims.dp_replicate, dims.dp_shard
+        if tp > gpus_per_node or tp & (tp - 1) or pp > n_layers:
+            continue
+        if rep > 1 and shard < min(gpus_per_node, dims.dp):
+            continue
+        for batch in [1, 2] if pp == 1 else [pp, 2 * pp]:
+            for ac in AC_MODES:
+                c = copy.deepcopy(cfg)
+                c.parallel.tp, c.parallel.pp = tp, pp
+                c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
+                c.parallel.dp_mode = "fully_shard" if rep == 1 else "hybrid_shard"
+                c.parallel.pp_microbatches = batch if pp > 1 else 1
+                c.training.batch_size = batch
+                c.activation_checkpoint.mode = ac
+                yield c
 
 
 def _lower_bound(c: JobConfig) -> float:
@@ -106,7 +103,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
         params = memory.stage_params(args, role, n, p.tp) / p.dims().dp_shard_cp
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
-    return t.batch_size * t.seq_len * t.grad_accum_steps * p.dp_degree / seconds / gpus
+    return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus
 
 
 def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev) -> list[list[JobConfig]]:

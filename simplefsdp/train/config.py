@@ -148,11 +148,6 @@ class ParallelConfig:
             return self.pp == 1
         return self.reshard_after_forward
 
-    @property
-    def dp_degree(self) -> int:
-        """Number of data-parallel ranks (after ``resolve``)."""
-        return self.dims().dp
-
 
 @dataclass
 class ActivationCheckpointConfig:

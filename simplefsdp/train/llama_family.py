@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
 from .config import ConfigError, JobConfig
@@ -63,7 +64,7 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
     args = cfg.model.model_args()
     with torch.device("meta"):
         model = Transformer(args)
-    split_stage(model, cfg.parallel.pp, mesh["pp"].get_local_rank())
+    split_stage(model, cfg.parallel.pp, ParallelDims.local_rank(mesh, "pp"))
     runnable = parallelize(model, mesh, cfg)
     model.to_empty(device=device)
     with simplefsdp.disable_active_parametrization():

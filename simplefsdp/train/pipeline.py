@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..mesh import ParallelDims
 from ..models.llama import Transformer
 from .config import check_pipeline
 
@@ -53,7 +54,7 @@ def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.d
     microbatches (``scale_grads=False``): it must already carry the normalization."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    pp, stage_index = pp_mesh.size(), pp_mesh.get_local_rank()
+    pp, stage_index = pp_mesh.size(), ParallelDims.local_rank(pp_mesh)
     stage = PipelineStage(stage_module, stage_index, pp, device, group=pp_mesh.get_group())
     kind = Schedule1F1B if n_microbatches >= pp else ScheduleGPipe
     return kind(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False), stage
