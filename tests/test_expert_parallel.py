@@ -42,6 +42,31 @@ def test_bad_input_refused():
         expert.apply_ep(dense, None)
 
 
+def _expert_mesh_layout(rank: int, world: int):
+    mesh = sf.make_mesh(dp_shard=2, tp=2)  # ranks [[[[0, 1], [2, 3]]]]: tp inside dp_shard
+    experts = ParallelDims.expert_mesh(mesh, 2)
+    refused = ""
+    try:
+        ParallelDims.expert_mesh(mesh, 3)
+    except ValueError as e:
+        refused = str(e)
+    return (experts.mesh_dim_names, experts.mesh.tolist(),
+            sorted(experts["ep"].mesh.tolist()), refused)
+
+
+def test_expert_mesh_layout():
+    """The experts' mesh over 4 gloo ranks laid out (dp_shard 2, tp 2), against the layout
+    by hand: dp_shard splits into (dp_shard / ep = 1, ep = 2), so each tp column's two
+    dp_shard ranks form an ep group: {0, 2} on tp 0 and {1, 3} on tp 1."""
+    results = run_ranks(_expert_mesh_layout, 4)
+    names, ranks, _, refused = results[0]
+    assert names == ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+    assert ranks == [[[[[0, 1], [2, 3]]]]]
+    assert [r[2] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert refused == "ep = 3 does not divide dp_shard = 2 (the expert-parallel groups " \
+                      "are carved out of dp_shard)"
+
+
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     out = []
