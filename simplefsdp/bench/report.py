@@ -129,6 +129,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                                for p in m.get("passes") or []) or None
         if m.get("passes") is not None:
             row["passes"] = m["passes"]
+        if m.get("calibration") is not None:
+            row["calibration"] = m["calibration"]
         same_data = spec.communicates or cfg.bench.world_size == 1
         if same_data and reference is not None and not cfg.bench.fake_pg:
             diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
@@ -220,7 +222,15 @@ def header_lines(results: dict) -> list[str]:
         f"backend {m['compile_backend']}",
         f"real figures: {m['real_figures']}",
     ]
+    lines += [f"{r['name']}'s calibration: {_calibration(r['calibration'])}"
+              for r in results["variants"] if r.get("calibration")]
     return lines
+
+
+def _calibration(c: dict) -> str:
+    age = "-" if c["age_s"] is None else f"{c['age_s'] / 3600:.1f} h old"
+    return (f"{c['source']}, {c['file'] or 'no cache file'} ({age}), compute_slowdown "
+            f"{c['compute_slowdown']:.3f}")
 
 
 def format_table(results: dict, markdown: bool = False) -> str:

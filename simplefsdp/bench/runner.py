@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import simplefsdp as sf
 
 from .._torch_compat import disable_compile_caches, dynamo_counters, raise_recompile_limits
+from ..calibrate import calibration_used
 from ..models.llama import Transformer, num_params
 from ..train.data import TextDataset
 from . import measure
@@ -248,6 +249,8 @@ def _record(v: _Live) -> dict:
                           "decisions": len(r.decisions),
                           "estimated_exposed_s": r.estimated_exposed_s,
                           "pass_s": r.pass_seconds} for r in backend.reports]
+    if getattr(backend, "comm_model", None) is not None:  # auto/greedy: the cost model's
+        rec["calibration"] = calibration_used(backend.comm_model)
     return rec
 
 
@@ -278,6 +281,7 @@ def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str
             "peak_bytes": max(r["held"] + r["transient"] for r in recs),
             "comm_blocked_s": max(r["blocked_s"] for r in recs),
             "passes": recs[0].get("passes"),
+            "calibration": recs[0].get("calibration"),
             "compiles_in_measured_steps": max(r["late_compiles"] for r in recs),
         }
     return out

@@ -15,6 +15,8 @@ import os
 import platform
 import statistics
 import tempfile
+import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from ...agreement import (
 )
 from ...hardware import KNOWN_FABRICS
 from ..collectives import COLLECTIVE_KINDS, collective_kind
+from . import drift
 from .compute import time_callable
 from .fit import robust_fit
 from .probes import (
@@ -311,7 +314,7 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_name": name,
         "torch_version": torch.__version__,
         "group": list(group_layout(group)),
-        "format": 7,
+        "format": 8,  # 8: the file holds its creation time and the probe's reference
     }
 
 
@@ -321,22 +324,34 @@ def cache_path(key: dict[str, Any], folder: Path | None = None) -> Path:
     return (folder if folder is not None else cache_dir()) / f"comm_model_{digest}.json"
 
 
-def _load_cached(key: dict[str, Any]) -> CommModel | None:
-    path = cache_path(key)
+def load_record(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cache file of ``key`` as stored (``key``, ``model``, ``created``: Unix time,
+    ``probe``: the probe's reading right after calibrating), or None when absent,
+    unreadable or written for another key."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(cache_path(key).read_text())
         if data.get("key") != key:
             return None
-        return dataclasses.replace(CommModel.from_dict(data["model"]), source="cache")
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        CommModel.from_dict(data["model"])  # readable, or the file counts as absent
+        return data
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
 
 
-def _store_cached(key: dict[str, Any], model: CommModel) -> None:
+def _load_cached(key: dict[str, Any]) -> CommModel | None:
+    data = load_record(key)
+    if data is None:
+        return None
+    return dataclasses.replace(CommModel.from_dict(data["model"]), source="cache")
+
+
+def _store_cached(key: dict[str, Any], model: CommModel,
+                  probe: dict[str, float] | None = None) -> None:
     path = cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps({"key": key, "model": model.to_dict()}, indent=1, sort_keys=True)
+        payload = json.dumps({"key": key, "model": model.to_dict(), "created": time.time(),
+                              "probe": probe}, indent=1, sort_keys=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
@@ -349,16 +364,28 @@ def _store_cached(key: dict[str, Any], model: CommModel) -> None:
         pass  # a read-only home must not break training; the next run calibrates again
 
 
+def cached_figures(record: dict[str, Any]) -> dict[str, float | None]:
+    """What the probe checks in a cache record: its ``compute_slowdown`` and the
+    ``matmul_s`` read right after it was calibrated (None when not stored)."""
+    return {"compute_slowdown": float(record["model"].get("compute_slowdown", 1.0)),
+            "matmul_s": (record.get("probe") or {}).get("matmul_s")}
+
+
 def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
                    cache: bool = True, writer: int | None = None,
                    **calibrate_kwargs: Any) -> CommModel:
     """The communication model for ``group``: cached, freshly calibrated, or defaults.
 
     * ``cache=True``: rank 0 looks up ``cache_path(cache_key(group))`` and broadcasts what
-      it found, so all ranks agree even when only some of them see the file.
+      it found, so all ranks agree even when only some of them see the file. With
+      ``calibrate_on_miss=True`` a found calibration is first checked by the probe
+      (``drift.read_probe``, well under a second, collective): a figure off by more than
+      ``drift.MARGIN`` counts as a miss (a warning says which), so a calibration taken
+      on a busy machine is replaced instead of misleading every later run.
     * on a miss with ``calibrate_on_miss=True``: every rank runs :func:`calibrate`
       (collective) and the group's rank 0 (or the global rank ``writer``) stores the
-      result (tmp file + rename) when ``cache=True``.
+      result (tmp file + rename), its creation time and the probe's reading right after
+      it (the reference later probes compare with) when ``cache=True``.
     * ``calibrate_on_miss=False``: nothing is timed; a cached calibration is still used when
       ``cache=True``, otherwise the ``KNOWN_FABRICS`` default for the group's fabric.
 
@@ -378,15 +405,23 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bo
     key = cache_key(group, dev)
     is_rank0 = dist.get_rank(group) == 0
     if cache:
-        found = _load_cached(key) if is_rank0 else None
-        found = broadcast_from_rank0(found.to_dict() if found else None, group)
-        if found is not None:
-            return CommModel.from_dict(found)
+        record = broadcast_from_rank0(load_record(key) if is_rank0 else None, group)
+        if record is not None:
+            found = dataclasses.replace(CommModel.from_dict(record["model"]), source="cache")
+            if not calibrate_on_miss:
+                return found  # nothing timed (e.g. mid-compile): the cache as it is
+            # every rank has rank 0's record and the same agreed reading: one verdict
+            off = drift.disagreements(cached_figures(record), drift.read_probe(group, dev))
+            if not off:
+                return found
+            warnings.warn(f"simplefsdp: the cached calibration {cache_path(key)} disagrees "
+                          f"with this machine ({'; '.join(off)}): recalibrating", stacklevel=2)
     if not calibrate_on_miss:
         return default_comm_model(ws, _pick_fabric(ws, dev))
     model = calibrate(group, **calibrate_kwargs)
+    reference = drift.read_probe(group, dev) if cache else None  # what later probes compare
     if cache and (is_rank0 if writer is None else dist.get_rank() == writer):
-        _store_cached(key, model)
+        _store_cached(key, model, reference)
     return model
 
 
