@@ -127,6 +127,11 @@ def test_smoke_two_ranks(tmp_path):
     for name in auto["passes"][0]["bucket_names"]:
         assert name in report
     assert "blocked ms" in proc.stdout and "est. ms" in proc.stdout
+    # the report names the calibration the auto variant's cost model used (issue 31)
+    cal = auto["calibration"]
+    assert cal["source"] in ("cache", "calibrated") and cal["compute_slowdown"] >= 1.0
+    assert "simplefsdp-auto's calibration: " in proc.stdout
+    assert "simplefsdp-auto's calibration: " in report
     # Same weights, same data: every data-parallel variant trains the same model, the
     # one a single process trains on the global batch (simplefsdp-eager, the report's
     # own loss reference, included).
