@@ -76,6 +76,7 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
             dist.barrier()
             with open(path) as f:
                 stored = json.load(f)
+            dist.barrier()  # every rank has read it before rank 0 poisons it again
             out[field] = {"calls": len(calls), "source": model.source, "poisoned": poisoned,
                           "report": report, "stored": stored}
     finally:
