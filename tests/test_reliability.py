@@ -471,7 +471,7 @@ from pathlib import Path
 from simplefsdp.train import checkpoint
 from simplefsdp.train.__main__ import run
 
-def slow_save(self, step):
+def slow_save(self, step, wait=False):  # CheckpointManager.save's signature
     Path(sys.argv[1]).touch()
     time.sleep(600)
     raise AssertionError("the second signal did not stop the run")
