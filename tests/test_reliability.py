@@ -36,13 +36,18 @@ from simplefsdp.train.trainer import main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _argv(out: Path, *extra: str, steps: int = 8) -> list[str]:
+def tiny_run(out: Path, steps: int) -> list[str]:
+    """A tiny Llama (dim 32, 2 layers) for `steps` steps, a CSV row per step in `out`
+    (test_restarts uses it too)."""
     return ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
             "--model.n_kv_heads", "2", "--training.seq_len", "32",
             "--training.batch_size", "2", "--training.steps", str(steps),
             "--training.warmup_steps", "2", "--training.lr", "1e-2",
-            "--metrics.log_every", "1", "--metrics.output_dir", str(out),
-            "--checkpoint.folder", str(out / "ckpt"), *extra]
+            "--metrics.log_every", "1", "--metrics.output_dir", str(out)]
+
+
+def _argv(out: Path, *extra: str, steps: int = 8) -> list[str]:
+    return [*tiny_run(out, steps), "--checkpoint.folder", str(out / "ckpt"), *extra]
 
 
 def _random_mask(inputs: torch.Tensor, targets: torch.Tensor):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rank_runner import run_ranks
+from test_reliability import tiny_run
 
 from simplefsdp.net import free_port
 from simplefsdp.train import elastic
@@ -34,13 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _argv(out: Path, *extra: str, steps: int = 8) -> list[str]:
-    """A tiny Llama (dim 32, 2 layers), a checkpoint every 2 steps, a CSV row per step."""
-    return ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
-            "--model.n_kv_heads", "2", "--training.seq_len", "32",
-            "--training.batch_size", "2", "--training.steps", str(steps),
-            "--training.warmup_steps", "2", "--training.lr", "1e-2",
-            "--metrics.log_every", "1", "--metrics.output_dir", str(out),
-            "--checkpoint.enable", "true", "--checkpoint.every", "2",
+    """test_reliability's tiny run with a checkpoint every 2 steps, all kept."""
+    return [*tiny_run(out, steps), "--checkpoint.enable", "true", "--checkpoint.every", "2",
             "--checkpoint.keep_latest", "0", *extra]
 
 
