@@ -230,6 +230,24 @@ def missing_inductor_options(names) -> list[str]:
     return [k for k in names if k not in known]
 
 
+def overlap_scheduler_missing() -> str | None:
+    """Why Inductor's overlap scheduler (``aten_distributed_optimizations``) cannot run
+    here, or None: its roofline estimate of every compute node reads the GPU's DRAM
+    bandwidth through ``triton.testing``, so a machine without triton (a CPU-only
+    install) fails inside the pass. checked: 2.13 (no option avoids the call)."""
+    try:
+        from torch._inductor.utils import get_gpu_dram_gbps
+    except ImportError:  # older torch: the scheduler does not ask
+        return None
+    try:
+        get_gpu_dram_gbps()
+    except ImportError as e:
+        return f"its runtime estimates need triton ({e})"
+    except Exception:  # noqa: BLE001 - triton is there; no GPU to measure is its business
+        return None
+    return None
+
+
 def disable_compile_caches() -> None:
     """Turn off Inductor's FX graph caches (local, remote) and AOTAutograd's cache, so
     every compile is cold. Version fallback: options missing from a version are skipped.

@@ -285,3 +285,16 @@ def test_blocked_time_counts_outermost_communication_once():
              (20_000_000, 21_000_000)]
     assert _union_s(spans) == 0.013
     assert _union_s([]) == 0
+
+
+def test_overlap_scheduler_without_triton_is_unavailable_not_failed(monkeypatch):
+    """torch 2.13's overlap scheduler reads the GPU bandwidth through triton for every
+    compute node: without triton the variant is reported unavailable, with the reason,
+    before anything is built (it used to fail inside Inductor on every rank)."""
+    from simplefsdp.bench.variants import VARIANTS, VariantUnavailable
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.setitem(sys.modules, "triton.testing", None)
+    with pytest.raises(VariantUnavailable, match="overlap scheduler fails here: its runtime "
+                                                 "estimates need triton"):
+        VARIANTS["upstream-overlap-scheduler"].build(None)

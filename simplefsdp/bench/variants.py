@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import simplefsdp as sf
 
-from .._torch_compat import compile_fx, missing_inductor_options
+from .._torch_compat import compile_fx, missing_inductor_options, overlap_scheduler_missing
 from ..models.llama import ModelArgs, Transformer
 
 
@@ -143,6 +143,9 @@ def _check_inductor_options(patches: dict) -> None:
 def _upstream(patches: dict) -> Callable[[BuildContext], Built]:
     def build(ctx: BuildContext) -> Built:
         _check_inductor_options(patches)
+        if patches is UPSTREAM_OVERLAP_SCHEDULER and (why := overlap_scheduler_missing()):
+            raise VariantUnavailable(f"unavailable on this torch ({torch.__version__}): the "
+                                     f"overlap scheduler fails here: {why}")
 
         def backend(gm, example_inputs):
             return compile_fx(gm, example_inputs, config_patches=dict(patches))
