@@ -248,6 +248,15 @@ def overlap_scheduler_missing() -> str | None:
     return None
 
 
+def collective_timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a collective outliving its process group's timeout: NCCL
+    raises ``DistBackendError``; gloo a RuntimeError "Timed out waiting ...ms for recv
+    operation to complete" (or "...for send"). checked: 2.13 gloo (the message)."""
+    backend_error = getattr(torch.distributed, "DistBackendError", ())
+    return isinstance(error, backend_error) or (
+        isinstance(error, RuntimeError) and "timed out" in str(error).lower())
+
+
 def disable_compile_caches() -> None:
     """Turn off Inductor's FX graph caches (local, remote) and AOTAutograd's cache, so
     every compile is cold. Version fallback: options missing from a version are skipped.

@@ -51,3 +51,47 @@ def test_a_hung_rank_makes_every_rank_dump_its_stacks(tmp_path):
     assert waiting.startswith("[simplefsdp] hang watchdog: rank 0 at step 3, in token-count "
                               "all-reduce for"), waiting[:300]
     assert "in global_tokens" in waiting
+
+
+def _hang_on_rank1_in_step1(inputs, targets):
+    """The batch transform: on rank 1, the first call (step 1) never returns."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return inputs, targets
+
+
+def _train_short_timeout(rank: int, world: int, argv: list[str]) -> None:
+    import datetime
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    # the first step has no limit of its own (it compiles, absorbs start-up skew): the
+    # group's timeout bounds it, 8 s here instead of the rank runner's 120 s
+    _set_pg_timeout(datetime.timedelta(seconds=8))
+    main(argv, batch_transform=_hang_on_rank1_in_step1)
+
+
+def test_a_collective_timing_out_in_the_first_step_dumps_every_ranks_stacks(tmp_path):
+    """The first step is watched by the group's timeout only: when its collective times
+    out, the rank that got the error announces the hang before failing, so the hung rank
+    writes its stacks too, and the job exits HANG_EXIT instead of a bare gloo error."""
+    out = tmp_path / "out"
+    argv = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "4",
+            "--model.n_kv_heads", "2", "--training.seq_len", "32",
+            "--training.batch_size", "2", "--training.steps", "2",
+            "--metrics.output_dir", str(out)]
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_train_short_timeout, 2, argv, timeout_s=300)
+    assert f"exit code {HANG_EXIT}" in str(failure.value)
+    waiting, hung = (Path(out / f"hang-rank{r}.txt").read_text() for r in (0, 1))
+    # rank 0 got the timeout in step 1's first collective: named, with the gloo error
+    assert waiting.startswith("[simplefsdp] hang watchdog: rank 0 at step 1, in token-count "
+                              "all-reduce for"), waiting[:300]
+    assert "a collective timed out:" in waiting.splitlines()[0]
+    assert "in global_tokens" in waiting
+    # rank 1, asleep in its batch transform, learnt it from the announcement
+    assert hung.startswith("[simplefsdp] hang watchdog: rank 1 at step 1, in next batch for")
+    assert "first seen by rank 0, step 1, token-count all-reduce" in hung.splitlines()[0]
+    assert "_hang_on_rank1_in_step1" in hung

@@ -89,8 +89,9 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
     ``tokenizer`` (any object with ``vocab_size`` and ``encode(text)``) replaces the one
     ``data.tokenizer`` names; its ``vocab_size`` must fit ``model.vocab_size``."""
     owns_group = init_distributed(cfg.job.device, PG_TIMEOUT_S)
-    try:
-        return _train(cfg, batch_transform, tokenizer)
+    try:  # the watchdog from start-up on: a collective timing out anywhere dumps stacks
+        with Watchdog(cfg.training.hang_watchdog_s, cfg.metrics.output_dir, dist.get_rank()):
+            return _train(cfg, batch_transform, tokenizer)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -119,7 +120,9 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
                           f"nothing to do; raise --training.steps above it to train on")
 
+    phase("start-up: data (tokenizer, token cache)")  # named for a hang's stack dump
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
+    phase("start-up: building the model (and loading its weights)")
     runnable, model = family.build(cfg, mesh, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
         model.document_eos = tokenizer.eos_id
@@ -136,6 +139,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                                  cfg.checkpoint.every, cfg.checkpoint.keep_latest,
                                  fingerprint, cfg.checkpoint.async_mode)
         if resume_from is not None:
+            phase("start-up: resuming from the checkpoint")
             start_step = ckpt.load(resume_from)
             if rank == 0:
                 print(f"[simplefsdp] resumed from {resume_from} (step {start_step})",
@@ -203,8 +207,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     faults.arm(s.model, s.optimizer)
     if ckpt is not None:
         ckpt.on_phase = faults.point
-    hang = Watchdog(t.hang_watchdog_s, cfg.metrics.output_dir, dist.get_rank())
-    with StopOnSignal() as signal_, hang:
+    with StopOnSignal() as signal_:
         try:
             for step in range(s.start_step + 1, t.steps + 1):
                 faults.step = step

@@ -12,24 +12,28 @@ exits with status ``HANG_EXIT`` and a message pointing at the files. On CUDA, NC
 flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, e.g. 2000) adds the collectives each
 rank issued, dumped to ``hang-rank<r>.nccl.pkl`` when it is on.
 
-A run's first step (it absorbs the ranks' start-up skew, and compiles: possibly
-minutes) and checkpoint writes are bounded by the process-group timeout instead: their
-length is not a hang. Start-up before the first step is not watched.
+Start-up (building, loading, resuming), a run's first step (it absorbs the ranks'
+start-up skew, and compiles: possibly minutes) and checkpoint writes have no limit of
+their own (their length is not a hang): the process-group timeout bounds them. When a
+collective times out there (or anywhere), the rank that got the error announces it the
+same way before failing, so every rank's stacks are written then too.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import default_store, nccl_flight_recorder
+from .._torch_compat import collective_timed_out, default_store, nccl_flight_recorder
 
 POLL_S = 0.5
 HANG_EXIT = 5
@@ -52,9 +56,11 @@ class Watchdog:
     def __init__(self, limit_s: float, output_dir: str | Path, rank: int):
         self.limit_s, self.rank = limit_s, rank
         self.folder = Path(output_dir)
-        self.step, self.name, self.phase_limit = 0, "start-up", None
+        # start-up has no limit of its own (see the module doc); step 1 sets its own
+        self.step, self.name, self.phase_limit = 0, "start-up", math.inf
         self.since = time.monotonic()
         self._stop = threading.Event()
+        self._dumping = threading.Lock()  # one dump per rank: the thread's or the loop's
         self._thread: threading.Thread | None = None
         self._store = _store()
 
@@ -75,8 +81,10 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         global _active
+        if self._thread is not None and exc is not None and collective_timed_out(exc):
+            self._dump(time.monotonic() - self.since, None, cause=exc)
         _active = None
         self._stop.set()
 
@@ -86,8 +94,6 @@ class Watchdog:
             limit = self.phase_limit or self.limit_s
             announced = self._announced()
             if waited > limit or announced:
-                if not announced and self._store is not None:
-                    self._store.set(_KEY, f"rank {self.rank}, step {self.step}, {self.name}")
                 self._dump(waited, announced)
 
     def _announced(self) -> str | None:
@@ -98,20 +104,28 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - a store gone away: judge by our own clock
             return None
 
-    def _dump(self, waited: float, announced: str | None) -> None:
-        """Write this rank's stacks (stderr and a file) and exit with ``HANG_EXIT``."""
-        if self._stop.is_set():
+    def _dump(self, waited: float, announced: str | None,
+              cause: BaseException | None = None) -> None:
+        """Announce the hang (unless another rank did), write this rank's stacks (stderr
+        and a file) and exit with ``HANG_EXIT``. ``cause``: the collective's timeout error
+        the training thread got."""
+        if self._stop.is_set() or not self._dumping.acquire(blocking=False):
             return
+        if not announced and self._store is not None:
+            self._store.set(_KEY, f"rank {self.rank}, step {self.step}, {self.name}")
         path = self.folder / f"hang-rank{self.rank}.txt"
+        why = (f"a collective timed out: {str(cause).strip()[:300]}" if cause is not None
+               else f"training.hang_watchdog_s = {self.limit_s:g}")
         head = (f"[simplefsdp] hang watchdog: rank {self.rank} at step {self.step}, in "
-                f"{self.name} for {waited:.1f} s (training.hang_watchdog_s = {self.limit_s:g}"
+                f"{self.name} for {waited:.1f} s ({why}"
                 f"{'; first seen by ' + announced if announced else ''})")
-        print(head + "; its Python stacks follow", file=sys.stderr, flush=True)
+        error = "".join(traceback.format_exception(cause)) if cause is not None else ""
+        print(head + "; its Python stacks follow\n" + error, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(path, "w") as f:
-                f.write(head + "\n\n")
+                f.write(head + "\n\n" + error)
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
         except OSError as e:
