@@ -356,11 +356,15 @@ def grouped_mm(device: torch.device, dtype: torch.dtype):
         return None
     key = (torch.device(device).type, dtype)
     if key not in _GROUPED_MM_WORKS:
+        # The first call may come inside an activation-checkpointed forward: identity
+        # saved-tensor hooks shadow the checkpoint's, which would otherwise count the
+        # probe's saved tensors in forward but not in the recomputation (cached by then).
         try:
-            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
-            fn(x, w, offs=offs).backward(torch.ones(4, 8, device=device, dtype=dtype))
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+                w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+                fn(x, w, offs=offs).backward(torch.ones(4, 8, device=device, dtype=dtype))
             _GROUPED_MM_WORKS[key] = True
         except (RuntimeError, NotImplementedError):
             _GROUPED_MM_WORKS[key] = False

@@ -141,7 +141,7 @@ def test_tiktoken_file(tmp_path):
 # Trainer: first loss, loading, training, export.
 # ---------------------------------------------------------------------------------------
 def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_field: str,
-                data: str):
+                data: str, hf_kwargs: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.hf.data import DocumentDataset
@@ -151,7 +151,7 @@ def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_fie
     ours = main(argv).losses[0]
     dataset = DocumentDataset(data, load_tokenizer(model_dir), text_field)
     inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **(hf_kwargs or {}))
     with torch.no_grad():
         theirs = hf(input_ids=inputs, labels=inputs, shift_labels=targets.contiguous()).loss.item()
     return ours, theirs

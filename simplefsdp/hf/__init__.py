@@ -3,6 +3,9 @@
 - :mod:`.model`: build a local Hugging Face causal LM on the meta device, parallelize it
   with ``data_parallel`` and load its weights sharded (no rank holds the whole model).
 - :mod:`.weights`: reading safetensors folders one tensor (or one row range) at a time.
+- :mod:`.conversion`: transformers' checkpoint conversion mapping (file layout <->
+  in-memory layout, e.g. per-expert files <-> fused MoE experts) for loading and export.
+- :mod:`.experts`: transformers' fused MoE experts, run so that every rank gathers alike.
 - :mod:`.convert`: our Llama <-> Hugging Face Llama names, shapes and RoPE layout.
 - :mod:`.tokenizer`: Hugging Face (``tokenizer.json``) and tiktoken tokenizers.
 - :mod:`.data`: ``.txt`` / ``.jsonl`` / ``.parquet`` files or folders via ``datasets``.

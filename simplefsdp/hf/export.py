@@ -47,18 +47,35 @@ def _plan(entries: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[
     return shards
 
 
+FileTensors = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _renamed(rename: Callable[[str], str],
+             rope_heads: Callable[[str], int | None]) -> FileTensors:
+    def to_files(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        heads = rope_heads(name)
+        if heads is not None:
+            full = meta_rows_to_hf(full, heads)
+        return {rename(name): full.contiguous()}
+
+    return to_files
+
+
 @torch.no_grad()
 def export_hf(model: nn.Module, folder: str | Path, config, tokenizer=None,
               rename: Callable[[str], str] = lambda name: name,
               rope_heads: Callable[[str], int | None] = lambda name: None,
-              max_shard_bytes: int = 2 * 1024**3) -> Path:
+              max_shard_bytes: int = 2 * 1024**3, to_files: FileTensors | None = None) -> Path:
     """Write ``model`` (sharded or not) to ``folder`` as a Hugging Face model (a
     collective: every rank calls it; rank 0 writes). ``rename`` maps our names to the
-    file's; ``rope_heads(name)`` set means Meta-order rows to turn into rotate-half order.
+    file's; ``rope_heads(name)`` set means Meta-order rows to turn into rotate-half order;
+    ``to_files(name, full tensor)``, when given, replaces both: the file tensors (name ->
+    tensor) one model tensor is saved as (``conversion.file_tensors``).
     A tied weight is written once, under its first name."""
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    to_files = to_files or _renamed(rename, rope_heads)
     folder = Path(folder)
     entries = [(names[0], value) for names, value in unique_tensors(model)]
     shards = _plan(entries, max_shard_bytes)
@@ -74,13 +91,10 @@ def export_hf(model: nn.Module, folder: str | Path, config, tokenizer=None,
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if rank != 0:
                 continue
-            full = full.detach().to("cpu", copy=True)
-            heads = rope_heads(name)
-            if heads is not None:
-                full = meta_rows_to_hf(full, heads)
-            tensors[rename(name)] = full.contiguous()
-            weight_map[rename(name)] = file
-            total += full.numel() * full.element_size()
+            for key, tensor in to_files(name, full.detach().to("cpu", copy=True)).items():
+                tensors[key] = tensor
+                weight_map[key] = file
+                total += tensor.numel() * tensor.element_size()
         if rank == 0:
             save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors

@@ -29,7 +29,7 @@ registry.register(registry.ModelFamily(
     parallelize=hooks.parallelize_hf,
     tokenizer=hooks.choose_tokenizer,
     check_tokenizer=hooks.check_vocab,
-    convert=None,  # the folder's names are the model's (``hf.model.name_sources``)
+    convert=None,  # the folder's names, through transformers' own mapping (``hf.conversion``)
     flops_per_token=hooks.flops_per_token,
     fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
     export=_export,

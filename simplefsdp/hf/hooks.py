@@ -77,22 +77,18 @@ def check_vocab(cfg, tokenizer) -> None:
 def build_hf(cfg, mesh, device):
     """(module to call, model): transformers' class for ``model.hf_path``, built on meta,
     parallelized (:func:`parallelize_hf`), its weights loaded sharded."""
-    from .model import (
-        build_on_meta,
-        causal_lm_call,
-        load_config,
-        materialize,
-        name_sources,
-        refuse_unsupported,
-    )
+    from . import conversion
+    from .model import build_on_meta, causal_lm_call, load_config, materialize, refuse_unsupported
     from .weights import WeightFiles, check_sources, load_sharded
 
     refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
     folder = Path(cfg.model.hf_path)
     model = build_on_meta(load_config(folder))
     files = WeightFiles(folder)
-    sources = name_sources(model, files, getattr(model, "base_model_prefix", ""))
+    sources = conversion.sources(model, files)  # file names -> in-memory, as transformers
     check_sources(model, files, sources)  # names and shapes, before anything is allocated
+    if cfg.checkpoint.export_hf:
+        conversion.check_export(model)
     runnable = parallelize_hf(model, mesh, cfg, compile_=False)
     materialize(model, device)
     report = load_sharded(model, folder, cfg.model.load_weights, sources)
@@ -103,11 +99,14 @@ def build_hf(cfg, mesh, device):
 
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
-    """A Hugging Face causal LM's parallelisms, in place: activation checkpointing per
-    decoder layer, data parallel, then (``compile.enable``, and ``compile_``) compile."""
+    """A Hugging Face causal LM's parallelisms, in place: MoE experts adapted
+    (:mod:`.experts`), activation checkpointing per decoder layer, data parallel, then
+    (``compile.enable``, and ``compile_``) compile."""
     from ..train.parallelize import apply_dp
+    from .experts import adapt_experts
     from .model import apply_ac
 
+    adapt_experts(model)
     apply_ac(model, model.config, cfg.activation_checkpoint.mode)
     apply_dp(model, mesh, cfg)
     return _compile(model, mesh, cfg) if compile_ and cfg.compile.enable else model
@@ -165,26 +164,38 @@ def _print_report(report, folder: Path, mode: str) -> None:
 
 
 def flops_per_token(cfg, model: nn.Module, seq_len: int) -> float | None:
-    """Training FLOPs per token of a Hugging Face model: 6 per parameter plus attention
-    (``12 * layers * hidden * seq_len``)."""
+    """Training FLOPs per token of a Hugging Face model: 6 per parameter a token uses
+    plus attention (``12 * layers * hidden * seq_len``); of the routed experts of an MoE,
+    a token uses ``num_experts_per_tok`` of ``E``."""
     from ..models.llama import num_params
+    from .experts import WEIGHTS, experts_modules
 
     text = _text_config(model.config)
     layers = getattr(text, "num_hidden_layers", 0)
     hidden = getattr(text, "hidden_size", 0)
-    return 6.0 * num_params(model) + 12.0 * layers * hidden * seq_len
+    top_k = getattr(text, "num_experts_per_tok", None)
+    idle = 0.0
+    for _, module in experts_modules(model):
+        experts = module._parameters["gate_up_proj"].shape[0]
+        size = sum(module._parameters[w].numel() for w in WEIGHTS)
+        idle += size * (experts - min(top_k or experts, experts)) / experts
+    return 6.0 * (num_params(model) - idle) + 12.0 * layers * hidden * seq_len
 
 
 # ---------------------------------------------------------------------------------------
 # Export.
 # ---------------------------------------------------------------------------------------
 def export_hf_model(cfg, model: nn.Module, tokenizer) -> Path:
-    """``checkpoint.export_hf`` of a Hugging Face model: its own config and names."""
+    """``checkpoint.export_hf`` of a Hugging Face model: its own config, and its files'
+    names and layout (transformers' reverse conversion, :mod:`.conversion`)."""
     require("transformers", "safetensors")
+    from .conversion import file_tensors
     from .export import export_hf
 
     config = type(model.config).from_dict(model.config.to_dict())
-    return _exporting(lambda folder: export_hf(model, folder, config, tokenizer), cfg)
+    return _exporting(lambda folder: export_hf(
+        model, folder, config, tokenizer,
+        to_files=lambda name, full: file_tensors(model, name, full)), cfg)
 
 
 def export_llama(cfg, model: nn.Module, tokenizer) -> Path:

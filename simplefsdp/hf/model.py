@@ -137,17 +137,3 @@ def refuse_unsupported(tp: int, pp: int) -> None:
                       f"models run with data parallelism (any dp_mode), activation "
                       f"checkpointing and compile, not tensor or pipeline parallelism: set "
                       f"parallel.tp = 1 and parallel.pp = 1")
-
-
-def name_sources(model: nn.Module, files, prefix: str):
-    """Names as in the files; checkpoints saved from the bare base model lack the
-    ``<base_model_prefix>.`` of the causal LM (old GPT-2 files): accept those too."""
-    from .weights import Source, unique_tensors
-
-    sources = {}
-    for names, _ in unique_tensors(model):
-        for name in names:
-            bare = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None
-            use = name if name in files or bare is None or bare not in files else bare
-            sources[name] = Source(use)
-    return sources

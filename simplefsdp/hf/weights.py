@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .._torch_compat import StridedShard
 from ..data_parallel import dim0_rows
 from ..mesh import ParallelDims
 from . import HFError
@@ -98,10 +99,13 @@ class WeightFiles:
 class Source:
     """Where a model tensor comes from: ``key`` in the files; ``rope_heads`` set means
     the rows are Hugging Face Llama's rotate-half order and are turned into Meta's
-    interleaved order within each of that many heads (see :mod:`.convert`)."""
+    interleaved order within each of that many heads (see :mod:`.convert`);
+    ``converted`` set means transformers builds it from several file tensors
+    (``key`` is the first; :class:`.conversion.Converted` reads and checks it)."""
 
     key: str
     rope_heads: int | None = None
+    converted: object | None = None
 
 
 @dataclass
@@ -157,13 +161,16 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------------------
 def row_range(rows: int, mesh, placements, coordinate: list[int]) -> tuple[int, int]:
     """Rows ``[start, stop)`` of a tensor with ``rows`` rows that the rank at
-    ``coordinate`` of ``mesh`` holds: ``torch.chunk`` semantics, as ``Shard(0)`` uses."""
+    ``coordinate`` of ``mesh`` holds: ``torch.chunk`` semantics, as ``Shard(0)`` uses. A
+    ``_StridedShard(0)`` splits the piece the plain ``Shard(0)`` dims leave (experts:
+    ``data_parallel`` shards each expert-parallel rank's experts again)."""
     start, stop = 0, rows
-    for dim, placement in enumerate(placements):
+    for dim in sorted(range(len(placements)), key=lambda d: isinstance(placements[d],
+                                                                        StridedShard)):
+        placement = placements[dim]
         if isinstance(placement, Replicate):
             continue
-        if not (isinstance(placement, Shard) and type(placement) is Shard
-                and placement.dim == 0):
+        if not (isinstance(placement, Shard) and placement.dim == 0):
             raise HFError(f"sharded loading handles Shard(0) and Replicate placements, not "
                           f"{placement}; tensor parallelism is not supported for these models")
         lo, hi = dim0_rows(stop - start, mesh.size(dim), coordinate[dim])
@@ -195,13 +202,17 @@ def meta_rows_to_hf(block: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _read_rows(files: WeightFiles, src: Source, start: int, stop: int,
-               total: int) -> torch.Tensor:
+               total: int) -> tuple[torch.Tensor, int]:
+    """Rows ``[start, stop)`` of ``src`` and the bytes read from the files for them."""
+    if src.converted is not None:
+        return src.converted.read_rows(files, start, stop)
     if src.rope_heads is None:
-        return files.rows(src.key, start, stop)
+        rows = files.rows(src.key, start, stop)
+        return rows, rows.numel() * rows.element_size()
     head = total // src.rope_heads  # read whole heads, reorder, keep the asked rows
     first, last = start // head, -(-stop // head)
     block = hf_rows_to_meta(files.rows(src.key, first * head, last * head), last - first)
-    return block[start - first * head: stop - first * head]
+    return block[start - first * head: stop - first * head], block.numel() * block.element_size()
 
 
 def unique_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
@@ -228,9 +239,12 @@ def check_sources(model: nn.Module, files: WeightFiles,
             first = sources.get(names[0], Source(names[0]))
             raise files.missing_error(first.key, names[0])
         src = found[0]
-        if files.shape(src.key) != tuple(value.shape):
-            raise HFError(f"{files.folder / files.files[src.key].name}: {src.key!r} has shape "
-                          f"{list(files.shape(src.key))} but the model's {names[0]!r} has "
+        shape = src.converted.file_shape(files) if src.converted else files.shape(src.key)
+        if shape != tuple(value.shape):
+            what = f"{src.key!r}" if src.converted is None else \
+                f"{src.key!r} and the rest converted into {names[0]!r}"
+            raise HFError(f"{files.folder / files.files[src.key].name}: {what} has shape "
+                          f"{list(shape)} but the model's {names[0]!r} has "
                           f"{list(value.shape)}; the weights do not match config.json")
         chosen[id(value)] = src
     return chosen
@@ -268,8 +282,12 @@ def load_sharded(model: nn.Module, folder: str | Path, mode: LoadMode,
         else:  # a buffer or an unsharded parameter: every rank gets all of it
             if reader:
                 rows = value.shape[0] if value.dim() else 0
-                data = _read_rows(files, src, 0, rows, rows) if rows else files.tensor(src.key)
-                report.bytes_read += data.numel() * data.element_size()
+                if rows:
+                    data, read = _read_rows(files, src, 0, rows, rows)
+                else:
+                    data = files.tensor(src.key)
+                    read = data.numel() * data.element_size()
+                report.bytes_read += read
                 value.copy_(data)
             if mode == "broadcast" and world > 1:
                 dist.broadcast(value, src=0)
@@ -287,8 +305,8 @@ def _load_dtensor(value: DTensor, files: WeightFiles, src: Source, mode: LoadMod
     if mode == "all_ranks":
         start, stop = row_range(total, mesh, placements, ParallelDims.coordinate(mesh))
         if stop > start:
-            rows = _read_rows(files, src, start, stop, total)
-            report.bytes_read += rows.numel() * rows.element_size()
+            rows, read = _read_rows(files, src, start, stop, total)
+            report.bytes_read += read
             local.copy_(rows)
             report.sample()
         return
@@ -303,8 +321,8 @@ def _load_dtensor(value: DTensor, files: WeightFiles, src: Source, mode: LoadMod
     received = torch.empty((chunk, *value.shape[1:]), dtype=local.dtype, device=local.device)
     pieces = None
     if rank == 0:
-        full = _read_rows(files, src, 0, total, total)
-        report.bytes_read += full.numel() * full.element_size()
+        full, read = _read_rows(files, src, 0, total, total)
+        report.bytes_read += read
         full = full.to(device=local.device, dtype=local.dtype)
         pieces = []
         for start, stop in ranges:

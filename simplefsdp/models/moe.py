@@ -146,6 +146,22 @@ def expert_ffn(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
 
 
+def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   counts: torch.Tensor, experts) -> torch.Tensor:
+    """Each token ``x`` (tokens, dim) through its chosen experts ``ids`` (tokens, k),
+    summed with ``weights`` (tokens, k); ``counts`` (E,): slots per expert;
+    ``experts(slots grouped by expert, counts)`` runs them (locally or expert-parallel).
+
+    Slots (choice, token) are sorted by expert; the stable sort keeps them by choice
+    rank, then token, inside one expert: transformers' order, so rows meet the same
+    matmuls, and each token's contributions are added in expert order, as it adds them."""
+    order = ids.t().flatten().argsort(stable=True)
+    token = order % x.shape[0]
+    routed = experts(x[token], counts)
+    routed = routed * weights.t().flatten()[order].unsqueeze(-1).to(routed.dtype)
+    return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+
+
 class Experts(nn.Module):
     """The routed experts as two 3-D parameters (Hugging Face transformers 5's layout)."""
 
@@ -192,13 +208,7 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
         if self.load_balance == "aux_loss":
             self.aux_loss = switch_aux_loss(scores, counts, self.score_func)
-        # Slots (choice, token) sorted by expert; the stable sort keeps them by choice rank,
-        # then token, inside one expert: transformers' order, so rows meet the same matmuls.
-        order = ids.t().flatten().argsort(stable=True)
-        token = order % x.shape[0]
-        routed = self.experts(x[token], counts)
-        routed = routed * weights.t().flatten()[order].unsqueeze(-1).to(routed.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+        out = routed_combine(x, weights, ids, counts, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape)

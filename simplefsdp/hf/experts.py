@@ -1,0 +1,117 @@
+"""transformers' MoE experts under ``data_parallel``.
+
+transformers 5 keeps routed experts as two 3-D parameters, ``gate_up_proj [E, 2I, H]``
+(gate rows, then up rows) and ``down_proj [E, H, I]``, in an ``experts`` module called as
+``experts(hidden_states, top_k_index, top_k_weights)`` (Qwen2/3-MoE, Mixtral, OLMoE,
+DeepSeek-V3, ...). Its default forward loops over the experts that received tokens and
+reads the weights once per such expert; under ``data_parallel`` every read is an
+all-gather (and in eager backward, every saved slice is gathered again), and ranks route
+different tokens: they would issue different collectives and hang.
+
+:func:`adapt_experts` gives each such module a forward that reads each weight once and
+runs every expert, ours (``models.moe.routed_combine`` and ``expert_ffn``): on the loop
+path it makes transformers' per-expert matmuls on the same rows in the same order and
+adds each token's results in the same order (bitwise equal); on the grouped-matmul path
+(``_torch_compat.grouped_mm`` with aligned shapes) it agrees to float rounding. The
+router and the rest of the block stay transformers'.
+
+Refused before training (an ``HFError`` naming ``model.hf_path``): experts kept as a list
+of per-expert modules, and fused experts of another layout (biases, transposed or
+interleaved weights, no gate, an activation other than SiLU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.moe import expert_ffn, routed_combine
+from . import HFError
+
+WEIGHTS = ("gate_up_proj", "down_proj")
+# Flags transformers' ``use_experts_implementation`` sets on an experts module, and the
+# values of the layout ``expert_ffn`` computes.
+_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False,
+           "is_concatenated": True, "has_post_expert_norm": False}
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every fused experts module (a 3-D ``gate_up_proj``)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m._parameters.get("gate_up_proj"), torch.Tensor)
+            and m._parameters["gate_up_proj"].dim() == 3]
+
+
+def _refusal(name: str, module: nn.Module) -> str | None:
+    """Why ``module`` does not have the layout ``expert_ffn`` computes, or None."""
+    params = set(module._parameters)
+    if params != set(WEIGHTS):
+        return f"its parameters are {sorted(params)}, not {list(WEIGHTS)}"
+    gate_up, down = (module._parameters[w] for w in WEIGHTS)
+    experts, two_width, dim = gate_up.shape
+    if two_width % 2 or tuple(down.shape) != (experts, dim, two_width // 2):
+        return (f"gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not "
+                f"[E, 2I, H] and [E, H, I]")
+    odd = {k: getattr(module, k) for k, v in _LAYOUT.items() if getattr(module, k, v) != v}
+    if odd:
+        return f"its layout flags are {odd}, expected {dict(_LAYOUT)}"
+    probe = torch.linspace(-4, 4, 17)
+    act = getattr(module, "act_fn", None)
+    if act is None or not torch.equal(act(probe), F.silu(probe)):
+        return f"its activation {type(act).__name__} is not SiLU"
+    return None
+
+
+def check_experts(model: nn.Module) -> None:
+    """Refuse (HFError) MoE experts that :func:`adapt_experts` cannot run."""
+    for name, module in model.named_modules():
+        if name.endswith("experts") and isinstance(module, nn.ModuleList):
+            raise HFError(f"model.hf_path: {type(model).__name__} keeps {name} as a list of "
+                          f"per-expert modules, which run only for the tokens each rank "
+                          f"routes (ranks would gather different weights); only fused "
+                          f"experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) train here")
+    for name, module in experts_modules(model):
+        why = _refusal(name, module)
+        if why is not None:
+            raise HFError(f"model.hf_path: {type(model).__name__}'s experts {name!r} cannot "
+                          f"be trained here: {why}; supported are SwiGLU experts with "
+                          f"gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj "
+                          f"[E, H, I], no biases (as Qwen3-MoE, Mixtral)")
+
+
+class RoutedExperts(nn.Module):
+    """The experts' forward (mixed into a transformers experts class)."""
+
+    _sf_num_experts: int
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(top_k_index.flatten(), minlength=self._sf_num_experts)
+        if counts.numel() != self._sf_num_experts:
+            raise ValueError(f"the router chose expert {counts.numel() - 1} of "
+                             f"{self._sf_num_experts}: placeholder experts are not supported")
+        return routed_combine(hidden_states, top_k_weights, top_k_index, counts, self._sf_run)
+
+    def _sf_run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` grouped by expert, ``counts`` per expert -> through the experts."""
+        return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
+
+
+@functools.cache
+def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(f"Routed{cls.__name__}", (RoutedExperts, cls), {})
+
+
+def adapt_experts(model: nn.Module) -> int:
+    """Check (:func:`check_experts`), then give every fused experts module of ``model``
+    :class:`RoutedExperts`' forward, in place, before ``data_parallel``. Returns how many."""
+    check_experts(model)
+    found = experts_modules(model)
+    for _, module in found:
+        if not isinstance(module, RoutedExperts):
+            module._sf_num_experts = module._parameters["gate_up_proj"].shape[0]
+            module.__class__ = _routed_class(type(module))
+    return len(found)

@@ -1,0 +1,280 @@
+"""Hugging Face MoE models (transformers 5: experts fused in memory, per expert on disk)
+in the trainer: sharded loading through transformers' own conversion mapping, training,
+export back to the per-expert files.
+
+Tiny Qwen3-MoE and Mixtral models are made here with ``save_pretrained``; no network.
+Their hidden size (30) keeps ``expert_ffn`` on its loop path (the grouped matmul wants
+16-byte strides): transformers' own per-expert matmuls, so results can be compared
+bitwise with transformers' loop (``experts_implementation="eager"``, :data:`EAGER`).
+Its default on CPU, ``grouped_mm``, fails on such shapes in transformers 5.24 with torch
+2.13 ("strides should be multiple of 16 bytes": it checks the alignment only up to torch
+2.10).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rank_runner import run_ranks  # noqa: E402
+from test_hf import TOKENIZER_VOCAB, VOCAB, _argv, _documents, _first_loss, _train_tokenizer  # noqa: E402
+
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+EXPERTS = 4
+EAGER = {"experts_implementation": "eager"}  # transformers' per-expert loop (the reference)
+SHAPE = dict(vocab_size=VOCAB, hidden_size=30, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+             num_experts_per_tok=2, tie_word_embeddings=False, eos_token_id=0,
+             bos_token_id=None, output_router_logits=False)
+
+
+def _qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**SHAPE, intermediate_size=36, moe_intermediate_size=18,
+                          num_experts=EXPERTS, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[])
+
+
+def _mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**SHAPE, intermediate_size=18, num_local_experts=EXPERTS,
+                         router_jitter_noise=0.0)
+
+
+def _save_moe(folder: Path, config) -> None:
+    """A random model, its routers scaled up so tokens spread over all experts."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    _train_tokenizer(folder, TOKENIZER_VOCAB)
+
+
+def _file_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+@pytest.fixture(scope="module")
+def moe_assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_moe")
+    _save_moe(root / "qwen3_moe", _qwen3_moe_config())
+    _save_moe(root / "mixtral", _mixtral_config())
+    with open(root / "docs.jsonl", "w") as f:
+        for d in _documents():
+            f.write(json.dumps({"body": d}) + "\n")
+    # The premise: transformers saved the experts one by one, under other names than it
+    # holds them (qwen3: mlp.experts.<i>.gate_proj; mixtral: block_sparse_moe.experts.<i>.w1).
+    qwen, mixtral = _file_keys(root / "qwen3_moe"), _file_keys(root / "mixtral")
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in qwen
+    assert "model.layers.1.block_sparse_moe.experts.3.w1.weight" in mixtral
+    assert not any("gate_up_proj" in k for k in qwen | mixtral)
+    assert (root / "qwen3_moe" / "model.safetensors.index.json").is_file()  # several files
+    return {"qwen3_moe": root / "qwen3_moe", "mixtral": root / "mixtral",
+            "jsonl": root / "docs.jsonl"}
+
+
+# ---------------------------------------------------------------------------------------
+# First loss: ours (sharded load + adapted experts) against transformers' from_pretrained.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_first_loss_equals_hf_loss(moe_assets, tmp_path, name):
+    argv = _argv(tmp_path, moe_assets[name], moe_assets["jsonl"])
+    ours, theirs = run_ranks(_first_loss, 1, argv, str(moe_assets[name]), "body",
+                             str(moe_assets["jsonl"]), EAGER)[0]
+    # The same weights and float32 matmuls (the loop path: transformers' own per-expert
+    # F.linear on the same rows); only the loss reduction differs (our sum / token count
+    # vs. their mean): float32 rounding of a sum of 64 terms.
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded loading: values and which file tensors each rank reads.
+# ---------------------------------------------------------------------------------------
+def _load_moe(rank: int, world: int, folder: str):
+    """Load ``folder`` in both modes; per mode: every tensor's full value (rank 0) and
+    the file tensors this rank read (names, as ``WeightFiles`` handed them out)."""
+    import simplefsdp
+    from simplefsdp.hf import weights
+    from simplefsdp.state_dict import unwrapped_name
+    from simplefsdp.train.config import load_config
+
+    read: list[str] = []
+    real_tensor, real_rows = weights.WeightFiles.tensor, weights.WeightFiles.rows
+
+    def tensor(self, name):
+        read.append(name)
+        return real_tensor(self, name)
+
+    def rows(self, name, start, stop):
+        read.append(name)
+        return real_rows(self, name, start, stop)
+
+    weights.WeightFiles.tensor, weights.WeightFiles.rows = tensor, rows
+    mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
+    out = {}
+    for mode in ("broadcast", "all_ranks"):
+        read.clear()
+        cfg = load_config(None, ["--model.hf_path", folder, "--model.load_weights", mode])
+        _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
+        state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
+        full = {k: v.full_tensor().numpy() for k, v in state.items()}  # a collective
+        out[mode] = {"full": full if rank == 0 else None, "read": sorted(read)}
+    return out
+
+
+def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
+    """2 ranks, a Qwen3-MoE folder of per-expert tensors in several files. Every
+    in-memory tensor (fused experts included) equals, bitwise, the one transformers'
+    ``from_pretrained`` builds from the same files with its own conversion: the loader
+    moves and stacks bytes, nothing may differ. Under ``all_ranks`` rank r reads the
+    per-expert tensors of its own experts only (4 experts, Shard(0): rank 0 experts 0-1,
+    rank 1 experts 2-3) and nothing else twice; under ``broadcast`` rank 0 reads every
+    file tensor and rank 1 none."""
+    from transformers import AutoModelForCausalLM
+
+    folder = moe_assets["qwen3_moe"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     **EAGER).state_dict()
+    results = run_ranks(_load_moe, 2, str(folder))
+    keys = _file_keys(folder)
+    for mode in ("broadcast", "all_ranks"):
+        full = results[0][mode]["full"]
+        assert full.keys() == reference.keys(), mode
+        for key, value in reference.items():
+            assert torch.equal(torch.from_numpy(full[key]), value), (mode, key)
+    assert results[0]["broadcast"]["read"] == sorted(keys)  # each once
+    assert results[1]["broadcast"]["read"] == []
+    experts = [[k for k in r["all_ranks"]["read"] if ".experts." in k] for r in results]
+    for rank, names in enumerate(experts):
+        owned = {int(k.split(".experts.")[1].split(".")[0]) for k in names}
+        assert owned == {2 * rank, 2 * rank + 1}, (rank, owned)
+        # 2 layers x 2 own experts x (gate, up, down), each read once
+        assert len(names) == len(set(names)) == 2 * 2 * 3, names
+
+
+# ---------------------------------------------------------------------------------------
+# Training on 2 ranks, then export: the per-expert files back, identical logits.
+# ---------------------------------------------------------------------------------------
+def _train_export_compare(rank: int, world: int, argv: list[str], out: str, data: str):
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.data import DocumentDataset
+    from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.models import registry
+    from simplefsdp.state_dict import unwrapped_name
+    from simplefsdp.train.trainer import main
+
+    built = []
+    family = registry.get("hf")
+
+    def capture(*args, **kwargs):  # keep the trained sharded model for the comparison
+        built.append(family.build(*args, **kwargs))
+        return built[-1]
+
+    registry.register(dataclasses.replace(family, build=capture))
+    try:
+        result = main(argv)
+    finally:
+        registry.register(family)
+    runnable, model = built[0]
+    trained = {unwrapped_name(k): v.full_tensor() for k, v in model.state_dict().items()}
+    tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
+    batch = tokens[: 2 * 32].long().view(2, 32)
+    with torch.no_grad():
+        ours = runnable(batch)
+    if rank != 0:
+        return result.losses, None
+    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32, **EAGER)
+    with torch.no_grad():
+        theirs = hf(input_ids=batch).logits
+    same = {k: torch.equal(v, trained[k]) for k, v in hf.state_dict().items()}
+    return result.losses, {"same": same, "trained": sorted(trained),
+                           "logits_equal": torch.equal(ours, theirs),
+                           "diff": (ours - theirs).abs().max().item()}
+
+
+def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
+    """FSDP on 2 ranks trains the Qwen3-MoE (the loss falls), then ``export_hf``
+    writes the files transformers saves (the same per-expert names as the original
+    folder), and ``from_pretrained`` of them holds, bitwise, every trained tensor and
+    gives bitwise the trained model's logits (same weights, same loop-path matmuls)."""
+    folder = moe_assets["qwen3_moe"]
+    argv = _argv(tmp_path, folder, moe_assets["jsonl"], "--training.steps", "12",
+                 "--training.lr", "3e-3", "--training.warmup_steps", "2",
+                 "--checkpoint.export_hf", "true", "--activation_checkpoint.mode", "full")
+    (losses, check), _ = run_ranks(_train_export_compare, 2, argv, str(tmp_path),
+                                   str(moe_assets["jsonl"]))
+    print(f"losses {[round(x, 3) for x in losses]}, export logits max diff {check['diff']:.2e}")
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses  # the random model starts ~ln(321)
+    assert _file_keys(tmp_path / "hf") == _file_keys(folder)
+    assert sorted(check["same"]) == check["trained"]
+    assert all(check["same"].values()), [k for k, v in check["same"].items() if not v]
+    assert check["logits_equal"], check["diff"]
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals, before any step.
+# ---------------------------------------------------------------------------------------
+def _moe_errors(rank: int, world: int, cases: list[list[str]]):
+    from simplefsdp.train.config import ConfigError
+    from simplefsdp.train.trainer import main
+
+    messages = []
+    for argv in cases:
+        with pytest.raises(ConfigError) as info:
+            main(argv)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_moe_bad_folders_refused_before_any_step(moe_assets, tmp_path):
+    """Experts the adapter cannot run (GELU instead of SiLU) and a folder missing one
+    expert's tensor: a ConfigError naming the key, before any step ran."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    gelu = tmp_path / "gelu"
+    shutil.copytree(moe_assets["qwen3_moe"], gelu)
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+
+    missing = tmp_path / "missing"
+    shutil.copytree(moe_assets["qwen3_moe"], missing)
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    index = json.loads((missing / "model.safetensors.index.json").read_text())
+    file = missing / index["weight_map"].pop(gone)
+    tensors = load_file(file)
+    del tensors[gone]
+    save_file(tensors, file, metadata={"format": "pt"})
+    (missing / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    out = tmp_path / "out"
+    cases = [_argv(out, gelu, moe_assets["jsonl"]), _argv(out, missing, moe_assets["jsonl"])]
+    messages = run_ranks(_moe_errors, 1, cases)[0]
+    assert "model.hf_path" in messages[0] and "not SiLU" in messages[0], messages[0]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in messages[1], messages[1]
+    assert "[4, 36, 30]" in messages[1] and "config.json" in messages[1], messages[1]
+    assert not (out / "metrics.jsonl").exists()  # no step ran
