@@ -91,7 +91,14 @@ def test_cache_hit_miss_and_invalidation(tmp_path: Path, monkeypatch):
     assert len(_folders(tmp_path / "cache")) == 3
 
 
-def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path):
+RICH = DOCS + ["  leading spaces,\ttabs\nand\r\nnewlines  ", "naïve café — 東京 🙂 ∑x²",
+               "repeat " * 300, "'s 't 're numbers 12345 678", "x"]
+
+
+def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypatch):
+    """A tokenizer.json's cache, built by 2 threads over several chunks with
+    ``encode_batch_fast``, holds exactly each document's own ``Tokenizer.encode`` ids
+    (offsets kept) plus EOS; another tokenizer file is another cache."""
     pytest.importorskip("tokenizers")  # the [hf] extra; CI installs it
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -100,20 +107,25 @@ def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path):
     def train(vocab: int) -> Path:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(
+        tok.train_from_iterator(RICH * 20, trainers.BpeTrainer(
             vocab_size=vocab, special_tokens=["</s>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         path = tmp_path / f"tok{vocab}.json"
         tok.save(str(path))
         return path
 
-    data = _jsonl(tmp_path / "a.jsonl", DOCS)
+    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 200)  # several chunks, out of order
+    monkeypatch.setattr(cache_mod, "ENCODE_BATCH", 3)  # several batches per chunk
+    data = _jsonl(tmp_path / "a.jsonl", RICH * 3)
     caches = []
     for vocab in (270, 290):
         tok = load_tokenizer(train(vocab))
-        (f,) = open_caches(_data(tmp_path, str(data)), tok)
-        want = [i for d in DOCS if d for i in tok.encode(d) + [tok.eos_id]]
-        assert f.tokens.tolist() == want
+        assert tok.parallel_batches  # the thread pool, not forked processes
+        (f,) = open_caches(_data(tmp_path, str(data), tokenize_workers=2), tok)
+        own = [tok.tok.encode(d, add_special_tokens=False).ids for d in RICH * 3 if d]
+        assert f.tokens.tolist() == [i for ids in own for i in ids + [tok.eos_id]]
+        assert f.doc_ends.tolist() == np.cumsum([len(ids) + 1 for ids in own]).tolist()
+        assert len(cache_mod.chunks((data,), "text")) > 3
         caches.append(f.folder)
     assert caches[0] != caches[1]
 
@@ -270,7 +282,7 @@ def _shared_build(rank: int, world: int, data: str, cache: str):
     from simplefsdp.corpus import build_loader
     from simplefsdp.train.config import load_config
 
-    # Streaming: each rank's own position goes through a DCP checkpoint and back.
+    # Streaming: the ranks' positions go through a DCP checkpoint (one table, gathered).
     stream = _stream(data, rank, world)
     for _ in range(3):
         next(stream)
@@ -288,12 +300,17 @@ def _shared_build(rank: int, world: int, data: str, cache: str):
         try:
             loader = build_loader(cfg, EosBytes(), rank, world, min_windows=4)
             out.append([next(loader)[0].tolist() for _ in range(2)])  # no tensors: the queue
+            dcp.save({"loader": loader.state_dict()}, checkpoint_id=cache + "-mapped")
         except ConfigError as e:
             out.append(str(e))
     return out
 
 
 def test_ranks_share_one_build_and_its_errors(tmp_path: Path):
+    """Two gloo ranks build one cache and share its errors; their checkpoints resume on 1
+    and 4 data-parallel ranks: the mapped loader continues the global sample order, the
+    stream refuses with the fix."""
+    import torch.distributed.checkpoint as dcp
     from rank_runner import run_ranks
 
     docs = [f"doc {i} " * (i % 5 + 1) for i in range(40)]
@@ -308,13 +325,36 @@ def test_ranks_share_one_build_and_its_errors(tmp_path: Path):
         assert good0[step] + good1[step] == next(single)[0].tolist()
     # Only local rank 0 reads the file; rank 1 gets its error all the same.
     assert all(isinstance(e, str) and "no 'body' field" in e for e in (bad0, bad1))
+    # The 2-rank checkpoint (after two steps of 2 x 2 samples) resumed by 1 rank of batch 4
+    # and by 4 ranks of batch 1: the global samples go on with the reference's third step.
+    (f,) = open_caches(_data(tmp_path, str(data)), EosBytes())
+    mapped = TextDataset("mapped", EosBytes(), tokens=f.tokens)
+    expected = [next(single)[0] for _ in range(2)]
+    for world, batch in ((1, 4), (4, 1)):
+        loaders = [mapped.loader("train", batch, 8, dp_rank=r, dp_world=world, seed=0)
+                   for r in range(world)]
+        for loader in loaders:
+            state = {"loader": loader.state_dict()}
+            dcp.load(state, checkpoint_id=str(cache) + "-mapped")
+            loader.load_state_dict(state["loader"])
+        for want in expected:
+            assert torch.equal(torch.cat([next(loader)[0] for loader in loaders]), want), world
+    for rank, world in ((0, 1), (3, 4)):
+        resumed = _stream(str(data), rank, world)
+        state = {"loader": resumed.state_dict()}
+        dcp.load(state, checkpoint_id=str(cache) + "-ckpt")
+        with pytest.raises(ConfigError, match=f"stream positions of 2 data-parallel ranks, "
+                                              f"this run has {world}; .*resume with 2"):
+            resumed.load_state_dict(state["loader"])
 
 
-def _stream(data: str, rank: int = 0, world: int = 1, batch: int = 2, seq_len: int = 8):
-    from simplefsdp.corpus.sources import resolve
+def _stream(data: str, rank: int = 0, world: int = 1, batch: int = 2, seq_len: int = 8,
+            weights: list[float] | None = None):
+    from simplefsdp.corpus.sources import resolve_all
     from simplefsdp.corpus.stream import StreamLoader
 
-    return StreamLoader([resolve(data)], EosBytes(), "text", batch, seq_len, rank, world)
+    return StreamLoader(resolve_all(data, weights or []), EosBytes(), "text", batch, seq_len,
+                        rank, world, weights=weights)
 
 
 def test_streaming_packs_each_ranks_documents_and_resumes(tmp_path: Path):
@@ -331,7 +371,8 @@ def test_streaming_packs_each_ranks_documents_and_resumes(tmp_path: Path):
         assert windows == [loop[8 * k:8 * k + 8] for k in range(60)] and 8 * 60 > len(packed)
         assert targets[0].tolist() == loop[1:9]
         state = loader.state_dict()
-        assert set(state) == {"samples", "seed", f"stream_dp{rank}"} and state["samples"] == 120
+        assert set(state) == {"samples", "seed", "stream_world", "stream_positions"}
+        assert state["samples"] == 120 and state["stream_world"] == 2
         expected = [next(loader) for _ in range(3)]
         resumed = _stream(data, rank, 2)
         resumed.load_state_dict(state)
@@ -339,6 +380,35 @@ def test_streaming_packs_each_ranks_documents_and_resumes(tmp_path: Path):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ConfigError, match="data-parallel rank 3 of 4 got no document"):
         next(_stream(str(_jsonl(tmp_path / "few.jsonl", ["a", "b", "c", ""])), 3, 4))
+
+
+def test_streamed_mixture_follows_the_weights_and_resumes(tmp_path: Path):
+    """Two streamed sources weighted 3:1: each window comes whole from one source, each
+    source's windows are its own stream's in order, the shares are within 5 sigma of
+    the weights, and a resumed loader yields the same batches."""
+    a = _jsonl(tmp_path / "a.jsonl", ["a" * (5 + i % 17) for i in range(40)])
+    b = _jsonl(tmp_path / "b.jsonl", ["b" * (3 + i % 11) for i in range(40)])
+    for rank in range(2):
+        mixed = _stream(f"{a},{b}", rank, 2, batch=8, weights=[3.0, 1.0])
+        windows = [w for _ in range(250) for w in next(mixed)[0].tolist()]
+        alone = [_stream(str(src), rank, 2, batch=1) for src in (a, b)]
+        share = 0
+        for w in windows:
+            letters = set(w) - {256}
+            assert letters in ({ord("a")}, {ord("b")}), w  # never two sources in one window
+            src = 0 if letters == {ord("a")} else 1
+            share += src == 0
+            assert w == next(alone[src])[0][0].tolist()
+        # i.i.d. draws: std of the share sqrt(0.75 * 0.25 / 2000) = 0.0097; allow 5 std.
+        n = len(windows)
+        assert abs(share / n - 0.75) <= 5 * (0.75 * 0.25 / n) ** 0.5, share / n
+        state, expected = mixed.state_dict(), [next(mixed)[0] for _ in range(3)]
+        resumed = _stream(f"{a},{b}", rank, 2, batch=8, weights=[3.0, 1.0])
+        resumed.load_state_dict(state)
+        assert all(torch.equal(next(resumed)[0], e) for e in expected)
+    with pytest.raises(ConfigError, match="the checkpoint's stream for data-parallel rank 1 "
+                                          "has 2 sources, this run streams 1"):
+        _stream(str(a), 1, 2).load_state_dict(state)
 
 
 def test_document_mask_equals_each_document_alone():

@@ -18,6 +18,7 @@ is removed by the next build). The files are cut into chunks (a ``.txt`` file, 4
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -27,6 +28,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import numpy as np
@@ -149,31 +151,36 @@ def _chunk_texts(files, field, index, start, stop):
 _WORK: dict = {}  # set in the building process before the workers fork
 
 
+def _encode(tok, texts: list[str], eos: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' ids back to back, each followed by ``eos`` (int64), and their
+    lengths; one batch call and one array per batch (per-document arrays cost more
+    than BPE itself)."""
+    encode_batch = getattr(tok, "encode_batch", None)
+    ids = encode_batch(texts) if encode_batch else [tok.encode(t) for t in texts]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
+                       count=int(lengths.sum()))
+    if eos is None:
+        return flat, lengths
+    return np.insert(flat, np.cumsum(lengths), eos), lengths + 1
+
+
 def _tokenize_chunk(task: tuple[int, tuple[int, int, int]]) -> tuple[int, np.ndarray]:
     """Tokenize one chunk into ``chunk-<i>.bin``; returns (i, document lengths)."""
     i, (index, start, stop) = task
     w = _WORK
     texts = [t for t in _chunk_texts(w["files"], w["field"], index, start, stop) if t]
-    eos, dtype, tok = w["eos"], w["dtype"], w["tokenizer"]
-    encode_batch = getattr(tok, "encode_batch", None)
     lengths, vocab = [], w["vocab_size"]
     with open(w["tmp"] / f"chunk-{i:06d}.bin", "wb") as out:
         for b in range(0, len(texts), ENCODE_BATCH):
-            batch = texts[b:b + ENCODE_BATCH]
-            ids = encode_batch(batch) if encode_batch else [tok.encode(t) for t in batch]
-            flat: list[int] = []
-            for doc in ids:  # one array per batch: per-document arrays cost more than BPE
-                flat.extend(doc)
-                if eos is not None:
-                    flat.append(eos)
-                lengths.append(len(doc) + (eos is not None))
-            arr = np.asarray(flat, dtype=np.int64)
+            arr, lens = _encode(w["tokenizer"], texts[b:b + ENCODE_BATCH], w["eos"])
             if arr.size and (arr.min() < 0 or arr.max() >= vocab):
                 raise ConfigError(f"data.tokenizer: the tokenizer gave id {int(arr.max())}, "
                                   f"outside its vocab_size = {vocab}; fix the tokenizer's "
                                   f"vocab_size")
-            out.write(arr.astype(dtype).tobytes())
-    return i, np.asarray(lengths, dtype=np.int64)
+            out.write(arr.astype(w["dtype"]).tobytes())
+            lengths.append(lens)
+    return i, np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
 
 
 def _chunk_bytes(files: tuple[Path, ...], chunk: tuple[int, int, int]) -> float:
@@ -222,10 +229,13 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
     started = last = time.perf_counter()
     lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(tasks)
     workers = max(1, min(workers, len(tasks)))
-    if mp.current_process().daemon:  # a daemonic process may not fork workers: tokenize here
+    threads = bool(getattr(tokenizer, "parallel_batches", False))
+    if mp.current_process().daemon and not threads:  # a daemon may not fork: work here
         workers = 1
     pool = None
-    if workers > 1:  # fork: the workers inherit the tokenizer, whatever its class
+    if workers > 1 and threads:  # encode_batch leaves the GIL: threads over chunks
+        pool = ThreadPool(workers)
+    elif workers > 1:  # fork: the workers inherit the tokenizer, whatever its class
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         pool = mp.get_context("fork").Pool(workers)
     try:
@@ -261,10 +271,12 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
             "tokens": int(ends[-1]) if len(ends) else 0, "documents": len(ends),
             "dtype": spec.dtype.name, "tokenizer": spec.fingerprint, "eos": spec.eos_id,
             "text_field": spec.text_field, "bytes": total, "seconds": round(seconds, 3),
-            "mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers}
+            "mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
+            "threads": threads}
     print(f"[simplefsdp] tokenized {src.name}: {meta['documents']} documents, "
           f"{meta['tokens']} tokens ({meta['dtype']}) in {seconds:.1f} s "
-          f"({meta['mb_per_s']} MB/s, {workers} workers) -> {tmp.parent}",
+          f"({meta['mb_per_s']} MB/s, {workers} {'threads' if threads else 'processes'}) -> "
+          f"{tmp.parent}",
           file=sys.stderr, flush=True)
     return meta
 

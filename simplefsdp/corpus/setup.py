@@ -74,7 +74,8 @@ def build_loader(cfg, tokenizer, dp_rank: int, dp_world: int, min_windows: int):
         from .stream import StreamLoader
 
         return StreamLoader(resolve_all(d.dataset, list(d.weights)), tokenizer, d.text_field,
-                            t.batch_size, t.seq_len, dp_rank, dp_world, t.seed)
+                            t.batch_size, t.seq_len, dp_rank, dp_world, t.seed,
+                            list(d.weights))
     files = open_caches(d, tokenizer)
     datasets = [TextDataset(f.meta["source"], tokenizer, VAL_FRACTION, tokens=f.tokens)
                 for f in files]

@@ -59,8 +59,13 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    # encode_batch runs in Rust without the GIL (and on its own thread pool unless
+    # TOKENIZERS_PARALLELISM=false): the token cache tokenizes with threads, not processes.
+    parallel_batches = True
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        # The _fast variant skips the character offsets; the ids are encode's.
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -100,6 +105,8 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
+
+    parallel_batches = True  # encode_ordinary_batch: threads, Rust without the GIL
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.enc.encode_ordinary_batch(texts)
