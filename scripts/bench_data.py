@@ -85,7 +85,11 @@ def run(args: list[str], out: Path, cache: Path | None) -> dict:
            "-m", "simplefsdp.train", "--config", "configs/debug.toml",
            "--metrics.output_dir", str(out), "--metrics.log_every", "1", *args]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Rank 1 waits for rank 0's tokenizing in one collective: give a 1 GB first run an hour.
+    env = {"SIMPLEFSDP_PG_TIMEOUT_S": "3600", **os.environ}
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "run.log", "w")  # a file, not a pipe: a full pipe would stall it
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     peaks = {"tokenizing": {}, "training": {}}
     first_step = None
     while proc.poll() is None:
@@ -97,7 +101,8 @@ def run(args: list[str], out: Path, cache: Path | None) -> dict:
         if first_step is None and csv.is_file() and len(csv.read_text().splitlines()) > 1:
             first_step = time.perf_counter() - started
         time.sleep(0.1)
-    log = proc.stdout.read()
+    log_file.close()
+    log = (out / "run.log").read_text()
     if proc.returncode:
         raise SystemExit(f"run failed ({proc.returncode}):\n{log[-3000:]}")
     return {"seconds": time.perf_counter() - started, "seconds_to_step_1": first_step,
@@ -106,6 +111,10 @@ def run(args: list[str], out: Path, cache: Path | None) -> dict:
 
 def bench(size: int, work: Path, steps: int) -> dict:
     corpus, tok, cache = work / f"corpus{size}.jsonl", work / "tokenizer.json", work / "cache"
+    free = shutil.disk_usage(work).free
+    if free < 2 * size * 10**6:  # the corpus, and its tokens (~0.5 byte a byte) beside it
+        raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, {size} MB of corpus needs about "
+                         f"{2 * size / 1e3:.1f} GB; free space or pass another --out")
     t = time.perf_counter()
     write_corpus(corpus, size)
     train_tokenizer(corpus, tok)
@@ -120,6 +129,8 @@ def bench(size: int, work: Path, steps: int) -> dict:
     corpus.unlink()
     return {"size_mb": size, "tokens": meta["tokens"], "documents": meta["documents"],
             "tokenize_mb_s": meta["mb_per_s"], "tokenize_s": meta["seconds"],
+            "tokenize_workers": meta["workers"], "tokenize_threads": meta.get("threads"),
+            "tokenize_mb_per_cpu_s": meta.get("mb_per_cpu_s"),
             "first": first, "second": second}
 
 

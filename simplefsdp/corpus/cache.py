@@ -227,6 +227,7 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
                  tokenizer=tokenizer, tmp=tmp, vocab_size=vocab_size)
     total, done = src.num_bytes, 0
     started = last = time.perf_counter()
+    cpu_started = _cpu_seconds()
     lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(tasks)
     workers = max(1, min(workers, len(tasks)))
     threads = bool(getattr(tokenizer, "parallel_batches", False))
@@ -266,19 +267,27 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
         raise ConfigError(f"data.dataset = {src.name!r}: no non-empty document (every text "
                           f"is empty; check data.text_field)")
     np.save(tmp / "doc_ends.npy", ends.astype(np.int64))
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu_started
     meta = {"version": FORMAT_VERSION, "source": src.name, "files": [str(f) for f in src.files],
             "tokens": int(ends[-1]) if len(ends) else 0, "documents": len(ends),
             "dtype": spec.dtype.name, "tokenizer": spec.fingerprint, "eos": spec.eos_id,
             "text_field": spec.text_field, "bytes": total, "seconds": round(seconds, 3),
             "mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
-            "threads": threads}
+            "threads": threads, "cpu_seconds": round(cpu, 3),
+            "mb_per_cpu_s": round(total / 1e6 / max(cpu, 1e-9), 2)}
     print(f"[simplefsdp] tokenized {src.name}: {meta['documents']} documents, "
           f"{meta['tokens']} tokens ({meta['dtype']}) in {seconds:.1f} s "
           f"({meta['mb_per_s']} MB/s, {workers} {'threads' if threads else 'processes'}) -> "
           f"{tmp.parent}",
           file=sys.stderr, flush=True)
     return meta
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process's threads and of its finished (joined) children: the
+    tokenizing work whatever else the machine runs."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _remove_dead_builds(final: Path) -> None:
