@@ -30,7 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "FakeTensor", "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode",
-    "aot_autograd", "all_to_all_single_autograd", "grouped_mm", "grouped_mm_aligned",
+    "aot_autograd", "all_gather_autograd", "all_to_all_single_autograd",
+    "attention_with_lse", "attention_with_lse_backward", "flatten_mesh", "grouped_mm",
+    "slice_flattened",
+    "grouped_mm_aligned",
     "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
     "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
     "default_group", "default_store", "nccl_flight_recorder",
@@ -386,3 +389,64 @@ def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
+
+
+# --------------------------------------------------------------------------------------
+# Context parallelism (parallel/context.py).
+# --------------------------------------------------------------------------------------
+def flatten_mesh(mesh: torch.distributed.device_mesh.DeviceMesh, name: str):
+    """``mesh``'s dims as one dim called ``name``, registered on the root mesh (slice it
+    from there with other dims). checked: 2.13 (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def slice_flattened(root: torch.distributed.device_mesh.DeviceMesh, names: tuple[str, ...]):
+    """``root[names]`` where a name is a dim made by :func:`flatten_mesh` (checked: 2.13,
+    which warns that slicing flattened dims from the root is to be deprecated: the
+    warning is silenced here, where the one such slice lives)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return root[names]
+
+
+def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather along dim 0 whose backward reduce-scatters (sums) the gradient.
+    checked: 2.13 (``_functional_collectives.all_gather_single_autograd``, on gloo);
+    version fallback: ``all_gather_tensor_autograd`` (its older name, deprecated in 2.13)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None)
+    return (gather or funcol.all_gather_tensor_autograd)(x, 0, group)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of softmax attention, ``(batch, heads, seq, head_dim)`` in,
+    the log-sum-exp ``(batch, heads, seq)`` float32; ``causal`` masks top-left aligned.
+    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (checked: 2.13). CUDA: the flash
+    kernel ``_scaled_dot_product_flash_attention`` (fp16/bf16 only; not run here)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    return out, lse
+
+
+def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                causal: bool) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of :func:`attention_with_lse` for the given ``out`` and ``lse``:
+    passing the merged output and log-sum-exp of several key blocks gives each block's
+    exact share of the gradient (the kernels recompute the probabilities from ``lse``).
+    CPU checked: 2.13; CUDA (flash, no dropout): not run here."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal)
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal,
+        empty, empty)

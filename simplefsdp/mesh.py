@@ -1,15 +1,20 @@
 """Parallel degrees, their rules, the device mesh, and this rank's place in it.
 
 :class:`ParallelDims` is the one owner of these facts: the degrees ``pp, dp_replicate,
-dp_shard, cp, tp, ep``, ``dp_shard = -1`` filled in from the world size, every
-divisibility rule, the mesh (named dims ``("pp", "dp_replicate", "dp_shard", "tp")``;
-dims of size 1 are kept so that ``mesh["dp_shard"]`` always exists), the meshes derived
-from it and a rank's coordinates. The trainer, the planner and the benchmark ask it;
-nothing else multiplies degrees or computes a rank's coordinates.
+dp_shard, cp_ring, cp_ulysses, tp, ep``, ``dp_shard = -1`` filled in from the world size,
+every divisibility rule, the mesh (named dims ``MESH_DIMS``; dims of size 1 are kept so
+that ``mesh["dp_shard"]`` always exists), the meshes derived from it and a rank's
+coordinates. The trainer, the planner and the benchmark ask it; nothing else multiplies
+degrees or computes a rank's coordinates.
 
-``cp`` (context parallelism) and ``ep`` (expert parallelism) have their slots and
-rules here, but only 1 is accepted until those parallelisms exist; they join the
-mesh's dims then.
+Context parallelism (``parallel/context.py``) has two degrees: ``cp_ulysses`` (heads
+exchanged for sequence, neighbouring ranks) inside ``cp_ring`` (K/V shared around a
+ring); ``cp`` is their product. The ``cp`` ranks of one data-parallel slice read the same
+batch and each keeps its part of the sequence; they hold the same weights, so parameters
+are sharded over ``dp_shard x cp`` (:meth:`ParallelDims.data_parallel_mesh`).
+
+``ep`` (expert parallelism) has its slot and rules here, but only 1 is accepted until
+it exists.
 
 Errors are ValueErrors naming each size as the caller spells it (``prefix``:
 ``"parallel."`` for the trainer's ``[parallel]`` section, empty for keyword arguments).
@@ -26,12 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the built mesh, outermost first
+from ._torch_compat import flatten_mesh, slice_flattened
+
+# The built mesh, outermost first.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 # The experts' mesh (ParallelDims.expert_mesh): the job mesh with dp_shard split, ep inside.
-EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
-DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
+CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring across
+DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
 # Degrees whose parallelism is not implemented yet: only 1 is accepted.
-NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}
+NOT_YET = {"ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class Coords:
     pp_size: int
     dp: int  # this rank's data-parallel index: which slice of the global batch it reads
     dp_size: int  # data-parallel ranks: slices of the global batch
+    cp_ring: int = 0  # context parallel: this rank's place in its ring ...
+    cp_ulysses: int = 0  # ... and in its Ulysses group (parallel/context.py's layout)
 
     @property
     def first(self) -> bool:
@@ -58,13 +69,15 @@ class Coords:
 
     @property
     def counts_tokens(self) -> bool:
-        """The one rank of its data-parallel slice that counts the batch's tokens (TP
-        ranks and pipeline stages see the same tokens)."""
+        """The ranks of its data-parallel slice that count the batch's tokens: TP ranks
+        and pipeline stages see the same tokens (one counts), context-parallel ranks
+        each their own part of the sequence (each counts)."""
         return self.first and self.tp == 0
 
     @property
     def counts_loss(self) -> bool:
-        """The one rank of its data-parallel slice whose loss is summed into the step's."""
+        """The ranks of its data-parallel slice whose losses are summed into the step's
+        (one per context-parallel rank: each holds the loss of its own tokens)."""
         return self.last and self.tp == 0
 
 
@@ -76,7 +89,8 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
-    cp: int = 1
+    cp_ring: int = 1
+    cp_ulysses: int = 1
     tp: int = 1
     ep: int = 1
     prefix: str = dataclasses.field(default="", compare=False)
@@ -102,8 +116,14 @@ class ParallelDims:
     def resolved(self) -> bool:
         return self.dp_shard != -1
 
+    @property
+    def cp(self) -> int:
+        """Context-parallel ranks per data-parallel slice: ``cp_ring * cp_ulysses``."""
+        return self.cp_ring * self.cp_ulysses
+
     def _names(self, *dims: str) -> str:
-        used = [d for d in dims if d != "cp" or self.cp > 1]  # cp named once it is used
+        dims = tuple(d for n in dims for d in (CP_DIMS if n == "cp" else (n,)))
+        used = [d for d in dims if d not in CP_DIMS or getattr(self, d) > 1]  # named if used
         return " * ".join(f"{self.prefix}{d}" for d in used), \
             " * ".join(str(getattr(self, d)) for d in used)
 
@@ -184,7 +204,28 @@ class ParallelDims:
         for d in reversed(MESH_DIMS):
             rank, at[d] = divmod(rank, sizes[d])
         return Coords(at["pp"], at["dp_replicate"], at["dp_shard"], at["tp"], self.pp,
-                      at["dp_replicate"] * sizes["dp_shard"] + at["dp_shard"], self.dp)
+                      at["dp_replicate"] * sizes["dp_shard"] + at["dp_shard"], self.dp,
+                      at["cp_ring"], at["cp_ulysses"])
+
+    def check_cp(self, seq_len: int, n_heads: int, seq_key: str = "seq_len",
+                 heads_key: str = "n_heads") -> None:
+        """Raise a ValueError unless context parallelism can split this model and sequence:
+        the sequence into ``2 * cp_ring`` head-tail chunks, each ring rank's part into
+        ``cp_ulysses`` pieces; the query heads (per TP rank) over ``cp_ulysses``. Key/value
+        heads need not divide: Ulysses repeats them to a count that does."""
+        if self.cp == 1:
+            return
+        p, parts = self.prefix, 2 * self.cp
+        if seq_len % parts:
+            raise ValueError(f"{seq_key} = {seq_len} is not divisible by 2 * {p}cp_ring * "
+                             f"{p}cp_ulysses = {parts} (each ring rank holds two chunks of "
+                             f"the sequence, split again over Ulysses); change one of them")
+        heads = self.tp * self.cp_ulysses
+        if n_heads % heads:
+            names = f"{p}tp * {p}cp_ulysses" if self.tp > 1 else f"{p}cp_ulysses"
+            raise ValueError(f"{heads_key} = {n_heads} is not divisible by {names} = {heads} "
+                             f"(Ulysses gives each rank a share of the attention heads); "
+                             f"change one of them")
 
     # ----------------------------------------------------------------- meshes
     def build_mesh(self, device_type: str = "cpu", fake: bool = False) -> DeviceMesh:
@@ -200,19 +241,25 @@ class ParallelDims:
     @staticmethod
     def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
         """The sub-mesh ``mode`` runs on: ``dp_shard`` for fully_shard, ``dp_replicate`` for
-        replicate, both for hybrid_shard (the loader's and the loss's data-parallel
-        ranks, and the ranks parameters are sharded over: ``dp_shard x cp`` will need its
-        own mesh once context parallelism lands). A mesh without our dim names is used as
-        given."""
+        replicate, both for hybrid_shard. Context-parallel ranks hold the same weights, so
+        with ``cp > 1`` they join the data-parallel dim: parameters are sharded over
+        ``dp_shard x cp`` (a flattened dim ``dp_shard_cp``), or replicated over
+        ``dp_replicate x cp`` (``dp_replicate_cp``), and gradients reduced over the same.
+        A mesh without our dim names is used as given."""
         names = mesh.mesh_dim_names or ()
         if not {"dp_replicate", "dp_shard"} <= set(names):
             return mesh
         dims = ParallelDims(dp_replicate=mesh["dp_replicate"].size(),
                             dp_shard=mesh["dp_shard"].size())
         dims.check_mode(mode)
+        cp = tuple(d for d in CP_DIMS if d in names and mesh[d].size() > 1)
+        inner = "dp_replicate" if mode == "replicate" else "dp_shard"
+        if not cp:
+            return mesh["dp_replicate", inner] if mode == "hybrid_shard" else mesh[inner]
+        flat = flatten_mesh(mesh[(inner, *cp)], f"{inner}_cp")
         if mode == "hybrid_shard":
-            return mesh["dp_replicate", "dp_shard"]
-        return mesh["dp_shard"] if mode == "fully_shard" else mesh["dp_replicate"]
+            return slice_flattened(mesh, ("dp_replicate", flat.mesh_dim_names[0]))
+        return flat
 
     @staticmethod
     def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
@@ -227,6 +274,7 @@ class ParallelDims:
         dp_shard = mesh["dp_shard"].size()
         ParallelDims.check_ep(ep, dp_shard)
         ranks = mesh.mesh.unflatten(MESH_DIMS.index("dp_shard"), (dp_shard // ep, ep))
+        # (ep carved from dp_shard alone: the cp dims stay where they are)
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @staticmethod
@@ -251,8 +299,8 @@ class ParallelDims:
     @classmethod
     def layouts(cls, world_size: int) -> Iterator[ParallelDims]:
         """Every resolved way to lay ``world_size`` ranks out as ``tp x pp x dp_replicate x
-        dp_shard`` (cp = ep = 1), ordered by ``tp``, then ``pp``, then ``dp_replicate``,
-        each ascending (the planner's search filters these)."""
+        dp_shard`` (cp_ring = cp_ulysses = ep = 1), ordered by ``tp``, then ``pp``, then
+        ``dp_replicate``, each ascending (the planner's search filters these)."""
         for tp in _divisors(world_size):
             for pp in _divisors(world_size // tp):
                 dp = world_size // (tp * pp)
@@ -265,8 +313,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 1,
-              device_type: str = "cpu") -> DeviceMesh:
-    """Build the ``(pp, dp_replicate, dp_shard, tp)`` mesh over all ranks.
+              device_type: str = "cpu", cp_ring: int = 1, cp_ulysses: int = 1) -> DeviceMesh:
+    """Build the ``MESH_DIMS`` mesh over all ranks (dims of size 1 included).
 
     ``dp_shard=-1`` takes whatever the other sizes leave of the world size (see
     ``ParallelDims.resolve``). The process group must already be initialized
@@ -278,7 +326,8 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("make_mesh(device_type='cuda'), but CUDA is not available here "
                            "(no GPU, or a CPU-only torch build); use device_type='cpu'")
-    dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                        cp_ring=cp_ring, cp_ulysses=cp_ulysses)
     return dims.resolve(dist.get_world_size()).build_mesh(device_type)
 
 

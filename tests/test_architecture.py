@@ -259,7 +259,8 @@ def test_second_spellings_are_flagged(snippet, what):
 # Issue 26 (debt 1): ParallelDims (simplefsdp/mesh.py) is the one place that computes a
 # degree or a rank's coordinate; the package and the scripts ask it.
 
-_DEGREE_NAMES = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"})
+_DEGREE_NAMES = frozenset({"pp", "dp_replicate", "dp_shard", "cp", "cp_ring", "cp_ulysses",
+                           "tp", "ep"})
 MESH = "simplefsdp/mesh.py"
 
 

@@ -151,7 +151,7 @@ def test_mesh_rules_have_one_owner():
     from simplefsdp.mesh import ParallelDims
 
     assert ParallelDims(pp=2, tp=2).resolve(8).sizes == {
-        "pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+        "pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp_ring": 1, "cp_ulysses": 1, "tp": 2}
     for world, flags in [(8, ["--parallel.tp", "2"]), (12, ["--parallel.pp", "2"]),
                          (4, ["--parallel.dp_replicate", "2", "--parallel.dp_mode",
                               "hybrid_shard"])]:
@@ -173,15 +173,14 @@ def test_mesh_rules_have_one_owner():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("cp", "2", "parallel.cp = 2 needs context parallelism, which is not implemented yet; "
-                "set parallel.cp = 1"),
     ("ep", "2", "parallel.ep = 2 needs expert parallelism, which is not implemented yet; "
                 "set parallel.ep = 1"),
     ("ep", "0", "parallel.ep = 0 is out of range: it must be a positive integer"),
 ])
 def test_cp_and_ep_are_refused_at_load(flag, value, message):
-    """cp and ep have their slots, but a size above 1 is refused when the config is read
-    (before any process starts), naming the key and the fix."""
+    """ep has its slot, but a size above 1 is refused when the config is read (before any
+    process starts), naming the key and the fix; out-of-range sizes likewise (context
+    parallelism's own refusals: tests/test_context_parallel.py)."""
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"--parallel.{flag}", value])
     assert str(info.value) == message

@@ -154,6 +154,22 @@ def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor,
     return index - first, mask[:, None]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention on ``(batch, seq, heads, head_dim)`` tensors (``mask``, a
+    document mask, replaces the causal one). ``k`` and ``v`` may have fewer heads: each
+    serves ``heads // kv_heads`` query heads, in order (grouped-query attention)."""
+    n_rep = q.shape[2] // k.shape[2]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=2)
+        v = v.repeat_interleave(n_rep, dim=2)
+    # SDPA wants (batch, heads, seq, head_dim).
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=mask is None)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: ``n_kv_heads`` key/value heads shared by ``n_heads``
     query heads (each key/value head serves ``n_heads // n_kv_heads`` query heads)."""
@@ -161,11 +177,13 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.n_rep = args.n_heads // args.kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # (q, k, v, mask) -> output, like causal_attention; context parallelism
+        # (parallel/context.py) swaps in one that sees the whole sequence.
+        self.core = causal_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,14 +192,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.n_rep > 1:  # each key/value head serves n_rep query heads, in order
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
-        # SDPA wants (batch, heads, seq, head_dim); a document mask replaces is_causal.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=mask is None)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+        out = self.core(q, k, v, mask)
+        return self.wo(out.reshape(bsz, seq_len, -1))
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -255,6 +267,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         # data.document_mask: the EOS id that ends packed documents; None: plain causal.
         self.document_eos: int | None = None
+        # Each input token's place in the whole sequence (RoPE's angle): context
+        # parallelism sets it (a rank holds chunks of the sequence); None: 0, 1, 2, ...
+        self.positions: torch.Tensor | None = None
 
     def build_block(self, layer_id: int, args: ModelArgs) -> TransformerBlock:
         """Block ``layer_id``; a model family that swaps the FFN overrides this."""
@@ -273,6 +288,8 @@ class Transformer(nn.Module):
                              f"{self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope, mask = self.rope_cache, None
+        if self.positions is not None:
+            rope = self.rope_cache[self.positions.to(rope.device)]
         if self.document_eos is not None:  # positions restart per document
             positions, mask = document_positions(tokens, self.document_eos)
             rope = self.rope_cache[positions]

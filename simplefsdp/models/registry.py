@@ -52,6 +52,8 @@ class ModelFamily:
     fingerprint: Callable[[Config], dict]
     # Write the exports the config asks for; the written folder or None. A collective.
     export: Callable[[Config, Any, Any], Path | None]
+    # Whether ``parallelize`` applies context parallelism (parallel.cp_ring/cp_ulysses).
+    context_parallel: bool = False
 
 
 _REGISTERED: dict[str, ModelFamily] = {}

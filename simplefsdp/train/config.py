@@ -113,7 +113,10 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks each parameter is sharded over; -1: the rest of the world
     tp: int = 1  # tensor (+ sequence) parallel ranks, innermost: keep within a node
     pp: int = 1  # pipeline stages, outermost
-    cp: int = 1  # context-parallel ranks (not implemented yet: 1)
+    # Context parallelism (long sequences): each sequence split over cp_ring * cp_ulysses
+    # ranks of one data-parallel slice, which also shard the parameters with dp_shard.
+    cp_ring: int = 1  # ring attention ranks: K/V all-gathered, load-balanced chunks
+    cp_ulysses: int = 1  # Ulysses ranks: heads traded for sequence (all-to-all), inside ring
     ep: int = 1  # expert-parallel ranks, dividing dp_shard * cp (not implemented yet: 1)
     # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
     # replicas over dp_replicate; replicate: DDP over dp_replicate.
@@ -129,7 +132,8 @@ class ParallelConfig:
         ConfigError if a size is out of range or not supported yet."""
         with config_errors():
             return ParallelDims(pp=self.pp, dp_replicate=self.dp_replicate,
-                                dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, ep=self.ep,
+                                dp_shard=self.dp_shard, cp_ring=self.cp_ring,
+                                cp_ulysses=self.cp_ulysses, tp=self.tp, ep=self.ep,
                                 prefix="parallel.")
 
     def resolve(self, world_size: int) -> ParallelConfig:
@@ -268,6 +272,7 @@ class JobConfig:
                               "true: pass --checkpoint.enable true as well")
         if not hf_model:
             _check_shapes(args, p)
+        _check_cp(self, args)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
@@ -289,6 +294,32 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError("data.document_mask = true works with our Llama without pipeline "
                           "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
                           "turn data.document_mask off")
+
+
+def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
+    """Context parallelism: the family must have CP attention (our Llama); the sequence
+    and heads must split (``ParallelDims.check_cp``); what it does not compose with yet is
+    refused, naming the keys."""
+    p = cfg.parallel
+    dims = p.dims()
+    if dims.cp == 1:
+        return
+    family = cfg.model.family_entry()
+    if not family.context_parallel:
+        raise ConfigError(f"parallel.cp_ring / parallel.cp_ulysses > 1 need a model family with "
+                          f"context-parallel attention; model.family = {family.name!r} has none "
+                          f"(our Llama has: leave model.hf_path unset), or set both to 1")
+    with config_errors():
+        dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
+    for key, value, why in (
+            ("data.document_mask", cfg.data.document_mask, "a mask over the whole sequence"),
+            ("parallel.tp", p.tp > 1, "tensor parallelism"),
+            ("parallel.pp", p.pp > 1, "pipeline stages")):
+        if value:
+            raise ConfigError(f"context parallelism (parallel.cp_ring * parallel.cp_ulysses = "
+                              f"{dims.cp}) does not support {why} yet: set {key} back "
+                              f"({'false' if key.startswith('data') else 1}) or the cp sizes "
+                              f"to 1")
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:

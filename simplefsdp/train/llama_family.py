@@ -131,4 +131,5 @@ registry.register(registry.ModelFamily(
                                                                 seq_len),
     fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
     export=_export,
+    context_parallel=True,
 ))

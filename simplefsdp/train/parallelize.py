@@ -1,5 +1,8 @@
 """Apply the parallelisms to a Llama ``Transformer``, in the order they compose.
 
+0. Context parallelism (``parallel.cp_ring``, ``parallel.cp_ulysses``;
+   ``parallel/context.py``): each block's attention sees the whole sequence of which
+   this rank holds a part; RoPE takes the part's global positions.
 1. Tensor + sequence parallel (``parallel.tp``), Megatron-style, on ``mesh["tp"]``:
    column-wise ``wq/wk/wv/w1/w3`` (heads and FFN width split), row-wise ``wo/w2``; the
    residual stream and the norms are sharded on the sequence dim (sequence parallel),
@@ -42,6 +45,7 @@ from simplefsdp.mesh import ParallelDims, stage_group
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
+from ..parallel.context import apply_cp
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
@@ -71,7 +75,7 @@ def check_sequence_parallel(args, tp: int, seq_len: int | None = None) -> None:
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None) -> None:
     """Tensor + sequence parallel over ``tp_mesh``, in place (see the module docstring).
 
-    The attention module computes ``n_rep`` from the global head counts and views with
+    The attention core takes ``n_rep`` from the heads it is given and views with
     ``-1`` heads, so with ``n_heads`` and ``n_kv_heads`` both divisible by the TP size
     each rank runs the same attention on its own heads, unchanged. A pipeline stage
     passes sequence-sharded hidden states to the next (each TP rank its own piece).
@@ -242,6 +246,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Modu
     """TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on)."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
+    if cfg.parallel.dims().cp > 1:
+        apply_cp(model, mesh, cfg.training.seq_len)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len)
     apply_ac(model, cfg.activation_checkpoint.mode)

@@ -37,6 +37,7 @@ from simplefsdp.mesh import Coords
 
 from ..corpus import build_loader
 from ..models.llama import num_params
+from ..parallel.context import cp_batches
 from . import preflight
 from .checkpoint import (
     CheckpointManager,
@@ -191,7 +192,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
         quiet_our_checkpoint_warning()
     s = setup(cfg, tokenizer)
     cfg, metrics, ckpt = s.cfg, s.metrics, s.ckpt
-    t = cfg.training
+    t, p = cfg.training, cfg.parallel
     rank0 = dist.get_rank() == 0
     result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
@@ -217,6 +218,8 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 batches = [next(s.loader) for _ in range(t.grad_accum_steps)]
                 if batch_transform is not None:
                     batches = [batch_transform(inputs, targets) for inputs, targets in batches]
+                if p.dims().cp > 1:  # this rank's part of every sequence (its context ranks')
+                    batches = cp_batches(batches, s.mesh, t.seq_len)
                 step_started = time.perf_counter()
                 lr = s.scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 if compiling is not None:

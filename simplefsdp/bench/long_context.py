@@ -1,0 +1,119 @@
+"""Long sequences: one sequence per step without context parallelism (1 process) and
+with ring 2 or Ulysses 2 (2 processes), the trainer's own step on each.
+
+    python -m simplefsdp.bench.long_context [--seq-len 16384] [--steps 3] [--variants cp1,ring2]
+
+Per variant: the median step time (ms) and the peak memory per rank (MiB): the state a
+rank holds (``measure.held_bytes``) plus the transient peak of a step over it
+(``measure.least_transient``: torch's CPU allocations during the step, the least of 3
+profiled steps). Prints a table and writes ``bench_results/long_context-<time>.json``.
+Figures depend on the machine and its load: README's section "Long sequences: context
+parallelism" gives one run with its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..net import free_port
+
+# name: (processes, trainer flags); every variant trains one sequence per step
+VARIANTS = {
+    "cp1": (1, []),
+    "ring2": (2, ["--parallel.cp_ring", "2"]),
+    "ulysses2": (2, ["--parallel.cp_ulysses", "2"]),
+}
+
+
+def _flags(name: str, seq_len: int, steps: int) -> list[str]:
+    return ["--training.seq_len", str(seq_len), "--model.max_seq_len", str(seq_len),
+            "--training.batch_size", "1", "--training.steps", str(steps + 4),
+            "--training.hang_watchdog_s", "0", "--metrics.output_dir",
+            f"/tmp/simplefsdp-long-context-{os.getpid()}-{name}"]
+
+
+def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))
+    try:
+        from ..parallel.context import cp_batches
+        from ..train.config import parse_args
+        from ..train.step import train_step
+        from ..train.trainer import setup
+        from .measure import held_bytes, least_transient
+
+        s = setup(parse_args(argv, world), None)
+        count = iter(range(1, 10**6))
+
+        def step() -> float:
+            batches = [next(s.loader)]
+            if s.cfg.parallel.dims().cp > 1:
+                batches = cp_batches(batches, s.mesh, s.cfg.training.seq_len)
+            return float(train_step(s, next(count), batches, False)[0])
+
+        step()  # the first step allocates the optimizer state
+        held = held_bytes(s.model, s.optimizer)
+        transient = least_transient(step, s.device)
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        queue.put((rank, held + transient, statistics.median(times)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_variant(name: str, seq_len: int, steps: int) -> dict:
+    """Spawn the variant's processes; its step ms (rank 0) and peak MiB per rank."""
+    world, extra = VARIANTS[name]
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    argv = _flags(name, seq_len, steps) + extra
+    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, steps, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    return {"variant": name, "processes": world, "seq_len": seq_len,
+            "step_ms": results[0][2] * 1e3,
+            "peak_mib_per_rank": [round(peak / 2**20, 1) for _, peak, _ in results]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args(argv)
+    rows = [run_variant(v, args.seq_len, args.steps) for v in args.variants.split(",")]
+    load = os.getloadavg()[0]
+    print(f"debug model, seq_len {args.seq_len}, one sequence per step, load {load:.2f}")
+    print(f"{'variant':<10} {'procs':>5} {'step ms':>10} {'peak MiB/rank':>16}")
+    for r in rows:
+        peak = max(r["peak_mib_per_rank"])
+        print(f"{r['variant']:<10} {r['processes']:>5} {r['step_ms']:>10.0f} {peak:>16.1f}")
+    out = Path("bench_results") / f"long_context-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"load": load, "rows": rows}, indent=2))
+    print(f"results: {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Context parallelism (issue 29): ring and Ulysses attention, in the trainer.
+
+* The ring's merge and written-out backward, one process simulating every ring rank,
+  against ``F.scaled_dot_product_attention`` over the whole sequence (float64: the merge
+  is exact up to rounding, bound 1e-12).
+* Load balance: the attention FLOPs each ring rank's kernels run (counted on the kernel
+  calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
+* The trainer on 4 gloo processes, DP 2 x ring 2, DP 2 x Ulysses 2 and ring 2 x Ulysses 2,
+  each against one process without CP on the same global batch: the losses and gradient
+  norms of 3 steps, and every parameter after them (the safetensors export). Float32
+  results that differ only in summation order (blockwise attention merged by log-sum-exp,
+  sums over 4 ranks instead of 1). Measured: losses and gradient norms within 1.1e-7
+  relative, parameters within 2.6e-6 absolute (AdamW at lr 1e-3: each step moves a weight
+  by up to ~1e-3 whatever the gradient's size, so parameters show order noise amplified).
+  Bounds: 1e-6 relative for losses and norms (the gradient norm also catches a gradient
+  off by a constant factor, which AdamW's update would hide), 1e-5 absolute for the
+  parameters (a flipped update would move a weight by ~1e-3).
+* One compiled cell (aot_eager, manual bucketing): bitwise equal to the eager CP run
+  (the same ops), the data-parallel collectives bucketed, the CP ones left alone.
+* Bad input is refused when the config is read, naming the keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rank_runner import run_ranks
+
+from simplefsdp._torch_compat import TorchDispatchMode
+from simplefsdp.parallel.context import RingCore, natural_order, positions
+from simplefsdp.train.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------
+# The ring's math, one process.
+# ---------------------------------------------------------------------------------------
+def _qkv(seq, heads=3, dim=8, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seq)
+    return [torch.randn(2, heads, seq, dim, generator=gen, dtype=dtype, requires_grad=True)
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("ring", [2, 3])
+def test_ring_core_is_exact_attention_forward_and_backward(ring):
+    """Every simulated ring rank's output, and the gradients summed over ranks, equal
+    causal SDPA over the whole sequence (float64, 1e-12)."""
+    seq = 2 * ring * 5
+    q, k, v = _qkv(seq)
+    weight = torch.randn(2, 3, seq, 8, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (ref * weight).sum().backward()
+    want = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    total = 0
+    for r in range(ring):
+        index = positions(seq, (r, ring))
+        out = RingCore.apply(q[:, :, index], k, v, r, ring)
+        torch.testing.assert_close(out, ref[:, :, index].detach(), rtol=0, atol=1e-12)
+        total = total + (out * weight[:, :, index]).sum()
+    total.backward()
+    for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_positions_cover_the_sequence_head_and_tail():
+    """Ring 2 x Ulysses 2 on 16 tokens, by hand: chunks of 4; ring rank 0 holds chunks 0
+    and 3, rank 1 chunks 1 and 2; Ulysses halves each."""
+    got = {(r, u): positions(16, (r, 2), (u, 2)).tolist() for r in range(2) for u in range(2)}
+    assert got == {(0, 0): [0, 1, 2, 3], (0, 1): [12, 13, 14, 15],
+                   (1, 0): [4, 5, 6, 7], (1, 1): [8, 9, 10, 11]}
+    # the all-gather holds rank 0's chunks (0, 3) then rank 1's (1, 2)
+    assert natural_order(2, 2).tolist() == [0, 1, 4, 5, 6, 7, 2, 3]
+
+
+class _AttentionFlops(TorchDispatchMode):
+    """FLOPs of the attention kernels called: 4 * batch * heads * queries * keys * dim,
+    halved for a causal (diagonal) block."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q, k = args[0], args[1]
+            causal = args[4] if len(args) > 4 else (kwargs or {}).get("is_causal", False)
+            b, h, lq, d = q.shape
+            self.flops += 4 * b * h * lq * k.shape[2] * d / (2 if causal else 1)
+        return func(*args, **(kwargs or {}))
+
+
+def test_ring_load_balance_equal_attention_flops():
+    """Ring 4 on 64 tokens: each rank runs exactly 1/4 of the causal attention FLOPs of
+    the whole sequence (2 * b * h * S^2 * d); a contiguous split would give rank 3 seven
+    times rank 0's work."""
+    ring, seq = 4, 64
+    q, k, v = (x.detach() for x in _qkv(seq))
+    per_rank = []
+    for r in range(ring):
+        with _AttentionFlops() as count:
+            RingCore.apply(q[:, :, positions(seq, (r, ring))], k, v, r, ring)
+        per_rank.append(count.flops)
+    whole = 2 * 2 * 3 * seq * seq * 8
+    assert per_rank == [whole / ring] * ring, per_rank
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer: parity with one process on the same global batch.
+# ---------------------------------------------------------------------------------------
+BASE = ["--training.steps", "3", "--training.seq_len", "32", "--model.dim", "32",
+        "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "1",
+        "--training.warmup_steps", "0", "--metrics.log_every", "1",
+        "--checkpoint.export_safetensors", "true", "--training.hang_watchdog_s", "0"]
+# One KV head (GQA, 4 query heads each): Ulysses 2 must repeat it to 2 before splitting.
+# Activation checkpointing rides along (it recomputes the same ops: no new tolerance).
+CELLS = {  # name: flags; a global batch of 4 sequences each, on 4 processes
+    "dp2_ring2": ["--training.batch_size", "2", "--parallel.cp_ring", "2",
+                  "--activation_checkpoint.mode", "full"],
+    "dp2_ulysses2": ["--training.batch_size", "2", "--parallel.cp_ulysses", "2",
+                     "--activation_checkpoint.mode", "selective"],
+    "ring2_ulysses2": ["--training.batch_size", "4", "--parallel.cp_ring", "2",
+                       "--parallel.cp_ulysses", "2"],
+}
+REFERENCE = ["--training.batch_size", "4"]  # one process, the same global batch of 4
+
+
+def _runs(rank, world, cells, out):
+    from simplefsdp.train.console import CompileReports
+    from simplefsdp.train.trainer import main
+
+    results = {}
+    for name, argv in cells.items():
+        with CompileReports() as reports:
+            run = main(BASE + argv + ["--metrics.output_dir", str(Path(out) / name)])
+        results[name] = ((run.losses, run.grad_norms), [(r.graph, dict(r.collectives_before), r.other_collectives,
+                                   len(r.buckets)) for r in reports.reports])
+    return results
+
+
+def _params(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_trainer_cp_matches_one_process(tmp_path):
+    compiled = ["--compile.enable", "true", "--compile.backend", "aot_eager",
+                "--compile.bucketing", "manual"]
+    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + compiled)
+    got = run_ranks(_runs, 4, cells, str(tmp_path))[0]
+    want = run_ranks(_runs, 1, {"reference": REFERENCE}, str(tmp_path))[0]["reference"][0]
+    reference = _params(tmp_path / "reference")
+    for name in CELLS:
+        for got_list, want_list in zip(got[name][0], want, strict=True):  # losses, norms
+            torch.testing.assert_close(torch.tensor(got_list), torch.tensor(want_list),
+                                       rtol=1e-6, atol=0, msg=name)
+        params = _params(tmp_path / name)
+        assert params.keys() == reference.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-5,
+                                       msg=f"{name}: {key}")
+    # compiled: the eager ops, so bitwise; the parameters likewise
+    assert got["ring2_ulysses2_compiled"][0] == got["ring2_ulysses2"][0]
+    compiled_params = _params(tmp_path / "ring2_ulysses2_compiled")
+    eager_params = _params(tmp_path / "ring2_ulysses2")
+    assert all(torch.equal(compiled_params[k], eager_params[k]) for k in eager_params)
+    graphs = {graph: (before, other, buckets)
+              for graph, before, other, buckets in got["ring2_ulysses2_compiled"][1]}
+    # The ring's collectives, left alone: per layer the all-gathers of k and v (forward)
+    # and their reduce-scatters (backward), 2 layers. (Ulysses' all-to-alls are no kind
+    # our passes know.) The data-parallel ones: 21 parameters (9 per block, embeddings,
+    # norm, output), gathered in forward as 4 buckets (one per block, the embeddings, the
+    # norm with the output); in backward 20 re-gathered (not the embeddings) as 3 buckets
+    # and 21 reduce-scattered as 4.
+    assert graphs["forward"] == ({"all_gather": 21}, 4, 4), graphs
+    assert graphs["backward"] == ({"all_gather": 20, "reduce_scatter": 21}, 4, 7), graphs
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.cp_ring", "2", "--training.seq_len", "34"],
+     "training.seq_len = 34 is not divisible by 2 * parallel.cp_ring * parallel.cp_ulysses = 4"),
+    (["--parallel.cp_ulysses", "8", "--training.seq_len", "64"],
+     "model.n_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
+    (["--parallel.cp_ring", "2", "--data.document_mask", "true"],
+     "does not support a mask over the whole sequence yet: set data.document_mask back"),
+    (["--parallel.cp_ring", "2", "--parallel.tp", "2"],
+     "does not support tensor parallelism yet: set parallel.tp back"),
+    (["--parallel.cp_ulysses", "0"],
+     "parallel.cp_ulysses = 0 is out of range: it must be a positive integer"),
+    (["--parallel.cp_ring", "2"], None),  # world 2: dp_shard = 1
+])
+def test_bad_cp_input_is_refused_at_load(flags, message):
+    if message is None:
+        cfg = load_config(None, flags, world_size=2)
+        assert cfg.parallel.resolve(2).dp_shard == 1
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(None, flags, world_size=None)
+    assert message in str(info.value), str(info.value)
+
+
+def test_cp_refused_for_a_family_without_cp_attention(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"model.family = 'hf' has none"):
+        load_config(None, ["--model.family", "hf", "--model.hf_path", str(tmp_path),
+                           "--parallel.cp_ulysses", "2"])
+
+
+def test_parallel_dims_with_cp():
+    """8 ranks as dp_shard 2 x ring 2 x Ulysses 2, row-major over (pp, dp_replicate,
+    dp_shard, cp_ring, cp_ulysses, tp), by hand: rank 5 = 1*4 + 0*2 + 1 is data-parallel
+    slice 1, ring rank 0, Ulysses rank 1; parameters are sharded over all 8."""
+    from simplefsdp.mesh import ParallelDims
+
+    dims = ParallelDims(cp_ring=2, cp_ulysses=2).resolve(8)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.dp_shard_cp) == (2, 4, 2, 8)
+    at = dims.coords(5)
+    assert (at.dp, at.cp_ring, at.cp_ulysses) == (1, 0, 1)
+    # every rank counts its own tokens and loss; each data-parallel slice has 4 ranks
+    assert all(dims.coords(r).counts_tokens and dims.coords(r).counts_loss for r in range(8))
+    assert [dims.coords(r).dp for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by pp \* "
+                       r"dp_replicate \* cp_ring \* cp_ulysses \* tp = 1 \* 1 \* 2 \* 2 \* 1 = 4"):
+        ParallelDims(cp_ring=2, cp_ulysses=2).resolve(6)
