@@ -60,8 +60,8 @@ def test_expert_mesh_layout():
     dp_shard ranks form an ep group: {0, 2} on tp 0 and {1, 3} on tp 1."""
     results = run_ranks(_expert_mesh_layout, 4)
     names, ranks, _, refused = results[0]
-    assert names == ("pp", "dp_replicate", "dp_shard", "ep", "tp")
-    assert ranks == [[[[[0, 1], [2, 3]]]]]
+    assert names == ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
+    assert ranks == [[[[[[[0, 1]]], [[[2, 3]]]]]]]  # (1, 1, 1, 2, 1, 1, 2): ep, then tp
     assert [r[2] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert refused == "ep = 3 does not divide dp_shard = 2 (the expert-parallel groups " \
                       "are carved out of dp_shard)"
