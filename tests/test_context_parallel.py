@@ -138,8 +138,9 @@ def _runs(rank, world, cells, out):
     for name, argv in cells.items():
         with CompileReports() as reports:
             run = main(BASE + argv + ["--metrics.output_dir", str(Path(out) / name)])
-        results[name] = ((run.losses, run.grad_norms), [(r.graph, dict(r.collectives_before), r.other_collectives,
-                                   len(r.buckets)) for r in reports.reports])
+        graphs = [(r.graph, dict(r.collectives_before), r.other_collectives, len(r.buckets))
+                  for r in reports.reports]
+        results[name] = ((run.losses, run.grad_norms), graphs)
     return results
 
 
