@@ -13,8 +13,9 @@ ring); ``cp`` is their product. The ``cp`` ranks of one data-parallel slice read
 batch and each keeps its part of the sequence; they hold the same weights, so parameters
 are sharded over ``dp_shard x cp`` (:meth:`ParallelDims.data_parallel_mesh`).
 
-``ep`` (expert parallelism) has its slot and rules here, but only 1 is accepted until
-it exists.
+``ep`` (expert parallelism) is no dim of the job mesh: its groups are carved out of
+``dp_shard`` (``dp_replicate`` when nothing is sharded, the ``replicate`` mode) on the
+experts' own mesh (:meth:`ParallelDims.expert_mesh`).
 
 Errors are ValueErrors naming each size as the caller spells it (``prefix``:
 ``"parallel."`` for the trainer's ``[parallel]`` section, empty for keyword arguments).
@@ -40,7 +41,7 @@ EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulyss
 CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring across
 DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
 # Degrees whose parallelism is not implemented yet: only 1 is accepted.
-NOT_YET = {"ep": "expert parallelism"}
+NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,15 @@ class ParallelDims:
                 extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
                 raise ValueError(f"{self.prefix}{name} = {size!r} is out of range: it must be "
                                  f"a positive integer{extra}")
-        if self.dp_shard != -1 and (self.dp_shard * self.cp) % self.ep:
+        if self.dp_shard != -1 and self.dp_shard * self.cp > 1 \
+                and (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}dp_shard "
                              f"* {self.prefix}cp = {self.dp_shard * self.cp} (the experts are "
                              f"sharded over those ranks)")
+        if self.dp_shard * self.cp == 1 and self.dp_replicate % self.ep:
+            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}"
+                             f"dp_replicate = {self.dp_replicate} (with {self.prefix}dp_shard "
+                             f"= 1 the expert-parallel groups are carved out of the replicas)")
         for name, what in NOT_YET.items():
             if getattr(self, name) > 1:
                 raise ValueError(f"{self.prefix}{name} = {getattr(self, name)} needs {what}, "
@@ -266,24 +272,31 @@ class ParallelDims:
         """The experts' mesh over the job ``mesh``'s ranks (dims ``MESH_DIMS``, as
         :meth:`build_mesh` makes them): ``dp_shard`` split into ``(dp_shard / ep, ep)``, ``ep``
         inside so that neighbouring ranks exchange tokens; dims ``EXPERT_MESH_DIMS``, where
-        ``dp_shard`` now counts the ranks holding the *same* experts."""
+        ``dp_shard`` now counts the ranks holding the *same* experts. With ``dp_shard = 1``
+        (``replicate``) the groups come out of ``dp_replicate`` instead, split into
+        ``(dp_replicate / ep, ep)``: the experts are then replicated over the rest."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != MESH_DIMS:
             raise ValueError(f"expert_mesh needs the job mesh (dims {', '.join(MESH_DIMS)}, "
                              f"as simplefsdp.make_mesh builds it), got dims {names}")
-        dp_shard = mesh["dp_shard"].size()
-        ParallelDims.check_ep(ep, dp_shard)
-        ranks = mesh.mesh.unflatten(MESH_DIMS.index("dp_shard"), (dp_shard // ep, ep))
-        # (ep carved from dp_shard alone: the cp dims stay where they are)
+        dp_shard, replicas = mesh["dp_shard"].size(), mesh["dp_replicate"].size()
+        if dp_shard == 1 and ep > 1:  # (pp, R, 1, tp) -> (pp, R / ep, 1, ep, tp)
+            ParallelDims.check_ep(ep, replicas, dim="dp_replicate")
+            at = MESH_DIMS.index("dp_replicate")
+            ranks = mesh.mesh.unflatten(at, (replicas // ep, ep)).transpose(at + 1, at + 2)
+        else:
+            ParallelDims.check_ep(ep, dp_shard)
+            ranks = mesh.mesh.unflatten(MESH_DIMS.index("dp_shard"), (dp_shard // ep, ep))
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @staticmethod
-    def check_ep(ep: int, dp_shard: int, prefix: str = "") -> None:
+    def check_ep(ep: int, dp_shard: int, prefix: str = "", dim: str = "dp_shard") -> None:
         """Raise a ValueError unless ``ep`` divides ``dp_shard`` (the expert-parallel groups
-        are carved out of it); sizes named as the caller spells them (``prefix``)."""
+        are carved out of it; ``dim`` names another source); sizes named as the caller
+        spells them (``prefix``)."""
         if dp_shard % ep:
-            raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}dp_shard = {dp_shard} "
-                             f"(the expert-parallel groups are carved out of dp_shard)")
+            raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}{dim} = {dp_shard} "
+                             f"(the expert-parallel groups are carved out of {dim})")
 
     @staticmethod
     def local_rank(mesh: DeviceMesh, dim: int | str | None = None) -> int:

@@ -340,11 +340,14 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 ATTENTION_BACKWARD_FLOPS = 2.5  # attention's backward over its forward (FlashAttention-2)
 
 
-def block_matmul_params(args: ModelArgs) -> int:
+def block_matmul_params(args: ModelArgs, ffn_params: int | None = None) -> int:
     """Parameters of one block's matrices (attention's q/k/v/o and the SwiGLU FFN's
-    three), the ones that take part in matmuls; its two norms (``2 * dim``) are not."""
+    three), the ones that take part in matmuls; its two norms (``2 * dim``) are not.
+    ``ffn_params``: another FFN's matmul parameters in place of the SwiGLU's (an MoE
+    block's active ones, ``models/moe.py``)."""
     hd, kv = args.head_dim, args.kv_heads
-    return args.dim * hd * (2 * args.n_heads + 2 * kv) + 3 * args.dim * ffn_hidden_dim(args)
+    ffn = 3 * args.dim * ffn_hidden_dim(args) if ffn_params is None else ffn_params
+    return args.dim * hd * (2 * args.n_heads + 2 * kv) + ffn
 
 
 def attention_flops(heads: float, queries: int, keys: int, head_dim: int,

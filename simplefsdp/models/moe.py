@@ -31,7 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._torch_compat import grouped_mm, grouped_mm_aligned
-from .llama import FeedForward, ModelArgs, Transformer, TransformerBlock, _trunc_normal
+from .llama import (
+    FeedForward,
+    ModelArgs,
+    Transformer,
+    TransformerBlock,
+    _trunc_normal,
+    block_matmul_params,
+    flops_per_token,
+)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
@@ -173,7 +181,16 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (slots, dim) grouped by expert, ``counts`` (E,) slots per expert ->
         each slot through its expert, same order."""
-        return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
+        return _routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
+
+
+@torch.compiler.disable
+def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_ffn` with the counts read on the host. Under ``torch.compile`` this
+    runs eagerly between two graphs (the rows per expert are data-dependent); the weights
+    are read before the call, so their data-parallel gathers stay in the graph."""
+    return expert_ffn(x, counts.tolist(), gate_up, down)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.gate_up_proj, 0.02)
@@ -238,6 +255,22 @@ class MoETransformer(Transformer):
         if layer_id < args.n_dense_layers:
             return TransformerBlock(layer_id, args)
         return TransformerBlock(layer_id, args, feed_forward=MoE(args))
+
+
+def active_ffn_params(args: MoEArgs) -> int:
+    """Matmul parameters one token passes through in an MoE block's FFN: the router,
+    ``top_k`` routed SwiGLU experts and the shared expert."""
+    return (args.dim * args.num_experts + 3 * args.dim * args.moe_hidden_dim * args.top_k
+            + 3 * args.dim * args.shared_hidden_dim)
+
+
+def active_flops_per_token(args: MoEArgs, seq_len: int) -> float:
+    """Training FLOPs per token counting the activated parameters only: Llama's
+    (``llama.flops_per_token``) with each MoE block's dense FFN swapped for
+    :func:`active_ffn_params`."""
+    moe_blocks = args.n_layers - args.n_dense_layers
+    swap = block_matmul_params(args, active_ffn_params(args)) - block_matmul_params(args)
+    return flops_per_token(args, seq_len) + 6 * moe_blocks * swap
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

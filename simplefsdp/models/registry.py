@@ -22,6 +22,7 @@ from typing import Any
 FAMILIES = {
     "llama": "simplefsdp.train.llama_family",
     "hf": "simplefsdp.hf.family",
+    "moe": "simplefsdp.train.moe_family",
 }
 
 Config = Any  # a train.config.JobConfig; the registry does not import the trainer
@@ -54,6 +55,16 @@ class ModelFamily:
     export: Callable[[Config, Any, Any], Path | None]
     # Whether ``parallelize`` applies context parallelism (parallel.cp_ring/cp_ulysses).
     context_parallel: bool = False
+    # Mixture of experts (left out: a dense family). Whether ``parallel.ep > 1`` applies.
+    expert_parallel: bool = False
+    # The built model's auxiliary loss from its last forward (coefficient applied; a mean
+    # over that forward's tokens), added to the loss; None when it has none.
+    aux_loss: Callable[[Any], Any] | None = None
+    # After each optimizer step: (Setup, this rank's share of the step's auxiliary loss)
+    # -> the step's figures for the metrics (global over the ranks), e.g. the expert load;
+    # also where the router's load-balancing bias moves. A collective.
+    after_step: Callable[[Any, Any], dict[str, float]] | None = None
+    metric_columns: tuple[str, ...] = ()  # the names ``after_step`` returns, in order
 
 
 _REGISTERED: dict[str, ModelFamily] = {}

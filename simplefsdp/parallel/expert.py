@@ -101,22 +101,33 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (slots, dim) grouped by global expert, ``counts`` (E,) -> the slots
         through their experts, same order."""
-        group = self._sf_ep_group
-        ep = dist.get_world_size(group)
-        local_experts = counts.numel() // ep
-        # received[s, e]: slots rank s sends to our local expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
-        received = received.view(ep, local_experts)
-        send = counts.view(ep, local_experts).sum(1).tolist()
-        recv = received.sum(1).tolist()
-        tokens = all_to_all_single_autograd(x, recv, send, group)
-        by_expert = _source_to_expert_order(received)
-        out = expert_ffn(tokens[by_expert], received.sum(0).tolist(),
-                         _local(self.gate_up_proj), _local(self.down_proj))
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return all_to_all_single_autograd(out[back], send, recv, group)
+        return _dispatch(x, counts, _local(self.gate_up_proj), _local(self.down_proj),
+                         self._sf_ep_group)
+
+
+@torch.compiler.disable
+def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The exchange and the local experts (``gate_up``/``down``: this rank's experts).
+
+    Under ``torch.compile`` this runs eagerly between two graphs: the split sizes are
+    data-dependent (read on the host), so the all-to-alls never enter a graph and our
+    bucketing never sees them; the expert weights are read before the call, so their
+    data-parallel all-gathers (on the experts' mesh) stay in the graph."""
+    ep = dist.get_world_size(group)
+    local_experts = counts.numel() // ep
+    # received[s, e]: slots rank s sends to our local expert e.
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    received = received.view(ep, local_experts)
+    send = counts.view(ep, local_experts).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    tokens = all_to_all_single_autograd(x, recv, send, group)
+    by_expert = _source_to_expert_order(received)
+    out = expert_ffn(tokens[by_expert], received.sum(0).tolist(), gate_up, down)
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+    return all_to_all_single_autograd(out[back], send, recv, group)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
+from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from .config_reader import ConfigError, choices, config_errors, read_config, require, split_argv
 from .config_reader import config_help as help_text
@@ -44,7 +45,7 @@ class ModelConfig:
     # The model family (``models.registry.FAMILIES``); left out: 'hf' with hf_path, else
     # 'llama'.
     family: str | None = None
-    name: str = "debug"  # the preset (LLAMA3_PRESETS) the shape keys below override
+    name: str = "debug"  # the preset (LLAMA3_PRESETS, MOE_PRESETS) the keys below override
     dim: int | None = None  # model width (hidden size)
     n_layers: int | None = None  # transformer blocks
     n_heads: int | None = None  # attention (query) heads
@@ -56,6 +57,20 @@ class ModelConfig:
     rope_theta: float | None = None  # RoPE base frequency
     max_seq_len: int | None = None  # longest sequence the RoPE table covers
     tie_embeddings: bool | None = None  # the output projection shares the embedding
+    # [moe] Mixture of experts (a preset of MOE_PRESETS; models/moe.py): routed experts
+    # per MoE block, of which each token takes top_k.
+    num_experts: int | None = None
+    top_k: int | None = None  # experts per token
+    moe_hidden_dim: int | None = None  # width of each routed expert
+    shared_hidden_dim: int | None = None  # width of the always-on shared expert; 0: none
+    score_func: str | None = None  # router scores: softmax | sigmoid
+    norm_topk_prob: bool | None = None  # rescale each token's top-k weights to sum to 1
+    # aux_loss: Switch balance loss (times aux_loss_coef) added to the loss; bias: the
+    # auxiliary-loss-free per-expert bias, moved after each step; none.
+    load_balance: str | None = None
+    aux_loss_coef: float | None = None  # weight of the balance loss in the loss
+    bias_update_rate: float | None = None  # bias balancing's step per optimizer step
+    n_dense_layers: int | None = None  # first blocks that keep the dense FFN
     # [hf] A local Hugging Face causal LM folder, trained with transformers' own class
     # (``name`` and the shape keys above are then unused) ...
     hf_path: str | None = None
@@ -66,19 +81,27 @@ class ModelConfig:
 
     def family_entry(self) -> ModelFamily:
         """This model's entry in the model registry (a ConfigError if unknown)."""
-        name = self.family or ("hf" if self.hf_path is not None else "llama")
+        name = self.family or ("hf" if self.hf_path is not None else
+                               "moe" if self.name in MOE_PRESETS else "llama")
         with config_errors():
             return registry.get(name)
 
     def model_args(self) -> ModelArgs:
-        """The preset with the overrides applied."""
-        if self.name not in LLAMA3_PRESETS:
+        """The preset with the overrides applied (an MoE preset: ``MoEArgs``)."""
+        presets = {**LLAMA3_PRESETS, **MOE_PRESETS}
+        if self.name not in presets:
             raise ConfigError(f"model.name = {self.name!r} is not a preset; choose one of "
-                              f"{choices(LLAMA3_PRESETS)}")
+                              f"{choices(presets)}")
         overrides = {f.name: getattr(self, f.name) for f in fields(self)
                      if f.name not in _NOT_MODEL_ARGS and getattr(self, f.name) is not None}
+        preset = presets[self.name]
+        dense = [k for k in overrides if k not in {f.name for f in fields(preset)}]
+        if dense:
+            raise ConfigError(f"model.{dense[0]} configures a mixture of experts, but model.name "
+                              f"= {self.name!r} is a dense preset; pick an MoE preset "
+                              f"({choices(MOE_PRESETS)}) or leave model.{dense[0]} out")
         try:
-            return dataclasses.replace(LLAMA3_PRESETS[self.name], **overrides)
+            return dataclasses.replace(preset, **overrides)
         except ValueError as e:
             raise ConfigError(f"[model]: {e}") from None
 
@@ -117,7 +140,9 @@ class ParallelConfig:
     # ranks of one data-parallel slice, which also shard the parameters with dp_shard.
     cp_ring: int = 1  # ring attention ranks: K/V all-gathered, load-balanced chunks
     cp_ulysses: int = 1  # Ulysses ranks: heads traded for sequence (all-to-all), inside ring
-    ep: int = 1  # expert-parallel ranks, dividing dp_shard * cp (not implemented yet: 1)
+    # expert-parallel ranks (MoE models), dividing dp_shard and model.num_experts; with
+    # dp_shard = 1 (replicate), dividing dp_replicate
+    ep: int = 1
     # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
     # replicas over dp_replicate; replicate: DDP over dp_replicate.
     dp_mode: Literal["fully_shard", "hybrid_shard", "replicate"] = "fully_shard"
@@ -280,7 +305,13 @@ class JobConfig:
         if name not in ("auto", "byte") and not Path(name).exists():
             raise ConfigError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path "
                               f"of a tokenizer.json, a folder holding one, or a tiktoken file")
-        self.model.family_entry().validate(self)
+        family = self.model.family_entry()
+        if p.ep > 1 and not family.expert_parallel:
+            raise ConfigError(f"parallel.ep = {p.ep} needs a mixture-of-experts model, but "
+                              f"model.family = {family.name!r} (model.name = "
+                              f"{self.model.name!r}) has no routed experts; pick an MoE preset "
+                              f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
+        family.validate(self)
 
 
 def _check_data(cfg: JobConfig) -> None:

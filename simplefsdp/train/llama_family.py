@@ -27,6 +27,7 @@ from simplefsdp.state_dict import unwrapped_name
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
+from ..models.moe import MOE_PRESETS
 from .config import ConfigError, JobConfig
 from .data import build_tokenizer
 from .parallelize import parallelize
@@ -34,12 +35,12 @@ from .pipeline import split_stage
 
 
 @torch.no_grad()
-def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
+def _copy_full_init(model: nn.Module, cfg: JobConfig, model_cls: type = Transformer) -> None:
     """Overwrite every (sharded) parameter with its piece of a full model initialized
     from the seed on this rank: the same weights for every parallel layout."""
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"):
-        reference = Transformer(cfg.model.model_args())
+        reference = model_cls(cfg.model.model_args())
     reference.to_empty(device="cpu")
     reference.init_weights()
     full = dict(reference.named_parameters())
@@ -53,19 +54,21 @@ def _copy_full_init(model: nn.Module, cfg: JobConfig) -> None:
             param.copy_(source)
 
 
-def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
+def build_model(cfg: JobConfig, mesh, device: torch.device, model_cls: type = Transformer,
+                parallelize_fn=parallelize) -> tuple[nn.Module, nn.Module]:
     """(module to call, the underlying Transformer/stage): built on meta, split for PP,
     parallelized, then materialized on ``device`` and initialized (or, with
-    ``model.init_from_hf``, loaded)."""
+    ``model.init_from_hf``, loaded). A family built on this one passes its own
+    ``model_cls`` (a ``Transformer`` subclass) and ``parallelize_fn``."""
     if cfg.model.init_from_hf is not None:
         from ..hf.hooks import build_llama_from_hf
 
         return build_llama_from_hf(cfg, mesh, device, _convert)
     args = cfg.model.model_args()
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_cls(args)
     split_stage(model, cfg.parallel.pp, ParallelDims.local_rank(mesh, "pp"))
-    runnable = parallelize(model, mesh, cfg)
+    runnable = parallelize_fn(model, mesh, cfg)
     model.to_empty(device=device)
     with simplefsdp.disable_active_parametrization():
         with warnings.catch_warnings():  # CPU DTensor random ops; overwritten just below
@@ -73,11 +76,14 @@ def build_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[nn.Module, 
             torch.manual_seed(cfg.training.seed)
             model.init_weights()  # also recomputes the non-persistent RoPE buffer
         if device.type == "cpu":
-            _copy_full_init(model, cfg)
+            _copy_full_init(model, cfg, model_cls)
     return runnable, model
 
 
 def _validate(cfg: JobConfig) -> None:
+    if cfg.model.name in MOE_PRESETS:
+        raise ConfigError(f"model.name = {cfg.model.name!r} is a mixture-of-experts preset: "
+                          f"set model.family = 'moe' (or leave model.family out)")
     if cfg.model.hf_path is not None:
         raise ConfigError(f"model.hf_path trains a Hugging Face model: set model.family = "
                           f"'hf' (or leave it out), not {cfg.model.family!r}")

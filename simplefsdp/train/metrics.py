@@ -74,8 +74,10 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str | Path, *, rank: int, world: int, device: torch.device,
                  flops_per_token: float, tokens_per_step: int, total_steps: int,
-                 start_step: int = 0, tensorboard: bool = False, progress: bool = True):
+                 start_step: int = 0, tensorboard: bool = False, progress: bool = True,
+                 extra_columns: tuple[str, ...] = ()):
         self.out = Path(output_dir)
+        self.extra_columns = tuple(extra_columns)  # the model family's (MoE: expert load)
         self.rank, self.world, self.device = rank, world, device
         self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
         self.active = rank == 0
@@ -137,7 +139,7 @@ class MetricsLogger:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return (*self.COLUMNS, self.mem_column)
+        return (*self.COLUMNS, *self.extra_columns, self.mem_column)
 
     def _prepare_csv(self, start_step: int) -> None:
         """Start a new CSV, or (resuming) keep the rows up to ``start_step``: rows after
@@ -153,9 +155,10 @@ class MetricsLogger:
         self.rows = [{k: float(v) for k, v in r.items() if v != ""} for r in kept]
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, window_steps: int,
-            window_time_s: float) -> dict[str, float] | None:
+            window_time_s: float, extra: dict[str, float] | None = None
+            ) -> dict[str, float] | None:
         """Report step ``step`` (1-based); ``window_*``: steps and seconds since the last
-        report, for throughput."""
+        report, for throughput; ``extra``: the ``extra_columns`` of step ``step``."""
         if not self.active:
             return None
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time_s, 1e-9)
@@ -163,7 +166,9 @@ class MetricsLogger:
         _, mem = peak_memory(self.device)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                "tokens_per_s": tokens_per_s, "mfu_pct": 100 * mfu,
-               "step_time_s": window_time_s / max(window_steps, 1), self.mem_column: mem}
+               "step_time_s": window_time_s / max(window_steps, 1),
+               **{k: (extra or {}).get(k, float("nan")) for k in self.extra_columns},
+               self.mem_column: mem}
         self.rows.append(row)
         with open(self.csv_path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.columns).writerow(row)
@@ -173,7 +178,8 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}",
-                                  mfu=f"{100 * mfu:.2f}%", refresh=False)
+                                  mfu=f"{100 * mfu:.2f}%", refresh=False,
+                                  **{k: f"{row[k]:.4g}" for k in self.extra_columns})
         return row
 
     def advance(self, steps: int = 1) -> None:

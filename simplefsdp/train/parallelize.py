@@ -178,13 +178,20 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
 # ---------------------------------------------------------------------------------------
 # Data parallel and compile.
 # ---------------------------------------------------------------------------------------
-def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+def dp_options(cfg: JobConfig) -> dict:
+    """``data_parallel``'s keyword arguments from ``[training]`` and ``[parallel]`` (the
+    per-module fp32 overrides apart): one owner, for the model and for the experts
+    sharded on their own mesh first (``moe_family``)."""
     t, p = cfg.training, cfg.parallel
     mp = simplefsdp.MixedPrecisionPolicy(
         param_dtype=_DTYPES[t.mixed_precision_param],
         reduce_dtype=_DTYPES[t.mixed_precision_reduce])
-    return simplefsdp.data_parallel(model, mesh, mode=p.dp_mode, mp_policy=mp,
-                                    reshard_after_forward=p.reshard, reduce_op="sum",
+    return {"mode": p.dp_mode, "mp_policy": mp, "reshard_after_forward": p.reshard,
+            "reduce_op": "sum"}
+
+
+def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+    return simplefsdp.data_parallel(model, mesh, **dp_options(cfg),
                                     mp_overrides=fp32_overrides(model, cfg))
 
 
@@ -225,8 +232,12 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
                                       state_bytes_outside_graphs=outside, mesh=dp_mesh)
 
 
-def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
-    return torch.compile(model, fullgraph=True, backend=compile_backend_for(mesh, cfg, model))
+def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
+                  fullgraph: bool = True) -> nn.Module:
+    """``fullgraph = False`` lets the model leave the graph where it must (an MoE's
+    data-dependent expert dispatch); our passes then run on each graph."""
+    return torch.compile(model, fullgraph=fullgraph,
+                         backend=compile_backend_for(mesh, cfg, model))
 
 
 def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -> None:
@@ -242,16 +253,21 @@ def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -
             "activation_checkpoint.mode = 'selective', or compile.enable = false")
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
+                before_dp=None, fullgraph: bool = True) -> nn.Module:
     """TP, activation checkpointing, data parallel, compile: in that order, in place
-    (the returned module is the compiled wrapper when compile is on)."""
+    (the returned module is the compiled wrapper when compile is on). ``before_dp(model,
+    mesh, cfg)`` runs just before data parallel (MoE: expert parallelism); ``fullgraph``
+    is ``apply_compile``'s."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
     if cfg.parallel.dims().cp > 1:
         apply_cp(model, mesh, cfg.training.seq_len)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len)
     apply_ac(model, cfg.activation_checkpoint.mode)
+    if before_dp is not None:
+        before_dp(model, mesh, cfg)
     model = apply_dp(model, mesh, cfg)
     if cfg.compile.enable:
-        model = apply_compile(model, mesh, cfg)
+        model = apply_compile(model, mesh, cfg, fullgraph)
     return model

@@ -113,17 +113,28 @@ def global_tokens(s: Setup, batches: list[Batch]) -> torch.Tensor:
     return total.clamp_(min=1)
 
 
-def forward_backward(s: Setup, batches: list[Batch],
-                      global_tokens: torch.Tensor) -> torch.Tensor:
+def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward and backward over the step's microbatches; returns this rank's share of
-    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage)."""
+    the step's loss (``sum(token losses) / global_tokens``; 0 off the last PP stage) and
+    of its auxiliary loss (None without one).
+
+    A model with an auxiliary loss (MoE balance: a mean over one forward's tokens) adds it
+    weighted by that forward's share of the step's tokens, ``aux * tokens / global_tokens``:
+    summed over ranks and microsteps it is the token-weighted mean, as the loss is."""
     step_loss = torch.zeros((), device=s.device)
+    aux_of, step_aux = s.cfg.model.family_entry().aux_loss, None
     for inputs, targets in batches:
         inputs, targets = inputs.to(s.device), targets.to(s.device)
         if s.schedule is None:
             loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
-            loss.backward()
             step_loss += loss.detach()
+            aux = aux_of(s.model) if aux_of is not None else None
+            if aux is not None:
+                aux = aux * (targets != IGNORE_INDEX).sum() / global_tokens
+                step_aux = aux.detach() if step_aux is None else step_aux + aux.detach()
+                loss = loss + aux
+            loss.backward()
         else:
             losses: list[torch.Tensor] = []
             s.schedule.step(*((inputs,) if s.at.first else ()),
@@ -132,7 +143,7 @@ def forward_backward(s: Setup, batches: list[Batch],
                 step_loss += mb_loss.detach() / global_tokens
     if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
         scale_grads_(s.params, 1 / global_tokens)
-    return step_loss
+    return step_loss, step_aux
 
 
 @torch.no_grad()
@@ -143,17 +154,18 @@ def scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
             (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
 
 
-def train_step(s: Setup, step: int, batches: list[Batch],
-                stop_requested: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def train_step(s: Setup, step: int, batches: list[Batch], stop_requested: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, float]]:
     """One optimizer step; returns (this rank's contribution to the global loss, the
-    gradient norm before clipping, whether some rank was asked to stop).
+    gradient norm before clipping, whether some rank was asked to stop, the model
+    family's figures of the step: ``ModelFamily.after_step``, e.g. MoE expert load).
 
     A loss or gradient norm that is not finite on any rank: the step is not applied and
     NonFiniteError is raised on every rank."""
     phase("token-count all-reduce")  # the collective (or phase) entered, for the watchdog
     tokens = global_tokens(s, batches)
     phase("forward/backward (data-parallel all-gathers, reduce-scatters)")
-    step_loss = forward_backward(s, batches, tokens)
+    step_loss, step_aux = forward_backward(s, batches, tokens)
     phase("grad-norm all-reduce")
     grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
     phase("step-flags all-reduce")
@@ -168,6 +180,8 @@ def train_step(s: Setup, step: int, batches: list[Batch],
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
+    after_step = s.cfg.model.family_entry().after_step
+    stats = after_step(s, step_aux) if after_step is not None else {}
     counts_loss = s.at.counts_loss  # one loss per data-parallel rank
     contribution = step_loss if counts_loss else torch.zeros_like(step_loss)
-    return contribution, grad_norm.detach(), stop
+    return contribution, grad_norm.detach(), stop, stats

@@ -156,7 +156,8 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
                             flops_per_token=family.flops_per_token(cfg, model, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
-                            start_step=start_step, tensorboard=cfg.metrics.tensorboard)
+                            start_step=start_step, tensorboard=cfg.metrics.tensorboard,
+                            extra_columns=family.metric_columns)
     s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
               scheduler, schedule, ckpt, metrics, start_step, n_params)
     if rank == 0:
@@ -196,7 +197,8 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     rank0 = dist.get_rank() == 0
     result = TrainResult(start_step=s.start_step, steps=t.steps, num_params=s.n_params,
                          output_dir=str(cfg.metrics.output_dir))
-    pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # since the last flush
+    # (loss contribution, grad norm, lr, family figures) of each step since the last flush
+    pending: list[tuple[torch.Tensor, torch.Tensor, float, dict]] = []
     window_start, window_steps = time.perf_counter(), 0
     saved: Path | None = None  # the newest checkpoint written
     compiling = CompileReports() if cfg.compile.enable else None
@@ -224,15 +226,15 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 lr = s.scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 if compiling is not None:
                     with compiling:
-                        contribution, grad_norm, stop = train_step(s, step, batches,
-                                                                   signal_.requested)
+                        contribution, grad_norm, stop, stats = train_step(
+                            s, step, batches, signal_.requested)
                     metrics.note(compile_summary(compiling.reports, cfg,
                                                   time.perf_counter() - step_started, step))
                     compiling = None
                 else:
-                    contribution, grad_norm, stop = train_step(s, step, batches,
-                                                               signal_.requested)
-                pending.append((contribution, grad_norm, lr))
+                    contribution, grad_norm, stop, stats = train_step(s, step, batches,
+                                                                      signal_.requested)
+                pending.append((contribution, grad_norm, lr, stats))
                 window_steps += 1
                 metrics.advance()
 
@@ -241,17 +243,17 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 if logs or (ckpt and ckpt.due(step)):
                     # One all-reduce for every step since the last flush.
                     phase("metrics all-reduce")
-                    stacked = torch.stack([c for c, _, _ in pending])
+                    stacked = torch.stack([c for c, *_ in pending])
                     dist.all_reduce(stacked)
                     result.losses.extend(stacked.tolist())
-                    result.grad_norms.extend(float(g) for _, g, _ in pending)
+                    result.grad_norms.extend(float(g) for _, g, *_ in pending)
                     if logs:  # the row's loss: the mean since the previous row
                         if s.device.type == "cuda":
                             torch.cuda.synchronize()
                         elapsed = time.perf_counter() - window_start
                         window = result.losses[-window_steps:]
                         metrics.log(step, sum(window) / len(window), result.grad_norms[-1],
-                                    pending[-1][2], window_steps, elapsed)
+                                    pending[-1][2], window_steps, elapsed, pending[-1][3])
                         window_start, window_steps = time.perf_counter(), 0
                     pending.clear()
                 if ckpt is not None:  # a save's length is the group timeout's business

@@ -1,0 +1,132 @@
+"""The mixture-of-experts decoder (``models/moe.py``) as a model family: our Llama's
+family (``llama_family``: built on meta, parallelized, initialized from the seed) with
+the ``MoETransformer`` and three additions.
+
+* Expert parallelism (``parallel.ep``): before data parallel, every MoE layer's experts
+  are split over the experts' mesh (``ParallelDims.expert_mesh``, ``parallel/expert.py``)
+  and ``data_parallel``-sharded there in the job's ``dp_mode``; the rest of the model is
+  sharded as a dense one. With ``ep = 1`` the experts are sharded with the rest.
+* The router stays float32 under mixed precision: its module glob is added to
+  ``training.mixed_precision_fp32_modules`` (gathered, computed and reduced in float32).
+* The balance loss (``load_balance = "aux_loss"``) joins the loss in ``step.py``; after each
+  optimizer step :func:`_after_step` sums the routed slots per expert over the
+  data-parallel ranks, moves the bias (``load_balance = "bias"``) and reports the step's
+  figures (``metrics.csv``): ``aux_loss`` (coefficient applied, token-weighted over the
+  ranks as the loss is), ``expert_load_max_mean`` (the busiest expert's slots over the
+  mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (0: routing is
+  dropless, every slot reaches its expert).
+
+Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
+ranks: ``ParallelDims``), a dense preset, TP and PP (not built for MoE yet), Hugging Face
+weights or export (another family's job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import ParallelDims
+from ..models import moe, registry
+from ..parallel.expert import apply_ep, check_ep, shard_experts
+from .config import ConfigError, JobConfig, config_errors
+from .llama_family import build_model
+from .parallelize import dp_options, parallelize
+
+ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
+METRIC_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
+
+
+def _validate(cfg: JobConfig) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.hf_path is not None or m.init_from_hf is not None:
+        key = "hf_path" if m.hf_path is not None else "init_from_hf"
+        raise ConfigError(f"model.{key} is a Hugging Face folder; model.family = 'moe' trains "
+                          f"our MoE from model.name's preset: leave model.{key} out")
+    args = m.model_args()
+    if not isinstance(args, moe.MoEArgs):
+        raise ConfigError(f"model.family = 'moe' needs an MoE preset, but model.name = "
+                          f"{m.name!r} is dense; choose one of {', '.join(moe.MOE_PRESETS)}")
+    with config_errors():
+        check_ep(p.ep, num_experts=args.num_experts, prefix="parallel.")
+    for key, what in (("tp", "tensor parallelism"), ("pp", "pipeline parallelism")):
+        if getattr(p, key) > 1:
+            raise ConfigError(f"parallel.{key} = {getattr(p, key)}: {what} of MoE models is "
+                              f"not implemented yet; set parallel.{key} = 1")
+    if cfg.checkpoint.export_hf:
+        raise ConfigError("checkpoint.export_hf = true writes a Hugging Face Llama folder; our "
+                          "MoE has no export: set it to false (export_safetensors works)")
+
+
+def _with_router_fp32(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the routers kept in float32 when the model computes in another dtype."""
+    t, args = cfg.training, cfg.model.model_args()
+    mixed = t.mixed_precision_param != "float32" or t.mixed_precision_reduce != "float32"
+    has_router = args.n_dense_layers < args.n_layers
+    if not mixed or not has_router or ROUTER_GLOB in t.mixed_precision_fp32_modules:
+        return cfg
+    globs = [*t.mixed_precision_fp32_modules, ROUTER_GLOB]
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        t, mixed_precision_fp32_modules=globs))
+
+
+def _shard_experts(model, mesh, cfg: JobConfig) -> None:
+    """Expert parallelism, then the experts' data parallel on their own mesh (ep > 1)."""
+    if cfg.parallel.ep == 1:
+        return
+    experts_mesh = ParallelDims.expert_mesh(mesh, cfg.parallel.ep)
+    apply_ep(model, experts_mesh)
+    shard_experts(model, experts_mesh, **dp_options(cfg))
+
+
+COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its routed "
+                "experts (the tokens per expert, hence the all-to-all splits and the "
+                "per-expert matmuls, are known only at run time) and runs them eagerly; "
+                "attention, router, shared expert and every data-parallel collective, "
+                "the experts' all-gathers and reduce-scatters included, stay in graphs")
+
+
+def _parallelize(model, mesh, cfg: JobConfig):
+    """The dense model's parallelisms with expert parallelism before data parallel;
+    compiled with graph breaks around the routed experts (:data:`COMPILE_NOTE`)."""
+    if cfg.compile.enable and dist.get_rank() == 0:
+        print(COMPILE_NOTE, flush=True)
+    return parallelize(model, mesh, _with_router_fp32(cfg), before_dp=_shard_experts,
+                       fullgraph=False)
+
+
+def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
+    """The bias update and the step's figures (see the module docstring). Two all-reduces
+    over every rank: the data-parallel ranks (TP and PP are refused for MoE)."""
+    loads = moe.update_expert_bias(s.model, dist.group.WORLD)  # (layers, E), then zeroed
+    aux = torch.zeros((), device=s.device) if step_aux is None else step_aux.clone()
+    dist.all_reduce(aux)
+    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
+        else torch.ones(())
+    return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
+            "tokens_dropped": 0.0}
+
+
+_llama = registry.get("llama")
+
+registry.register(registry.ModelFamily(
+    name="moe",
+    validate=_validate,
+    build=functools.partial(build_model, model_cls=moe.MoETransformer,
+                            parallelize_fn=_parallelize),
+    parallelize=_parallelize,
+    tokenizer=_llama.tokenizer,
+    check_tokenizer=_llama.check_tokenizer,
+    convert=None,
+    flops_per_token=lambda cfg, model, seq_len: moe.active_flops_per_token(
+        cfg.model.model_args(), seq_len),
+    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    export=lambda cfg, model, tokenizer: None,
+    expert_parallel=True,
+    aux_loss=moe.aux_loss,
+    after_step=_after_step,
+    metric_columns=METRIC_COLUMNS,
+))

@@ -1,0 +1,212 @@
+"""The MoE model family in the trainer (train/moe_family.py): ``--parallel.ep`` with every
+``dp_mode`` on 4 gloo ranks against the same run without expert parallelism, the balance
+loss and expert load in ``metrics.csv`` against a computation by hand, the router kept
+float32 under bf16, and the bad input refused at config load."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from rank_runner import run_ranks
+
+from simplefsdp.train.config import ConfigError, load_config
+
+# A tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2, a shared expert,
+# balance loss with a large coefficient (so that it moves the weights visibly).
+TINY = ["--model.name", "debug_moe", "--model.dim", "32", "--model.n_layers", "2",
+        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.num_experts", "4",
+        "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "32",
+        "--model.aux_loss_coef", "0.1", "--training.seq_len", "32",
+        "--training.batch_size", "2", "--training.steps", "3", "--training.warmup_steps", "1",
+        "--training.lr", "1e-2", "--metrics.log_every", "1",
+        "--checkpoint.export_safetensors", "true"]
+# name -> the run's parallel flags (4 ranks); "ep1" is the reference
+LAYOUTS = {
+    "ep1": ["--parallel.ep", "1"],
+    "ep2_fsdp": ["--parallel.ep", "2"],
+    "ep4_fsdp": ["--parallel.ep", "4"],
+    "ep2_hsdp": ["--parallel.ep", "2", "--parallel.dp_mode", "hybrid_shard",
+                 "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
+    "ep2_ddp": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
+                "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
+}
+
+
+def _runs(rank: int, world: int, out: str) -> dict:
+    """Every layout's 3 steps on these 4 ranks (one process group), then a bf16 model's
+    parameter dtypes as its modules see them in forward."""
+    from simplefsdp.train.trainer import main
+
+    results, batches = {}, []
+
+    def keep(inputs, targets):  # this rank's batches, for the reference by hand
+        batches.append((inputs.clone(), targets.clone()))
+        return inputs, targets
+
+    for name, flags in LAYOUTS.items():
+        result = main([*TINY, *flags, "--metrics.output_dir", f"{out}/{name}"],
+                      batch_transform=keep if name == "ep1" else None)
+        results[name] = result.losses
+    return {"losses": results, "batches": batches, "dtypes": _bf16_dtypes(out)}
+
+
+def _bf16_dtypes(out: str) -> dict[str, str]:
+    """The dtype each module's parameters have while it runs, in a bf16 EP 2 model."""
+    import dataclasses
+
+    from simplefsdp.train import trainer
+
+    cfg = load_config(None, [*TINY, "--parallel.ep", "2", "--metrics.output_dir",
+                             f"{out}/bf16", "--training.mixed_precision_param", "bfloat16"])
+    cfg = dataclasses.replace(cfg, parallel=cfg.parallel.resolve(4))
+    s = trainer.setup(cfg, None)
+    seen = {}
+    block = s.model.layers["1"].feed_forward
+    for name, module, read in (("router", block.gate, lambda m: m.weight),
+                               ("experts", block.experts, lambda m: m.gate_up_proj),
+                               ("shared", block.shared_expert, lambda m: m.w1.weight)):
+        module.register_forward_pre_hook(
+            lambda mod, args, name=name, read=read: seen.__setitem__(name, str(read(mod).dtype)))
+    s.runnable(torch.zeros(2, 32, dtype=torch.long))
+    s.metrics.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    results = run_ranks(_runs, 4, str(out))
+    return out, results
+
+
+def _params(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "ep1"])
+def test_expert_parallel_matches_ep1(runs, layout):
+    """EP 2 x FSDP 2, EP 4 (one expert per rank), EP 2 with HSDP (2 replicas x 2 shards) and
+    EP 2 with replicate (4 replicas, experts in 2 groups of 2) train the same 3 AdamW steps
+    as the same 4 ranks without EP: every rank reads the same batches and routes its own
+    tokens, so routing is identical and only reduction orders differ (each expert's rows
+    from two ranks in one matmul; gradients summed over other groups). Losses within
+    1e-6 relative; every exported parameter within 1e-5 absolute (AdamW's first steps
+    move each weight by ~lr = 1e-2 times g / |g|, so a relative 1e-6 gradient difference
+    shows as ~1e-8; 1e-5 leaves room for near-zero gradients)."""
+    out, results = runs
+    ref = results[0]["losses"]["ep1"]
+    for rank in range(4):
+        assert results[rank]["losses"][layout] == pytest.approx(ref, rel=1e-6)
+    want, got = _params(out / "ep1"), _params(out / layout)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+    # the experts moved (the comparison is not between two initial models)
+    start = _initial_model().state_dict()["layers.1.feed_forward.experts.down_proj"]
+    assert (got["layers.1.feed_forward.experts.down_proj"] - start).abs().max() > 1e-3
+
+
+def _initial_model():
+    """The trainer's initial weights (seed 0, initialized on a meta-built model as
+    ``llama_family`` does)."""
+    from simplefsdp.models import moe
+
+    args = load_config(None, TINY).model.model_args()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = moe.MoETransformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def test_metrics_by_hand(runs):
+    """metrics.csv has the MoE columns; step 1's loss, aux_loss and expert load equal a
+    computation by hand on the initial model over the 4 ranks' first batches: the Switch
+    loss of each layer from its router's scores (E * sum_e f_e * P_e, f_e the share of
+    slots routed to expert e, P_e its mean score), times the coefficient 0.1, summed over
+    layers, averaged over ranks (equal token counts); the load is the busiest expert's
+    slots over the mean, over all ranks' tokens, worst layer. Within 1e-5 relative
+    (float32, different reduction orders)."""
+    out, results = runs
+    model = _initial_model()
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for block in model.layers.values():
+        block.feed_forward.gate.register_forward_hook(
+            lambda mod, args, res: routed.append((res[0].detach(), res[2])))
+    aux, ce, loads = 0.0, 0.0, {}
+    experts, coef, ranks = 4, 0.1, 4
+    for rank in range(ranks):
+        inputs, targets = results[rank]["batches"][0]
+        routed.clear()
+        with torch.no_grad():
+            logits = model(inputs)
+        ce += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                reduction="sum").item()
+        for layer, (scores, ids) in enumerate(routed):
+            counts = torch.bincount(ids.flatten(), minlength=experts).float()
+            f, p = counts / scores.shape[0], scores.mean(0)
+            aux += coef * experts * (f * p).sum().item() / ranks
+            loads[layer] = loads.get(layer, 0) + counts
+    ratio = max((c.max() / c.mean()).item() for c in loads.values())
+    tokens = ranks * inputs.numel()
+    with open(out / "ep2_fsdp" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"aux_loss", "expert_load_max_mean", "tokens_dropped"} <= set(rows[0])
+    assert len(rows) == 3
+    first = {k: float(v) for k, v in rows[0].items()}
+    assert first["loss"] == pytest.approx(ce / tokens, rel=1e-5)
+    assert first["aux_loss"] == pytest.approx(aux, rel=1e-5)
+    assert first["expert_load_max_mean"] == pytest.approx(ratio, rel=1e-6)
+    assert all(float(r["tokens_dropped"]) == 0 for r in rows)
+
+
+def test_router_stays_float32_under_bf16(runs):
+    """With mixed_precision_param = bfloat16 the routers are added to the fp32 modules:
+    in forward the router's weight is float32, the experts' and the shared expert's
+    bfloat16 (the experts sharded on their own mesh take the same policy)."""
+    _, results = runs
+    assert results[0]["dtypes"] == {"router": "torch.float32", "experts": "torch.bfloat16",
+                                    "shared": "torch.bfloat16"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.ep", "3"], "parallel.ep = 3 does not divide the 8 experts"),
+    (["--model.top_k", "9"], "top_k=9 must be between 1 and num_experts=8"),
+    (["--parallel.tp", "2"], "parallel.tp = 2: tensor parallelism of MoE models is not "
+                             "implemented yet; set parallel.tp = 1"),
+    (["--parallel.pp", "2"], "parallel.pp = 2: pipeline parallelism of MoE models is not "
+                             "implemented yet; set parallel.pp = 1"),
+])
+def test_moe_bad_input_refused(flags, message):
+    """Refused when the config is read, naming the key (no process started)."""
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(None, ["--model.name", "debug_moe", *flags])
+
+
+def test_ep_refusals_name_the_key():
+    """EP on a dense model, an MoE key on a dense preset, ep not dividing the ranks the
+    groups come from (dp_shard; dp_replicate when dp_shard = 1) for the world size."""
+    with pytest.raises(ConfigError, match=r"^parallel\.ep = 2 needs a mixture-of-experts "
+                                          r"model, but model\.family = 'llama'"):
+        load_config(None, ["--parallel.ep", "2"])
+    with pytest.raises(ConfigError, match=r"^model\.num_experts configures a mixture of "
+                                          r"experts, but model\.name = 'debug' is a dense"):
+        load_config(None, ["--model.num_experts", "4"])
+    moe = ["--model.name", "debug_moe", "--parallel.ep", "4"]
+    with pytest.raises(ConfigError, match=r"^parallel\.ep = 4 must divide parallel\.dp_shard "
+                                          r"\* parallel\.cp = 2"):
+        load_config(None, moe, world_size=2)
+    with pytest.raises(ConfigError, match=r"^parallel\.ep = 4 must divide "
+                                          r"parallel\.dp_replicate = 2"):
+        load_config(None, [*moe, "--parallel.dp_mode", "replicate", "--parallel.dp_shard",
+                           "1", "--parallel.dp_replicate", "2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"model\.name = 'debug_moe' is a mixture-of-experts "
+                                          r"preset: set model\.family = 'moe'"):
+        load_config(None, ["--model.name", "debug_moe", "--model.family", "llama"])
+    load_config(None, [*moe, "--parallel.dp_shard", "4"], world_size=4)  # fine
