@@ -173,13 +173,14 @@ def test_mesh_rules_have_one_owner():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("ep", "2", "parallel.ep = 2 needs expert parallelism, which is not implemented yet; "
-                "set parallel.ep = 1"),
+    ("ep", "2", "parallel.ep = 2 needs a mixture-of-experts model, but model.family = "
+                "'llama' (model.name = 'debug') has no routed experts; pick an MoE preset "
+                "('debug_moe', 'qwen3_30b_a3b', 'deepseek_v3_16b') or set parallel.ep = 1"),
     ("ep", "0", "parallel.ep = 0 is out of range: it must be a positive integer"),
 ])
 def test_cp_and_ep_are_refused_at_load(flag, value, message):
-    """ep has its slot, but a size above 1 is refused when the config is read (before any
-    process starts), naming the key and the fix; out-of-range sizes likewise (context
+    """ep > 1 on a dense model is refused when the config is read (before any process
+    starts), naming the key and the fix; out-of-range sizes likewise (context
     parallelism's own refusals: tests/test_context_parallel.py)."""
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"--parallel.{flag}", value])

@@ -183,6 +183,10 @@ class Experts(nn.Module):
         each slot through its expert, same order."""
         return _routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
 
+    def init_weights(self, init_std: float) -> None:
+        _trunc_normal(self.gate_up_proj, 0.02)
+        _trunc_normal(self.down_proj, init_std)
+
 
 @torch.compiler.disable
 def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
@@ -191,10 +195,6 @@ def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     runs eagerly between two graphs (the rows per expert are data-dependent); the weights
     are read before the call, so their data-parallel gathers stay in the graph."""
     return expert_ffn(x, counts.tolist(), gate_up, down)
-
-    def init_weights(self, init_std: float) -> None:
-        _trunc_normal(self.gate_up_proj, 0.02)
-        _trunc_normal(self.down_proj, init_std)
 
 
 class MoE(nn.Module):
@@ -220,7 +220,11 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores, weights, ids = self.gate(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+        # Slots per expert; not bincount, whose output length depends on the data (a
+        # graph break under torch.compile).
+        flat = ids.flatten()
+        counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device
+                             ).index_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             self.tokens_per_expert += counts
         if self.load_balance == "aux_loss":

@@ -120,6 +120,7 @@ def start_line(s: Setup, world: int, tokens_per_step: int) -> str:
     p, cfg = s.cfg.parallel, s.cfg
     return (f"[simplefsdp] {s.n_params / 1e6:.2f}M params, world {world}: pp={p.pp} "
             f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} "
+            f"{f'ep={p.ep} ' if p.ep > 1 else ''}"
             f"({p.dp_mode}), ac={cfg.activation_checkpoint.mode}, "
             f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
             f"steps {s.start_step}->{cfg.training.steps}; peak "

@@ -84,9 +84,11 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
 
 COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its routed "
                 "experts (the tokens per expert, hence the all-to-all splits and the "
-                "per-expert matmuls, are known only at run time) and runs them eagerly; "
-                "attention, router, shared expert and every data-parallel collective, "
-                "the experts' all-gathers and reduce-scatters included, stay in graphs")
+                "per-expert matmuls, are known only at run time) and runs them eagerly; a "
+                "break inside the layers loop makes torch.compile trace the model module by "
+                "module (embedding, each block's attention, router, shared expert and "
+                "combine, norm, output: each in a graph, with its data-parallel "
+                "collectives, the experts' all-gathers and reduce-scatters included)")
 
 
 def _parallelize(model, mesh, cfg: JobConfig):

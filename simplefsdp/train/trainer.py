@@ -366,7 +366,8 @@ def check_config(argv: list[str], world_size: int) -> JobConfig:
         resume_point(folder, cfg.checkpoint.resume, _fingerprint(cfg))
     print(f"[simplefsdp] configuration ok for {world_size} process"
           f"{'es' if world_size > 1 else ''}: pp={p.pp} dp_replicate={p.dp_replicate} "
-          f"dp_shard={p.dp_shard} tp={p.tp} ({p.dp_mode}), "
+          f"dp_shard={p.dp_shard} tp={p.tp} {f'ep={p.ep} ' if p.ep > 1 else ''}"
+          f"({p.dp_mode}), "
           f"ac={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
           f"steps {cfg.training.steps}, outputs in {cfg.metrics.output_dir}/", flush=True)
     return cfg
