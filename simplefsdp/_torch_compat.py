@@ -362,8 +362,11 @@ def grouped_mm(device: torch.device, dtype: torch.dtype):
         # The first call may come inside an activation-checkpointed forward: identity
         # saved-tensor hooks shadow the checkpoint's, which would otherwise count the
         # probe's saved tensors in forward but not in the recomputation (cached by then).
+        # Or under no_grad (an evaluation): the probe's backward needs grad mode, else
+        # its failure would turn the grouped matmul off for the whole process.
         try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
                 w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
                 offs = torch.tensor([1, 4], device=device, dtype=torch.int32)

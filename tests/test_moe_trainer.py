@@ -267,3 +267,14 @@ def test_compiled_ep_equals_eager(runs, bucketing):
                    and {k for k, _ in b} == {kind}]
         assert experts and experts[0] in ([(kind, 8192), (kind, 16384)], [(kind, 24576)]), \
             graphs
+
+
+def test_grouped_mm_probe_under_no_grad(monkeypatch):
+    """The grouped-matmul probe runs its backward in grad mode: probed first under
+    ``no_grad`` (an evaluation, test_metrics_by_hand's reference) it used to fail and turn
+    the grouped matmul off for the whole process."""
+    from simplefsdp import _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "_GROUPED_MM_WORKS", {})
+    with torch.no_grad():
+        assert _torch_compat.grouped_mm(torch.device("cpu"), torch.float32) is not None
