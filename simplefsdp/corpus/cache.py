@@ -12,7 +12,10 @@ serialized content), the EOS id, ``data.text_field`` and the dtype: a changed fi
 tokenizer is a new folder. A build writes ``<folder>.tmp-<pid>`` and renames it last, so
 a killed build never leaves a folder that looks complete (a dead build's temporary folder
 is removed by the next build). The files are cut into chunks (a ``.txt`` file, 4 MB of
-``.jsonl`` lines, a parquet row group) that worker processes tokenize in batches.
+``.jsonl`` lines, a parquet row group) that workers tokenize in batches: threads of this
+process when the tokenizer says its ``encode_batch`` leaves the GIL
+(``parallel_batches``: Hugging Face and tiktoken files), else forked processes (the
+byte tokenizer, a user's Python tokenizer).
 """
 
 from __future__ import annotations
