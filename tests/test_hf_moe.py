@@ -4,8 +4,11 @@ export back to the per-expert files.
 
 Tiny Qwen3-MoE and Mixtral models are made here with ``save_pretrained``; no network.
 Their hidden size (30) keeps ``expert_ffn`` on its loop path (the grouped matmul wants
-16-byte strides): transformers' own per-expert matmuls, so results can be compared
-bitwise with transformers' loop (``experts_implementation="eager"``, :data:`EAGER`).
+16-byte strides): transformers' own per-expert matmuls on the same rows, compared with
+transformers' loop (``experts_implementation="eager"``, :data:`EAGER`). Not bitwise: the
+CPU BLAS rounds a 2- or 3-row product differently when its rows start 8 bytes off a
+16-byte boundary (ours: one buffer of every expert's rows; transformers: a fresh buffer
+per expert), checked here on 64 offsets of a (rows, 30) x (30, 36) product.
 Its default on CPU, ``grouped_mm``, fails on such shapes in transformers 5.24 with torch
 2.13 ("strides should be multiple of 16 bytes": it checks the alignment only up to torch
 2.10).
@@ -26,7 +29,7 @@ from rank_runner import run_ranks  # noqa: E402
 from test_hf import TOKENIZER_VOCAB, VOCAB, _argv, _documents, _first_loss, _train_tokenizer  # noqa: E402
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-EXPERTS = 4
+EXPERTS = 12  # over 10: file order must be transformers' natural one (10 after 9)
 EAGER = {"experts_implementation": "eager"}  # transformers' per-expert loop (the reference)
 SHAPE = dict(vocab_size=VOCAB, hidden_size=30, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -146,9 +149,9 @@ def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
     in-memory tensor (fused experts included) equals, bitwise, the one transformers'
     ``from_pretrained`` builds from the same files with its own conversion: the loader
     moves and stacks bytes, nothing may differ. Under ``all_ranks`` rank r reads the
-    per-expert tensors of its own experts only (4 experts, Shard(0): rank 0 experts 0-1,
-    rank 1 experts 2-3) and nothing else twice; under ``broadcast`` rank 0 reads every
-    file tensor and rank 1 none."""
+    per-expert tensors of its own experts only (12 experts, Shard(0): rank 0 experts 0-5,
+    rank 1 experts 6-11), each once; under ``broadcast`` rank 0 reads every file tensor
+    once and rank 1 none."""
     from transformers import AutoModelForCausalLM
 
     folder = moe_assets["qwen3_moe"]
@@ -164,11 +167,12 @@ def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
     assert results[0]["broadcast"]["read"] == sorted(keys)  # each once
     assert results[1]["broadcast"]["read"] == []
     experts = [[k for k in r["all_ranks"]["read"] if ".experts." in k] for r in results]
+    half = EXPERTS // 2
     for rank, names in enumerate(experts):
         owned = {int(k.split(".experts.")[1].split(".")[0]) for k in names}
-        assert owned == {2 * rank, 2 * rank + 1}, (rank, owned)
-        # 2 layers x 2 own experts x (gate, up, down), each read once
-        assert len(names) == len(set(names)) == 2 * 2 * 3, names
+        assert owned == set(range(half * rank, half * (rank + 1))), (rank, owned)
+        # 2 layers x own experts x (gate, up, down), each read once
+        assert len(names) == len(set(names)) == 2 * half * 3, names
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,15 +214,16 @@ def _train_export_compare(rank: int, world: int, argv: list[str], out: str, data
         theirs = hf(input_ids=batch).logits
     same = {k: torch.equal(v, trained[k]) for k, v in hf.state_dict().items()}
     return result.losses, {"same": same, "trained": sorted(trained),
-                           "logits_equal": torch.equal(ours, theirs),
                            "diff": (ours - theirs).abs().max().item()}
 
 
 def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
     """FSDP on 2 ranks trains the Qwen3-MoE (the loss falls), then ``export_hf``
     writes the files transformers saves (the same per-expert names as the original
-    folder), and ``from_pretrained`` of them holds, bitwise, every trained tensor and
-    gives bitwise the trained model's logits (same weights, same loop-path matmuls)."""
+    folder), and ``from_pretrained`` of them holds, bitwise, every trained tensor (the
+    round trip moves bytes) and gives the trained model's logits within 1e-5 (float32
+    logits of size ~1; the same products, rounded by the BLAS according to the rows'
+    memory alignment, see the module docstring: 1.8e-7 seen)."""
     folder = moe_assets["qwen3_moe"]
     argv = _argv(tmp_path, folder, moe_assets["jsonl"], "--training.steps", "12",
                  "--training.lr", "3e-3", "--training.warmup_steps", "2",
@@ -231,7 +236,7 @@ def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
     assert _file_keys(tmp_path / "hf") == _file_keys(folder)
     assert sorted(check["same"]) == check["trained"]
     assert all(check["same"].values()), [k for k, v in check["same"].items() if not v]
-    assert check["logits_equal"], check["diff"]
+    assert check["diff"] <= 1e-5, check["diff"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,5 +281,5 @@ def test_moe_bad_folders_refused_before_any_step(moe_assets, tmp_path):
     messages = run_ranks(_moe_errors, 1, cases)[0]
     assert "model.hf_path" in messages[0] and "not SiLU" in messages[0], messages[0]
     assert "model.layers.1.mlp.experts.gate_up_proj" in messages[1], messages[1]
-    assert "[4, 36, 30]" in messages[1] and "config.json" in messages[1], messages[1]
+    assert f"[{EXPERTS}, 36, 30]" in messages[1] and "config.json" in messages[1], messages[1]
     assert not (out / "metrics.jsonl").exists()  # no step ran

@@ -11,9 +11,11 @@ different tokens: they would issue different collectives and hang.
 :func:`adapt_experts` gives each such module a forward that reads each weight once and
 runs every expert, ours (``models.moe.routed_combine`` and ``expert_ffn``): on the loop
 path it makes transformers' per-expert matmuls on the same rows in the same order and
-adds each token's results in the same order (bitwise equal); on the grouped-matmul path
-(``_torch_compat.grouped_mm`` with aligned shapes) it agrees to float rounding. The
-router and the rest of the block stay transformers'.
+adds each token's results in the same order (bitwise equal where the BLAS rounds rows
+alike wherever they sit in memory; a CPU BLAS rounds some 2-3 row products by their
+alignment); on the grouped-matmul path (``_torch_compat.grouped_mm`` with aligned
+shapes) it agrees to float rounding. The router and the rest of the block stay
+transformers'.
 
 Refused before training (an ``HFError`` naming ``model.hf_path``): experts kept as a list
 of per-expert modules, and fused experts of another layout (biases, transposed or
