@@ -1,12 +1,14 @@
 """Long sequences: one sequence per step without context parallelism (1 process) and
 with ring 2 or Ulysses 2 (2 processes), the trainer's own step on each.
 
-    python -m simplefsdp.bench.long_context [--seq-len 16384] [--steps 3] [--variants cp1,ring2]
+    python -m simplefsdp.bench.long_context [--seq-len 16384] [--steps 3] [--profiled 3]
+        [--variants cp1,ring2,ulysses2]
 
 Per variant: the median step time (ms) and the peak memory per rank (MiB): the state a
 rank holds (``measure.held_bytes``) plus the transient peak of a step over it
-(``measure.least_transient``: torch's CPU allocations during the step, the least of 3
-profiled steps). Prints a table and writes ``bench_results/long_context-<time>.json``.
+(``measure.least_transient``: torch's CPU allocations during the step, the least of
+``--profiled`` profiled steps). Prints a table and writes
+``bench_results/long_context-<time>.json``.
 Figures depend on the machine and its load: README's section "Long sequences: context
 parallelism" gives one run with its load.
 """
@@ -42,7 +44,8 @@ def _flags(name: str, seq_len: int, steps: int) -> list[str]:
             f"/tmp/simplefsdp-long-context-{os.getpid()}-{name}"]
 
 
-def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, profiled: int,
+          queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -65,7 +68,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, queue) 
 
         step()  # the first step allocates the optimizer state
         held = held_bytes(s.model, s.optimizer)
-        transient = least_transient(step, s.device)
+        transient = least_transient(step, s.device, profiled)
         times = []
         for _ in range(steps):
             dist.barrier()
@@ -77,13 +80,13 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, queue) 
         dist.destroy_process_group()
 
 
-def run_variant(name: str, seq_len: int, steps: int) -> dict:
+def run_variant(name: str, seq_len: int, steps: int, profiled: int = 3) -> dict:
     """Spawn the variant's processes; its step ms (rank 0) and peak MiB per rank."""
     world, extra = VARIANTS[name]
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     argv = _flags(name, seq_len, steps) + extra
-    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, steps, queue))
+    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, steps, profiled, queue))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -99,9 +102,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    parser.add_argument("--profiled", type=int, default=3,
+                        help="profiled steps per variant, the least transient peak is kept")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args(argv)
-    rows = [run_variant(v, args.seq_len, args.steps) for v in args.variants.split(",")]
+    rows = [run_variant(v, args.seq_len, args.steps, args.profiled)
+            for v in args.variants.split(",")]
     load = os.getloadavg()[0]
     print(f"debug model, seq_len {args.seq_len}, one sequence per step, load {load:.2f}")
     print(f"{'variant':<10} {'procs':>5} {'step ms':>10} {'peak MiB/rank':>16}")

@@ -118,8 +118,10 @@ def quiet_our_checkpoint_warning() -> logging.Filter:
 def start_line(s: Setup, world: int, tokens_per_step: int) -> str:
     """What the run is: its size, layout, steps and the peak its MFU is measured against."""
     p, cfg = s.cfg.parallel, s.cfg
+    cp = "".join(f" {k}={getattr(p, k)}" for k in ("cp_ring", "cp_ulysses")
+                 if getattr(p, k) > 1)  # context parallelism, when used
     return (f"[simplefsdp] {s.n_params / 1e6:.2f}M params, world {world}: pp={p.pp} "
-            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} "
+            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard}{cp} tp={p.tp} "
             f"{f'ep={p.ep} ' if p.ep > 1 else ''}"
             f"({p.dp_mode}), ac={cfg.activation_checkpoint.mode}, "
             f"compile={cfg.compile.enable}, {tokens_per_step} tokens/step, "
