@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (
 )
 
 from . import eager_reshard
-from ._torch_compat import StridedShard, c10d_functional, root_mesh
+from ._torch_compat import StridedShard, c10d_functional, root_mesh, slice_flattened
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import ParallelDims
@@ -319,7 +319,7 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
         raise ValueError(f"parameter {fqn!r} is a DTensor on a mesh unrelated to the "
                          f"data-parallel mesh; slice both from one mesh, e.g. "
                          f"simplefsdp.make_mesh(dp_shard=.., tp=..)")
-    full_mesh = root[tuple(mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names)]
+    full_mesh = slice_flattened(root, tuple(mesh.mesh_dim_names) + tuple(tp_mesh.mesh_dim_names))
     tp_local = param.to_local().detach()
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):

@@ -226,6 +226,10 @@ class ParallelDims:
             raise ValueError(f"{seq_key} = {seq_len} is not divisible by 2 * {p}cp_ring * "
                              f"{p}cp_ulysses = {parts} (each ring rank holds two chunks of "
                              f"the sequence, split again over Ulysses); change one of them")
+        if (seq_len // self.cp) % self.tp:
+            raise ValueError(f"{seq_key} = {seq_len} over {p}cp_ring * {p}cp_ulysses = "
+                             f"{self.cp} ranks leaves {seq_len // self.cp} tokens, not divisible "
+                             f"by {p}tp = {self.tp} (sequence parallel splits them again)")
         heads = self.tp * self.cp_ulysses
         if n_heads % heads:
             names = f"{p}tp * {p}cp_ulysses" if self.tp > 1 else f"{p}cp_ulysses"

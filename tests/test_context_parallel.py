@@ -5,7 +5,8 @@
   is exact up to rounding, bound 1e-12).
 * Load balance: the attention FLOPs each ring rank's kernels run (counted on the kernel
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
-* The trainer on 4 gloo processes, DP 2 x ring 2, DP 2 x Ulysses 2 and ring 2 x Ulysses 2,
+* The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
+  AC), ring 2 x Ulysses 2 and TP 2 x ring 2 (with sequence parallel),
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -127,6 +128,9 @@ CELLS = {  # name: flags; a global batch of 4 sequences each, on 4 processes
     "ring2_ulysses2": ["--training.batch_size", "4", "--parallel.cp_ring", "2",
                        "--parallel.cp_ulysses", "2"],
 }
+# TP 2 x ring 2 (sequence parallel inside each CP rank's part) needs KV heads over TP: 2.
+TP_CELL = ["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.tp", "2",
+           "--model.n_kv_heads", "2"]
 REFERENCE = ["--training.batch_size", "4"]  # one process, the same global batch of 4
 
 
@@ -153,11 +157,14 @@ def _params(path):
 def test_trainer_cp_matches_one_process(tmp_path):
     compiled = ["--compile.enable", "true", "--compile.backend", "aot_eager",
                 "--compile.bucketing", "manual"]
-    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + compiled)
+    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + compiled,
+                 tp2_ring2=TP_CELL)
     got = run_ranks(_runs, 4, cells, str(tmp_path))[0]
-    want = run_ranks(_runs, 1, {"reference": REFERENCE}, str(tmp_path))[0]["reference"][0]
-    reference = _params(tmp_path / "reference")
-    for name in CELLS:
+    refs = run_ranks(_runs, 1, {"reference": REFERENCE,
+                                "reference_kv2": REFERENCE + TP_CELL[-2:]}, str(tmp_path))[0]
+    for name in [*CELLS, "tp2_ring2"]:
+        ref_name = "reference_kv2" if name == "tp2_ring2" else "reference"
+        reference, want = _params(tmp_path / ref_name), refs[ref_name][0]
         for got_list, want_list in zip(got[name][0], want, strict=True):  # losses, norms
             torch.testing.assert_close(torch.tensor(got_list), torch.tensor(want_list),
                                        rtol=1e-6, atol=0, msg=name)
@@ -193,8 +200,10 @@ def test_trainer_cp_matches_one_process(tmp_path):
      "model.n_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
     (["--parallel.cp_ring", "2", "--data.document_mask", "true"],
      "does not support a mask over the whole sequence yet: set data.document_mask back"),
-    (["--parallel.cp_ring", "2", "--parallel.tp", "2"],
-     "does not support tensor parallelism yet: set parallel.tp back"),
+    (["--parallel.cp_ring", "2", "--parallel.tp", "4", "--model.n_kv_heads", "4",
+      "--training.seq_len", "12"],
+     "training.seq_len = 12 over parallel.cp_ring * parallel.cp_ulysses = 2 ranks leaves 6 "
+     "tokens, not divisible by parallel.tp = 4"),
     (["--parallel.cp_ulysses", "0"],
      "parallel.cp_ulysses = 0 is out of range: it must be a positive integer"),
     (["--parallel.cp_ring", "2"], None),  # world 2: dp_shard = 1

@@ -344,7 +344,6 @@ def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
     for key, value, why in (
             ("data.document_mask", cfg.data.document_mask, "a mask over the whole sequence"),
-            ("parallel.tp", p.tp > 1, "tensor parallelism"),
             ("parallel.pp", p.pp > 1, "pipeline stages")):
         if value:
             raise ConfigError(f"context parallelism (parallel.cp_ring * parallel.cp_ulysses = "
