@@ -95,6 +95,8 @@ def _bf16_dtypes(out: str) -> dict[str, str]:
             lambda mod, args, name=name, read=read: seen.__setitem__(name, str(read(mod).dtype)))
     s.runnable(torch.zeros(2, 32, dtype=torch.long))
     s.metrics.close()
+    shard = block.experts._parameters["gate_up_proj"]  # the stored shard, not the gather
+    seen["experts_layout"] = (shard.device_mesh.mesh_dim_names, tuple(shard.to_local().shape))
     return seen
 
 
@@ -192,10 +194,13 @@ def test_metrics_by_hand(runs):
 def test_router_stays_float32_under_bf16(runs):
     """With mixed_precision_param = bfloat16 the routers are added to the fp32 modules:
     in forward the router's weight is float32, the experts' and the shared expert's
-    bfloat16 (the experts sharded on their own mesh take the same policy)."""
+    bfloat16 (the experts sharded on their own mesh take the same policy). And EP 2 was
+    applied: the experts' weight lives on the (dp_shard, ep) mesh, this rank holding 1 of
+    the 4 experts (2 per ep rank, split over the experts' 2 dp_shard ranks)."""
     _, results = runs
     assert results[0]["dtypes"] == {"router": "torch.float32", "experts": "torch.bfloat16",
-                                    "shared": "torch.bfloat16"}
+                                    "shared": "torch.bfloat16",
+                                    "experts_layout": (("dp_shard", "ep"), (1, 64, 32))}
 
 
 @pytest.mark.parametrize("flags, message", [
