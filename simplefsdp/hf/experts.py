@@ -98,7 +98,12 @@ class RoutedExperts(nn.Module):
         return routed_combine(hidden_states, top_k_weights, top_k_index, counts, self._sf_run)
 
     def _sf_run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` grouped by expert, ``counts`` per expert -> through the experts."""
+        """``x`` grouped by expert, ``counts`` per expert -> through the experts (sent to
+        the ranks holding them when :func:`expert_parallel` split them)."""
+        if getattr(self, "_sf_ep_group", None) is not None:
+            from ..parallel.expert import ep_forward
+
+            return ep_forward(self, x, counts)
         return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
 
 
@@ -117,3 +122,31 @@ def adapt_experts(model: nn.Module) -> int:
             module._sf_num_experts = module._parameters["gate_up_proj"].shape[0]
             module.__class__ = _routed_class(type(module))
     return len(found)
+
+
+def expert_parallel(model: nn.Module, mesh, cfg) -> None:
+    """``parallel.ep`` on a model :func:`adapt_experts` adapted, before data parallel:
+    each experts module split over the experts' mesh (``parallel.expert.split_experts``,
+    ``ParallelDims.expert_mesh``) and ``data_parallel``-sharded there in the job's mode;
+    the same exchange as our MoE's. Refused first: a model without fused experts, ``ep``
+    not dividing the experts."""
+    from ..data_parallel import data_parallel
+    from ..mesh import ParallelDims
+    from ..parallel.expert import split_experts
+    from ..train.parallelize import dp_options
+
+    ep = cfg.parallel.ep
+    found = experts_modules(model)
+    if not found:
+        raise HFError(f"parallel.ep = {ep} needs a mixture-of-experts model, but "
+                      f"{type(model).__name__} (model.hf_path) has no fused experts; set "
+                      f"parallel.ep = 1")
+    for name, module in found:
+        experts = module._parameters["gate_up_proj"].shape[0]
+        if experts % ep:
+            raise HFError(f"parallel.ep = {ep} does not divide the {experts} experts of "
+                          f"{name} (model.hf_path); pick a divisor of {experts}")
+    experts_mesh = ParallelDims.expert_mesh(mesh, ep)
+    for _, module in found:
+        split_experts(module, experts_mesh["ep"])
+        data_parallel(module, experts_mesh, **dp_options(cfg))

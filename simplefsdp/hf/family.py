@@ -33,4 +33,5 @@ registry.register(registry.ModelFamily(
     flops_per_token=hooks.flops_per_token,
     fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
     export=_export,
+    expert_parallel=True,  # parallel.ep on a folder with fused MoE experts (hf.experts)
 ))

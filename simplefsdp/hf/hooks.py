@@ -100,14 +100,17 @@ def build_hf(cfg, mesh, device):
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
     """A Hugging Face causal LM's parallelisms, in place: MoE experts adapted
-    (:mod:`.experts`), activation checkpointing per decoder layer, data parallel, then
-    (``compile.enable``, and ``compile_``) compile."""
+    (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
+    checkpointing per decoder layer, data parallel, then (``compile.enable``, and
+    ``compile_``) compile."""
     from ..train.parallelize import apply_dp
-    from .experts import adapt_experts
+    from .experts import adapt_experts, expert_parallel
     from .model import apply_ac
 
     adapt_experts(model)
     apply_ac(model, model.config, cfg.activation_checkpoint.mode)
+    if cfg.parallel.ep > 1:
+        expert_parallel(model, mesh, cfg)
     apply_dp(model, mesh, cfg)
     return _compile(model, mesh, cfg) if compile_ and cfg.compile.enable else model
 

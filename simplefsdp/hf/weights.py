@@ -170,7 +170,7 @@ def row_range(rows: int, mesh, placements, coordinate: list[int]) -> tuple[int, 
         placement = placements[dim]
         if isinstance(placement, Replicate):
             continue
-        if not (isinstance(placement, Shard) and placement.dim == 0):
+        if not (isinstance(placement, (Shard, StridedShard)) and placement.dim == 0):
             raise HFError(f"sharded loading handles Shard(0) and Replicate placements, not "
                           f"{placement}; tensor parallelism is not supported for these models")
         lo, hi = dim0_rows(stop - start, mesh.size(dim), coordinate[dim])

@@ -62,15 +62,21 @@ def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
                          f"needs an MoE model")
     ep_mesh = experts_mesh["ep"]
     for layer in layers:
-        check_ep(ep_mesh.size(), num_experts=layer.num_experts)
-        experts = layer.experts
-        for name in ("gate_up_proj", "down_proj"):
-            param = experts._parameters[name]
-            src = None if param.device.type == "meta" else 0
-            local = distribute_tensor(param.detach(), ep_mesh, (Shard(0),), src_data_rank=src)
-            experts._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
-        experts._sf_ep_group = ep_mesh.get_group()
-        experts.__class__ = _ep_class(type(experts))
+        split_experts(layer.experts, ep_mesh)
+        layer.experts.__class__ = _ep_class(type(layer.experts))
+
+
+def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """One experts module's weights (``gate_up_proj``, ``down_proj``: experts on dim 0)
+    become ``Shard(0)`` DTensors on ``ep_mesh`` (from rank 0 of each group unless on
+    ``meta``), and the exchange's group is recorded (:func:`ep_forward` uses it)."""
+    check_ep(ep_mesh.size(), num_experts=experts._parameters["gate_up_proj"].shape[0])
+    for name in ("gate_up_proj", "down_proj"):
+        param = experts._parameters[name]
+        src = None if param.device.type == "meta" else 0
+        local = distribute_tensor(param.detach(), ep_mesh, (Shard(0),), src_data_rank=src)
+        experts._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+    experts._sf_ep_group = ep_mesh.get_group()
 
 
 def shard_experts(model: nn.Module, experts_mesh: DeviceMesh, **data_parallel_kwargs) -> None:
@@ -101,8 +107,16 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (slots, dim) grouped by global expert, ``counts`` (E,) -> the slots
         through their experts, same order."""
-        return _dispatch(x, counts, _local(self.gate_up_proj), _local(self.down_proj),
-                         self._sf_ep_group)
+        return ep_forward(self, x, counts)
+
+
+def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The forward of an experts module split by :func:`split_experts`: ``x`` (slots,
+    dim) grouped by global expert, ``counts`` (E,) -> the slots through their experts.
+    The weights are read here (their data-parallel gathers) and exchanged in
+    :func:`_dispatch`."""
+    return _dispatch(x, counts, _local(experts.gate_up_proj), _local(experts.down_proj),
+                     experts._sf_ep_group)
 
 
 @torch.compiler.disable
@@ -147,4 +161,5 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
             + torch.arange(total, device=sizes.device))
 
 
-__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "shard_experts"]
+__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "ep_forward", "shard_experts",
+           "split_experts"]
