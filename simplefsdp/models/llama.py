@@ -60,6 +60,17 @@ class ModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    def ffn_matmul_params(self, layer: int | None = None, activated: bool = False) -> int:
+        """Parameters of block ``layer``'s feed-forward matrices (the SwiGLU's three; a
+        mixture of experts overrides this). ``activated``: only those one token runs
+        through (the same here). ``layer=None``: a typical block."""
+        return 3 * self.dim * ffn_hidden_dim(self)
+
+    def routed_params(self, layer: int | None = None) -> int:
+        """Of ``ffn_matmul_params``, those tensor parallelism leaves whole on every TP
+        rank (a router and routed experts; none in a dense block)."""
+        return 0
+
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
     """Llama's rule: 2/3 of 4*dim (SwiGLU has three matrices, not two), scaled by
@@ -340,14 +351,15 @@ def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 ATTENTION_BACKWARD_FLOPS = 2.5  # attention's backward over its forward (FlashAttention-2)
 
 
-def block_matmul_params(args: ModelArgs, ffn_params: int | None = None) -> int:
-    """Parameters of one block's matrices (attention's q/k/v/o and the SwiGLU FFN's
-    three), the ones that take part in matmuls; its two norms (``2 * dim``) are not.
-    ``ffn_params``: another FFN's matmul parameters in place of the SwiGLU's (an MoE
-    block's active ones, ``models/moe.py``)."""
+def block_matmul_params(args: ModelArgs, layer: int | None = None,
+                        activated: bool = False) -> int:
+    """Parameters of block ``layer``'s matrices (attention's q/k/v/o and the FFN's,
+    ``args.ffn_matmul_params``), the ones that take part in matmuls; its two norms
+    (``2 * dim``) are not. ``activated``: those one token runs through (a mixture of
+    experts: its top-k experts, not all). ``layer=None``: a typical block."""
     hd, kv = args.head_dim, args.kv_heads
-    ffn = 3 * args.dim * ffn_hidden_dim(args) if ffn_params is None else ffn_params
-    return args.dim * hd * (2 * args.n_heads + 2 * kv) + ffn
+    return args.dim * hd * (2 * args.n_heads + 2 * kv) + args.ffn_matmul_params(layer,
+                                                                                activated)
 
 
 def attention_flops(heads: float, queries: int, keys: int, head_dim: int,
@@ -366,9 +378,10 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     (a lookup); the output projection counts even when tied. ``6 N`` is forward (2) plus
     backward (4); the second term is attention's score and value matmuls over ``T``
     positions for ``L`` layers, ``H`` heads of size ``Q`` (not halved for causality),
-    forward and backward (3x the forward).
+    forward and backward (3x the forward). A mixture of experts counts the parameters a
+    token activates (router, top-k experts, shared expert).
     """
-    per_layer = block_matmul_params(args) + 2 * args.dim
-    n = args.n_layers * per_layer + args.dim + args.dim * args.vocab_size
+    n = sum(block_matmul_params(args, i, activated=True) + 2 * args.dim
+            for i in range(args.n_layers)) + args.dim + args.dim * args.vocab_size
     return 6 * n + 3 * args.n_layers * attention_flops(args.n_heads, 1, seq_len,
                                                        args.head_dim)

@@ -37,8 +37,6 @@ from .llama import (
     Transformer,
     TransformerBlock,
     _trunc_normal,
-    block_matmul_params,
-    flops_per_token,
 )
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -71,6 +69,32 @@ class MoEArgs(ModelArgs):
         if self.load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance={self.load_balance!r}: choose one of "
                              f"{LOAD_BALANCE}")
+
+    def is_moe(self, layer: int | None) -> bool:
+        """Whether block ``layer`` routes (``None``: a typical block, routed)."""
+        return layer is None or layer >= self.n_dense_layers
+
+    def ffn_matmul_params(self, layer: int | None = None, activated: bool = False) -> int:
+        """A routed block: the router (``E x dim``), the routed experts (all ``E``, or with
+        ``activated`` the ``top_k`` a token reaches; three ``I x dim`` matrices each) and
+        the shared expert (three ``S x dim``); a dense block: Llama's SwiGLU."""
+        if not self.is_moe(layer):
+            return super().ffn_matmul_params(layer, activated)
+        experts = self.top_k if activated else self.num_experts
+        return self.dim * (self.num_experts + 3 * (experts * self.moe_hidden_dim
+                                                   + self.shared_hidden_dim))
+
+    def routed_params(self, layer: int | None = None) -> int:
+        """The router and every routed expert (tensor parallelism splits neither)."""
+        if not self.is_moe(layer):
+            return 0
+        return self.dim * self.num_experts * (1 + 3 * self.moe_hidden_dim)
+
+    @property
+    def activated_hidden_dim(self) -> int:
+        """The SwiGLU width one token's routed block computes: ``top_k`` experts of width
+        ``I`` and the shared expert (what the planner's dense stand-in block is given)."""
+        return self.top_k * self.moe_hidden_dim + self.shared_hidden_dim
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(f"n_dense_layers={self.n_dense_layers} must be between 0 and "
                              f"n_layers={self.n_layers}")
@@ -259,22 +283,6 @@ class MoETransformer(Transformer):
         if layer_id < args.n_dense_layers:
             return TransformerBlock(layer_id, args)
         return TransformerBlock(layer_id, args, feed_forward=MoE(args))
-
-
-def active_ffn_params(args: MoEArgs) -> int:
-    """Matmul parameters one token passes through in an MoE block's FFN: the router,
-    ``top_k`` routed SwiGLU experts and the shared expert."""
-    return (args.dim * args.num_experts + 3 * args.dim * args.moe_hidden_dim * args.top_k
-            + 3 * args.dim * args.shared_hidden_dim)
-
-
-def active_flops_per_token(args: MoEArgs, seq_len: int) -> float:
-    """Training FLOPs per token counting the activated parameters only: Llama's
-    (``llama.flops_per_token``) with each MoE block's dense FFN swapped for
-    :func:`active_ffn_params`."""
-    moe_blocks = args.n_layers - args.n_dense_layers
-    swap = block_matmul_params(args, active_ffn_params(args)) - block_matmul_params(args)
-    return flops_per_token(args, seq_len) + 6 * moe_blocks * swap
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -124,8 +124,8 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
     of the activations over-counts it). Otherwise they are left out, since their traced
     size is not the planned one (an upper bound)."""
     from .._torch_compat import FakeTensorMode
-    from ..train.step import token_loss_sum
-    from .trace import _mesh, build_model, ensure_fake_world, stage_input
+    from ..train.step import loss_context, token_loss_sum
+    from .trace import _job, _mesh, build_model, ensure_fake_world, stage_input
 
     ensure_fake_world()
     model, args, dtype = build_model(key)
@@ -138,7 +138,8 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
         mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
         tracker = _Tracker(existing, {mesh[d].get_group().group_name
                                       for d in ("dp_replicate", "dp_shard")})
-        with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                loss_context(_job(key).parallel.vocab_sharded_loss):
             out = model(x)
             if key.role == "first":  # the next stage's gradient arrives for the output
                 loss, grad = out, torch.empty_like(out)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 def measure(cfg, gpus: int, steps: int = 3) -> dict:
     """Peak memory and median step time of rank 0's shard on ``cuda:0``."""
     from simplefsdp.train.llama_family import build_model
-    from simplefsdp.train.step import build_optimizer, token_loss_sum
+    from simplefsdp.train.step import build_optimizer, loss_context, token_loss_sum
 
     from .._torch_compat import fake_store
 
@@ -40,8 +40,9 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
                       device="cuda")
 
     def step():
-        loss = token_loss_sum(runnable(x), x) / x.numel()
-        loss.backward()
+        with loss_context(p.vocab_sharded_loss):  # the trainer's loss, backward included
+            loss = token_loss_sum(runnable(x), x) / x.numel()
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -15,7 +15,8 @@ microbatches in flight.
   shards) are rescaled from the traced to the planned ``dp_shard``.
 * Loss (``loss_peaks``): the trainer computes the cross-entropy eagerly on the logits
   the compiled model returns: ``logits.float()``, ``log_softmax`` (kept for backward),
-  then in backward its gradient, the ``log_softmax`` gradient and the cast back.
+  then in backward its gradient, the ``log_softmax`` gradient and the cast back. Under
+  loss parallel each TP rank holds its vocabulary columns only (``loss_vocab``).
 """
 
 from __future__ import annotations
@@ -173,11 +174,21 @@ def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int) -> tuple[int
     return forward, 12 * n
 
 
-def stage_params(args, role: str, layers: int, tp: int) -> float:
+def loss_vocab(args, parallel) -> int:
+    """Logits per token one rank's loss holds: the vocabulary, split over TP under loss
+    parallel (``parallel.vocab_sharded_loss``; the output projection's columns)."""
+    return args.vocab_size // parallel.tp if parallel.vocab_sharded_loss else args.vocab_size
+
+
+def stage_params(args, role: str, layers: list[int], tp: int) -> float:
     """Parameters one tensor-parallel rank of a stage holds (before data-parallel
-    sharding): the blocks' matrices split ``tp`` ways, norms and embeddings whole."""
-    matrices = block_matmul_params(args)
-    total = layers * (matrices / tp + 2 * args.dim)
+    sharding; ``layers``: the stage's block indices): the blocks' matrices split ``tp``
+    ways, but for a mixture of experts' router and routed experts (``routed_params``:
+    whole on every TP rank, sharded over the data-parallel ranks like the rest, whatever
+    ``ep``: expert parallelism splits the experts, FSDP the rest of ``dp_shard``), norms
+    and embeddings whole."""
+    total = sum((block_matmul_params(args, i) - args.routed_params(i)) / tp
+                + args.routed_params(i) + 2 * args.dim for i in layers)
     if role in ("full", "first"):
         total += args.vocab_size * args.dim
     if role in ("full", "last"):

@@ -21,7 +21,7 @@ from ..mesh import ParallelDims
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
-from . import memory, timing
+from . import memory, moe, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
 
@@ -54,6 +54,7 @@ class Prediction:
     gpus: int = 0
     exposed_comm_s: float = 0.0
     detail: dict = field(default_factory=dict)
+    ep: int = 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,8 +86,9 @@ def peak_extrapolation(one: dict, two: dict, n: int) -> dict:
 def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
     """Memory (bytes) and time (s) of one stage role at its real depth, per microbatch."""
     args = cfg.model.model_args()
-    n = args.n_layers if role == "full" else len(stage_layers(
-        args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+    blocks = list(range(args.n_layers)) if role == "full" else stage_layers(
+        args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
+    n = len(blocks)
     dp_shard_t = 2 if p.dp_shard >= 2 else 1
     dp_rep_t = 2 if p.dp_replicate >= 2 else 1
     figures = []
@@ -109,8 +111,26 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
             fig.update(eager_peak=em.peak, eager_saved=em.saved)
         figures.append(fig)
     out = peak_extrapolation(figures[0], figures[1], n)
-    out["layers"] = n
+    out["layers"] = blocks
     return out
+
+
+def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int) -> tuple[list[float], float]:
+    """(peaks, bytes saved for backward per microbatch) of one stage role on top of its
+    model states: compiled, the graphs' liveness + the eager loss on the logits (the
+    vocabulary-sharded ones under loss parallel); eager, the replayed step's own
+    allocations, loss included; a mixture of experts' routed copies on top of either."""
+    t, args = cfg.training, cfg.model.model_args()
+    tokens, elem = mb * t.seq_len, memory.activation_elem_bytes(t)
+    routed = moe.saved_bytes(args, f["layers"], tokens, elem, cfg.activation_checkpoint.mode)
+    if cfg.compile.enable:
+        peaks, saved = [f["forward_peak"], f["backward_peak"]], f["saved"]
+        if role in ("full", "last"):
+            loss = memory.loss_peaks(tokens, memory.loss_vocab(args, cfg.parallel), elem)
+            peaks += [saved + extra for extra in loss]
+    else:
+        peaks, saved = [f["eager_peak"]], f["eager_saved"]
+    return [peak + routed for peak in peaks], saved + routed
 
 
 def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
@@ -128,27 +148,23 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro
     fabric = timing.MeshLinks(dev, p.dims(), gpus_per_node)
-    logits_elem = memory.activation_elem_bytes(t)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
         params = memory.stage_params(args, role, f["layers"], p.tp) / p.dims().dp_shard_cp
         states = memory.states_bytes(params)
-        step = f["seconds"]
+        # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
+        a2a = moe.exchange_seconds(args, f["layers"], mb * t.seq_len,
+                                   memory.activation_elem_bytes(t),
+                                   cfg.activation_checkpoint.mode, fabric)
+        step = f["seconds"] + a2a
         if role in ("full", "last"):
-            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev)
-        if cfg.compile.enable:  # liveness of the partitioned graphs + the eager loss
-            peaks = [f["forward_peak"], f["backward_peak"]]
-            if role in ("full", "last"):
-                ce_f, ce_b = memory.loss_peaks(mb * t.seq_len, args.vocab_size, logits_elem)
-                peaks += [f["saved"] + ce_f, f["saved"] + ce_b]
-        else:  # the eager step's own allocations, loss included
-            peaks = [f["eager_peak"]]
-            f["saved"] = f["eager_saved"]
+            step += timing.loss_seconds(mb * t.seq_len, memory.loss_vocab(args, p), dev)
+        peaks, saved = _role_memory(cfg, role, f, mb)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
-        role_active = states + max(peaks) + (in_flight - 1) * f["saved"]
+        role_active = states + max(peaks) + (in_flight - 1) * saved
         active = max(active, role_active)
         if p.pp == 1:
             stage_s = step * t.grad_accum_steps
@@ -156,10 +172,11 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
             stage_s = timing.pp_step_seconds(step, p.pp, micro * t.grad_accum_steps)
         stage_s += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage_s)
-        exposed = max(exposed, f["exposed"] * micro * t.grad_accum_steps)
-        detail[role] = {"layers": f["layers"], "states_gib": states / GiB,
+        exposed = max(exposed, (f["exposed"] + a2a) * micro * t.grad_accum_steps)
+        detail[role] = {"layers": len(f["layers"]), "states_gib": states / GiB,
                         "activations_gib": (role_active - states) / GiB,
-                        "saved_per_microbatch_gib": f["saved"] / GiB, "step_s": stage_s}
+                        "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
+                        "all_to_all_s": a2a * micro * t.grad_accum_steps}
     reserved = active * (1 + ALLOC_OVERHEAD)
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
     tps = tokens / seconds / gpus
@@ -167,4 +184,4 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
         tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
-        reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail)
+        reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep)

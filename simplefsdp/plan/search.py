@@ -34,25 +34,33 @@ def _cause(e: Exception) -> str:
     return (lines[-1] if lines else f"{type(e).__name__}: {e}")[:160]
 
 
+def expert_degrees(args, dp_shard: int) -> list[int]:
+    """The ``ep`` sizes to try: 1, and for a mixture of experts every divisor of
+    ``dp_shard`` that also divides the experts (each EP rank holds whole experts)."""
+    experts = getattr(args, "num_experts", 1)
+    return [e for e in range(1, dp_shard + 1) if dp_shard % e == 0 and experts % e == 0]
+
+
 def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig]:
     """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set)."""
-    n_layers = cfg.model.model_args().n_layers
+    args = cfg.model.model_args()
     for dims in ParallelDims.layouts(gpus):
         tp, pp, rep, shard = dims.tp, dims.pp, dims.dp_replicate, dims.dp_shard
-        if tp > gpus_per_node or tp & (tp - 1) or pp > n_layers:
+        if tp > gpus_per_node or tp & (tp - 1) or pp > args.n_layers:
             continue
         if rep > 1 and shard < min(gpus_per_node, dims.dp):
             continue
-        for batch in [1, 2] if pp == 1 else [pp, 2 * pp]:
-            for ac in AC_MODES:
-                c = copy.deepcopy(cfg)
-                c.parallel.tp, c.parallel.pp = tp, pp
-                c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
-                c.parallel.dp_mode = "fully_shard" if rep == 1 else "hybrid_shard"
-                c.parallel.pp_microbatches = batch if pp > 1 else 1
-                c.training.batch_size = batch
-                c.activation_checkpoint.mode = ac
-                yield c
+        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, shard)
+                              for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
+                              for a in AC_MODES):
+            c = copy.deepcopy(cfg)
+            c.parallel.tp, c.parallel.pp, c.parallel.ep = tp, pp, ep
+            c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
+            c.parallel.dp_mode = "fully_shard" if rep == 1 else "hybrid_shard"
+            c.parallel.pp_microbatches = batch if pp > 1 else 1
+            c.training.batch_size = batch
+            c.activation_checkpoint.mode = ac
+            yield c
 
 
 def _lower_bound(c: JobConfig) -> float:
@@ -65,11 +73,11 @@ def _lower_bound(c: JobConfig) -> float:
     elem = memory.activation_elem_bytes(t)
     bound = 0.0
     for role in roles:
-        layers = len(stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+        layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
         need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp)
                                     / p.dims().dp_shard_cp)
         if role != "first":
-            need += memory.loss_peaks(mb * t.seq_len, args.vocab_size, elem)[0]
+            need += memory.loss_peaks(mb * t.seq_len, memory.loss_vocab(args, p), elem)[0]
         bound = max(bound, need)
     return bound
 
@@ -89,18 +97,19 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     fabric = timing.MeshLinks(dev, p.dims(), p.tp)
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:
-        n = args.n_layers if role == "full" else len(stage_layers(
-            args.n_layers, p.pp, 0 if role == "first" else p.pp - 1))
+        blocks = list(range(args.n_layers)) if role == "full" else stage_layers(
+            args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
+        n = len(blocks)
         step = timing.compute_floor_seconds(args, mb * t.seq_len, t.seq_len, p.tp, n,
                                             c.activation_checkpoint.mode == "full", dev) \
-            + timing.tp_comm_floor_seconds(args, mb * t.seq_len, n, role != "first", elem,
-                                           fabric)
+            + timing.tp_comm_floor_seconds(args, mb * t.seq_len, n, role != "first"
+                                           and not p.vocab_sharded_loss, elem, fabric)
         if role != "first":
-            step += timing.loss_seconds(mb * t.seq_len, args.vocab_size, dev) \
+            step += timing.loss_seconds(mb * t.seq_len, memory.loss_vocab(args, p), dev) \
                 + timing.head_floor_seconds(args, mb * t.seq_len, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.stage_params(args, role, n, p.tp) / p.dims().dp_shard_cp
+        params = memory.stage_params(args, role, blocks, p.tp) / p.dims().dp_shard_cp
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
     return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus
@@ -113,7 +122,7 @@ def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev) -> list[list[Job
     groups: dict[tuple, list[JobConfig]] = {}
     for c in layouts(cfg, gpus, gpus_per_node):
         p = c.parallel
-        groups.setdefault((p.tp, p.pp, p.dp_replicate, p.dp_shard), []).append(c)
+        groups.setdefault((p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep), []).append(c)
 
     def best(group: list[JobConfig]) -> float:
         try:
@@ -166,7 +175,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
     broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
     for c in (c for group in groups for c in group):
         p = c.parallel
-        layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard)
+        layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep)
         ac, batch = c.activation_checkpoint.mode, c.training.batch_size
         if p.tp in broken_tp:
             stats["broken_tp"] += 1

@@ -42,18 +42,27 @@ class MeshLinks:
     (the device profile's two ``hardware.Fabric``), and a collective's time over it.
 
     A dim's group spans ``dims.stride(dim) * size`` consecutive ranks (the mesh's
-    layout is ``ParallelDims``'): inside a node if that fits in ``gpus_per_node``."""
+    layout is ``ParallelDims``'): inside a node if that fits in ``gpus_per_node``. The
+    expert-parallel groups (``"ep"``) are the innermost ranks of ``dp_shard``
+    (``ParallelDims.expert_mesh``): ``ep`` of them, ``dp_shard``'s stride apart."""
 
     def __init__(self, dev: GpuProfile, dims: ParallelDims, gpus_per_node: int):
         self.dev, self.dims, self.gpn = dev, dims, gpus_per_node
         self.sizes = dims.sizes
 
+    def size(self, dim: str) -> int:
+        """Ranks in one group of ``dim`` (a mesh dim, or ``"ep"``)."""
+        return self.dims.ep if dim == "ep" else self.sizes[dim]
+
     def link(self, dim: str) -> str:
-        return "nvlink" if self.dims.stride(dim) * self.sizes[dim] <= self.gpn else "ib"
+        stride = self.dims.stride("dp_shard" if dim == "ep" else dim)
+        return "nvlink" if stride * self.size(dim) <= self.gpn else "ib"
 
     def seconds(self, kind: str, dim: str, nbytes: float) -> float:
-        """One collective over mesh dim ``dim``; ``nbytes`` is the full tensor."""
-        n = self.sizes[dim]
+        """One collective over ``dim``'s group; ``nbytes`` is the full tensor (an
+        ``all_to_all``: this rank's buffer, of which ``(n-1)/n`` leaves the rank, as a
+        ring all-gather's does)."""
+        n = self.size(dim)
         if n <= 1:
             return 0.0
         link = self.link(dim)
@@ -148,7 +157,7 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     ``simulate`` adds memory-bound ops, kernel floors and exposed communication), at the
     bf16 peak. ``recompute``: full activation checkpointing runs each block's forward
     again in backward. Lets the search skip layouts that cannot win without tracing."""
-    params = block_matmul_params(args)
+    params = block_matmul_params(args, activated=True)
     passes = 4 if recompute else 3  # forward 1, backward 2 (grad input, grad weight)
     matmul = 2 * passes * params / tp * tokens
     attention = attention_flops(args.n_heads / tp, tokens, seq, args.head_dim, causal=True) \
@@ -169,11 +178,12 @@ def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
 def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
                           fabric: MeshLinks) -> float:
     """A lower bound on the exposed tensor-parallel communication of ``blocks`` blocks
-    (and the output projection when ``head``): each block's forward all-gathers the
-    normed input before attention and before the MLP and reduce-scatters both outputs
-    (sequence parallelism), its backward does the converse, and the output all-gathers
-    the logits. Each feeds the very next matmul, so the simulation exposes it whole
-    (the backward has two more per block, not counted here)."""
+    (and the output projection's logits when ``head``, gathered without loss parallel):
+    each block's forward all-gathers the normed input before attention and before the
+    MLP and reduce-scatters both outputs (sequence parallelism), its backward does the
+    converse, and the output all-gathers the logits. Each feeds the very next matmul, so
+    the simulation exposes it whole (the backward has two more per block, not counted
+    here)."""
     if fabric.sizes["tp"] <= 1:
         return 0.0
     act = tokens * args.dim * elem

@@ -28,6 +28,7 @@ from ..models.llama import Transformer
 from ..train.config import JobConfig
 from ..train.parallelize import parallelize
 from ..train.pipeline import split_stage
+from .moe import stand_in
 
 ROLES = ("full", "first", "last")
 # One fake world for the whole process, never torn down: DTensor caches sharding
@@ -60,6 +61,7 @@ class TraceKey:
     param_dtype: str
     reduce_dtype: str
     reshard: bool
+    loss_parallel: bool  # parallel.loss_parallel: with tp > 1, vocabulary-sharded logits
 
 
 @dataclass
@@ -77,7 +79,8 @@ class Trace:
 def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
               dp_replicate: int, dp_shard: int) -> TraceKey:
     """The key for ``cfg``'s layout traced with ``layers`` blocks at the given sizes."""
-    args = dataclasses.replace(cfg.model.model_args(), n_layers=layers)
+    # a mixture of experts is traced as its dense stand-in (``plan.moe``)
+    args = dataclasses.replace(stand_in(cfg.model.model_args()), n_layers=layers)
     p, t, c = cfg.parallel, cfg.training, cfg.compile
     # Eager SimpleFSDP has no passes: one collective per parameter, waited on at once.
     # "auto" measures timings while compiling, which a fake group cannot give: it is
@@ -86,7 +89,7 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
     return TraceKey(cfg.model.name, dataclasses.astuple(args), role, p.dp_mode, dp_replicate,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
-                    t.mixed_precision_reduce, p.reshard)
+                    t.mixed_precision_reduce, p.reshard, p.loss_parallel)
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,7 +121,8 @@ def _job(key: TraceKey) -> JobConfig:
     cfg = JobConfig()
     cfg.parallel = dataclasses.replace(cfg.parallel, dp_replicate=key.dp_replicate,
                                        dp_shard=key.dp_shard, tp=key.tp, pp=1,
-                                       dp_mode=key.dp_mode, reshard_after_forward=key.reshard)
+                                       dp_mode=key.dp_mode, reshard_after_forward=key.reshard,
+                                       loss_parallel=key.loss_parallel)
     cfg.training = dataclasses.replace(cfg.training, mixed_precision_param=key.param_dtype,
                                        mixed_precision_reduce=key.reduce_dtype)
     cfg.activation_checkpoint.mode = key.ac

@@ -151,6 +151,10 @@ class ParallelConfig:
     # without PP, off with PP (1F1B runs several forwards before a backward: resharding
     # would gather the same parameters once per microbatch); true / false are honoured.
     reshard_after_forward: bool | Literal["auto"] = "auto"
+    # With tp > 1: the output projection's logits stay split over the vocabulary on the TP
+    # ranks and the cross-entropy runs over the pieces (torch's loss_parallel), instead
+    # of gathering every token's whole-vocabulary logits on every TP rank.
+    loss_parallel: bool = True
 
     def dims(self) -> ParallelDims:
         """These sizes as ``ParallelDims`` (errors name the ``parallel.`` keys); raises a
@@ -176,6 +180,12 @@ class ParallelConfig:
         if self.reshard_after_forward == "auto":
             return self.pp == 1
         return self.reshard_after_forward
+
+    @property
+    def vocab_sharded_loss(self) -> bool:
+        """Whether the loss runs on vocabulary-sharded logits: ``loss_parallel`` with
+        ``tp > 1`` (the one owner of the rule; without TP the logits are whole anyway)."""
+        return self.loss_parallel and self.tp > 1
 
 
 @dataclass

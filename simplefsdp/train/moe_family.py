@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..mesh import ParallelDims
 from ..models import moe, registry
+from ..models.llama import flops_per_token
 from ..parallel.expert import apply_ep, check_ep, shard_experts
 from .config import ConfigError, JobConfig, config_errors
 from .llama_family import build_model
@@ -123,8 +124,9 @@ registry.register(registry.ModelFamily(
     tokenizer=_llama.tokenizer,
     check_tokenizer=_llama.check_tokenizer,
     convert=None,
-    flops_per_token=lambda cfg, model, seq_len: moe.active_flops_per_token(
-        cfg.model.model_args(), seq_len),
+    # activated parameters: router, top-k experts, shared expert (MoEArgs.ffn_matmul_params)
+    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
+                                                                seq_len),
     fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
     export=lambda cfg, model, tokenizer: None,
     expert_parallel=True,

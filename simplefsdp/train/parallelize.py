@@ -9,8 +9,10 @@
    so each block all-gathers its normed input over the sequence before attention / FFN
    and reduce-scatters their outputs back onto it (instead of all-reducing them). The
    embedding is split by vocabulary rows and its output reduce-scattered onto the
-   sequence; the output projection is split by vocabulary columns and its logits
-   gathered (replicated on every TP rank, for the loss).
+   sequence; the output projection is split by vocabulary columns. With loss parallel
+   (``parallel.loss_parallel``, the default) its logits stay split over the vocabulary
+   (a DTensor, ``Shard(-1)``) and the loss runs over the pieces (``step.loss_context``);
+   without, they are gathered (whole on every TP rank, for the loss).
 2. Activation checkpointing (``activation_checkpoint.mode``) per block: ``full``
    recomputes the whole block in backward; ``selective`` is torchtitan's per-op policy:
    it keeps the outputs of attention, TP reduce-scatters and every other matmul, and
@@ -72,13 +74,16 @@ def check_sequence_parallel(args, tp: int, seq_len: int | None = None) -> None:
                           f"(sequence parallel shards the sequence over TP)")
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None,
+             loss_parallel: bool = False) -> None:
     """Tensor + sequence parallel over ``tp_mesh``, in place (see the module docstring).
 
     The attention core takes ``n_rep`` from the heads it is given and views with
     ``-1`` heads, so with ``n_heads`` and ``n_kv_heads`` both divisible by the TP size
     each rank runs the same attention on its own heads, unchanged. A pipeline stage
     passes sequence-sharded hidden states to the next (each TP rank its own piece).
+    ``loss_parallel``: the output projection returns its vocabulary-sharded logits as a
+    DTensor (``Shard(-1)``) instead of gathering them.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -97,7 +102,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None
     if model.norm is not None:
         root["norm"] = SequenceParallel()
     if model.output is not None:
-        root["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        root["output"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel)
     if root:
         parallelize_module(model, tp_mesh, root)
     # attention(x, rope, mask): only x is sequence-sharded
@@ -263,7 +270,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
     if cfg.parallel.dims().cp > 1:
         apply_cp(model, mesh, cfg.training.seq_len)
     if cfg.parallel.tp > 1:
-        apply_tp(model, mesh["tp"], cfg.training.seq_len)
+        apply_tp(model, mesh["tp"], cfg.training.seq_len, cfg.parallel.vocab_sharded_loss)
     apply_ac(model, cfg.activation_checkpoint.mode)
     if before_dp is not None:
         before_dp(model, mesh, cfg)

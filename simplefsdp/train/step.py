@@ -12,6 +12,7 @@ across ranks, microsteps or pipeline microbatches.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,9 +64,24 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the next-token cross-entropies, in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+    """Sum (not mean) of the next-token cross-entropies, in float32. Vocabulary-sharded
+    logits (a DTensor, under ``loss_context(True)``): computed over the shards, the sum
+    returned as a plain tensor, the same on every tensor-parallel rank."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            reduction="sum", ignore_index=IGNORE_INDEX)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def loss_context(vocab_sharded: bool):
+    """Where the loss and its backward run: with vocabulary-sharded logits
+    (``parallel.vocab_sharded_loss``), torch's ``loss_parallel``, whose cross-entropy
+    reduces the log-sum-exp and the target logits over the tensor-parallel ranks (a few
+    floats per token) instead of gathering the logits; else nothing."""
+    if not vocab_sharded:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 @torch.no_grad()
@@ -124,23 +140,24 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
     summed over ranks and microsteps it is the token-weighted mean, as the loss is."""
     step_loss = torch.zeros((), device=s.device)
     aux_of, step_aux = s.cfg.model.family_entry().aux_loss, None
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(s.device), targets.to(s.device)
-        if s.schedule is None:
-            loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
-            step_loss += loss.detach()
-            aux = aux_of(s.model) if aux_of is not None else None
-            if aux is not None:
-                aux = aux * (targets != IGNORE_INDEX).sum() / global_tokens
-                step_aux = aux.detach() if step_aux is None else step_aux + aux.detach()
-                loss = loss + aux
-            loss.backward()
-        else:
-            losses: list[torch.Tensor] = []
-            s.schedule.step(*((inputs,) if s.at.first else ()),
-                            target=targets if s.at.last else None, losses=losses)
-            for mb_loss in losses:
-                step_loss += mb_loss.detach() / global_tokens
+    with loss_context(s.cfg.parallel.vocab_sharded_loss):  # the backward too
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(s.device), targets.to(s.device)
+            if s.schedule is None:
+                loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
+                step_loss += loss.detach()
+                aux = aux_of(s.model) if aux_of is not None else None
+                if aux is not None:
+                    aux = aux * (targets != IGNORE_INDEX).sum() / global_tokens
+                    step_aux = aux.detach() if step_aux is None else step_aux + aux.detach()
+                    loss = loss + aux
+                loss.backward()
+            else:
+                losses: list[torch.Tensor] = []
+                s.schedule.step(*((inputs,) if s.at.first else ()),
+                                target=targets if s.at.last else None, losses=losses)
+                for mb_loss in losses:
+                    step_loss += mb_loss.detach() / global_tokens
     if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
         scale_grads_(s.params, 1 / global_tokens)
     return step_loss, step_aux

@@ -1,0 +1,97 @@
+"""The planner's mixture-of-experts terms (issue 28): activated FLOPs, expert memory, the
+expert-parallel all-to-alls, each against an independent count (by hand, or the real
+model's own parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from simplefsdp.hardware import gpu_profile
+from simplefsdp.mesh import ParallelDims
+from simplefsdp.models.llama import ffn_hidden_dim, flops_per_token, num_params
+from simplefsdp.models.moe import MOE_PRESETS, MoETransformer
+from simplefsdp.plan import memory, moe, timing
+
+
+def test_activated_flops_per_token_by_hand():
+    """debug_moe (dim 128, 4 blocks, 4 heads of 32, 2 KV heads, vocabulary 256, 8
+    experts of width 128, top-2, no shared expert), by hand: per block attention
+    128 x 32 x (2 x 4 + 2 x 2) = 49,152, router 8 x 128 = 1,024, two experts
+    2 x 3 x 128 x 128 = 98,304, norms 256: 148,736; 4 blocks + final norm 128 + output
+    128 x 256 = 32,768: N = 627,840 activated parameters (of 1.84M). Attention: 3 x 4
+    blocks x 4 heads x 4 x 32 x seq = 6,144 x seq."""
+    args, seq = MOE_PRESETS["debug_moe"], 64
+    assert flops_per_token(args, seq) == 6 * 627_840 + 6_144 * seq
+
+
+@pytest.mark.parametrize("name", ["debug_moe", "deepseek_v3_16b", "qwen3_30b_a3b"])
+def test_stage_params_count_the_real_models_parameters(name):
+    """The planner's parameter count of the whole model (tp 1) equals the parameters of
+    the model itself, built on meta: every expert, the router, the shared expert and
+    DeepSeek's dense first block."""
+    args = MOE_PRESETS[name]
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    assert memory.stage_params(args, "full", list(range(args.n_layers)), 1) \
+        == num_params(model)
+
+
+def test_routed_params_stay_whole_under_tp():
+    """TP 2 splits attention and the shared expert, not the router and routed experts:
+    deepseek_v3_16b, by hand, per routed block (dim 2048, 64 experts of width 1408,
+    shared width 2816, 16 heads of 128, 16 KV heads): attention 4 x 2048^2 = 16,777,216
+    and shared 3 x 2048 x 2816 = 17,301,504 halved; router 64 x 2048 = 131,072 and
+    experts 64 x 3 x 2048 x 1408 = 553,648,128 whole; norms 4,096 whole."""
+    args = MOE_PRESETS["deepseek_v3_16b"]
+    per_block = (16_777_216 + 17_301_504) / 2 + 131_072 + 553_648_128 + 4_096
+    # two stages holding the embedding and routed blocks 1-2, and block 1: one block apart
+    two = memory.stage_params(args, "first", [1, 2], 2)
+    one = memory.stage_params(args, "first", [1], 2)
+    assert two - one == per_block
+
+
+def test_dense_stand_in_has_the_activated_width():
+    """The traced stand-in's SwiGLU is exactly top_k x width + shared: 6 x 1408 + 2816 =
+    11,264 for deepseek_v3_16b, 8 x 768 = 6,144 for qwen3_30b_a3b; its FLOPs are the
+    routed model's minus the routers' (6 x experts x dim per routed block: the only
+    matmul the stand-in lacks)."""
+    for name, width in [("deepseek_v3_16b", 11_264), ("qwen3_30b_a3b", 6_144)]:
+        args = MOE_PRESETS[name]
+        dense = moe.stand_in(args)
+        assert ffn_hidden_dim(dense) == width
+    args = dataclasses.replace(MOE_PRESETS["debug_moe"])
+    routers = 6 * args.num_experts * args.dim * args.n_layers
+    assert flops_per_token(moe.stand_in(args), 64) == flops_per_token(args, 64) - routers
+
+
+def test_all_to_all_seconds_by_hand():
+    """DeepSeek-V3 16B's exchange on 8 H100 (FSDP 8, EP 8, one node): 16,384 tokens x
+    top-6 x dim 2048 x 2 B = 402,653,184 B per all-to-all, over NVLink 4
+    (hardware.KNOWN_FABRICS: 15 us + 7 steps x 1 us + 7/8 of the bytes at 360 GB/s =
+    1.0006 ms), 4 per routed block (dispatch and combine, forward and backward; 6 under
+    full AC), 26 routed blocks; across two nodes (ep 16 on 8 GPUs per node) the
+    InfiniBand figures (50 us + 15 x 4 us + 15/16 at 40 GB/s)."""
+    args = MOE_PRESETS["deepseek_v3_16b"]
+    layers = list(range(args.n_layers))
+    nbytes = 16_384 * 6 * 2048 * 2
+    one = 15e-6 + 7e-6 + 7 / 8 * nbytes / 360e9
+    cross = 50e-6 + 15 * 4e-6 + 15 / 16 * nbytes / 40e9
+    dev = gpu_profile("h100-96gb")
+
+    class _Links(timing.MeshLinks):  # ParallelDims refuses ep > 1 until EP lands
+        def __init__(self, ep, shard, gpn):
+            super().__init__(dev, ParallelDims(dp_shard=shard), gpn)
+            self.ep = ep
+
+        def size(self, dim):
+            return self.ep if dim == "ep" else super().size(dim)
+
+    for ac, n in [("selective", 4), ("full", 6)]:
+        got = moe.exchange_seconds(args, layers, 16_384, 2, ac, _Links(8, 8, 8))
+        assert got == pytest.approx(26 * n * one, rel=1e-12)
+    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", _Links(16, 16, 8)) \
+        == pytest.approx(26 * 4 * cross, rel=1e-12)
+    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", _Links(1, 8, 8)) == 0
