@@ -326,7 +326,8 @@ def test_moe_ep2_matches_ep1(moe_assets, tmp_path):
     sum of two, a reordering of the same float sums; Adam divides by the gradients'
     size, so a rounding difference moves a weight by ~lr * 1e-7, far below 1e-6)."""
     argv = _argv(tmp_path, moe_assets["qwen3_moe"], moe_assets["jsonl"], "--training.steps",
-                 "3", "--training.warmup_steps", "0", "--activation_checkpoint.mode", "none")
+                 "3", "--training.warmup_steps", "0", "--activation_checkpoint.mode", "none",
+                 "--model.load_weights", "all_ranks")  # each rank reads its own experts
     (ep1, ep2), _ = run_ranks(_ep1_and_ep2, 2, argv, str(tmp_path))
     print(f"ep1 losses {ep1[0]}, ep2 losses {ep2[0]}")
     assert ep1[2] == (EXPERTS // 2, 36, 30) == ep2[2]  # FSDP rows vs EP experts: same count
