@@ -106,9 +106,10 @@ class ParallelDims:
                                  f"a positive integer{extra}")
         if self.dp_shard != -1 and self.dp_shard * self.cp > 1 \
                 and (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}dp_shard "
-                             f"* {self.prefix}cp = {self.dp_shard * self.cp} (the experts are "
-                             f"sharded over those ranks)")
+            names, _ = self._names("dp_shard", "cp")
+            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {names} = "
+                             f"{self.dp_shard * self.cp} "
+                             f"(the experts are sharded over those ranks)")
         if self.dp_shard * self.cp == 1 and self.dp_replicate % self.ep:
             raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}"
                              f"dp_replicate = {self.dp_replicate} (with {self.prefix}dp_shard "

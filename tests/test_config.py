@@ -206,8 +206,10 @@ def test_parallel_dims_arithmetic():
     # every data-parallel index once per (pp, tp) pair: the loader's slices cover the batch
     assert sorted(dims.coords(r).dp for r in range(16)) == sorted(list(range(4)) * 4)
     # ep divides dp_shard * cp (checked before the not-implemented refusal)
-    with pytest.raises(ValueError, match=r"^ep = 3 must divide dp_shard \* cp = 4"):
+    with pytest.raises(ValueError, match=r"^ep = 3 must divide dp_shard = 4 "):
         ParallelDims(dp_shard=4, ep=3)
+    with pytest.raises(ValueError, match=r"^ep = 4 must divide dp_shard \* cp_ulysses = 6 "):
+        ParallelDims(dp_shard=3, cp_ulysses=2, ep=4)  # the CP degree named as its config key
 
 
 def test_parallel_dims_layouts():
