@@ -27,6 +27,8 @@ ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_REDUCE = c10d.all_reduce.default
 WAIT = c10d.wait_tensor.default
+# an exchange no pass touches (Ulysses, expert dispatch); the planner times it
+ALL_TO_ALL = c10d.all_to_all_single.default
 
 
 class CollectiveKind(StrEnum):

@@ -125,7 +125,14 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
     size is not the planned one (an upper bound)."""
     from .._torch_compat import FakeTensorMode
     from ..train.step import loss_context, token_loss_sum
-    from .trace import _job, _mesh, build_model, ensure_fake_world, stage_input
+    from .trace import (
+        _job,
+        build_model,
+        data_parallel_groups,
+        ensure_fake_world,
+        key_mesh,
+        stage_input,
+    )
 
     ensure_fake_world()
     model, args, dtype = build_model(key)
@@ -135,9 +142,10 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
         params = list(model.parameters())
         existing = {storage_key(_local(t))  # views of these are not new
                     for t in [*params, *model.buffers()]}
-        mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+        mesh = key_mesh(key)
         tracker = _Tracker(existing, {mesh[d].get_group().group_name
-                                      for d in ("dp_replicate", "dp_shard")})
+                                      for d in ("dp_replicate", "dp_shard")}
+                           | set(data_parallel_groups(mesh, key)))
         with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
                 loss_context(_job(key).parallel.vocab_sharded_loss):
             out = model(x)

@@ -96,7 +96,7 @@ def trace_shards(tr: Trace) -> tuple[set[fx.Node], set[fx.Node]]:
     for backward stays shard-sized there even when its dtype is no parameter's (the
     bf16 casts of the shards): without that, the backward would count it at the
     traced ``dp_shard``."""
-    dp = {name for name, dim in tr.groups.items() if dim != "tp"}
+    dp = {name for name, dim in tr.groups.items() if dim in ("dp_replicate", "dp_shard")}
     fw = shard_nodes(tr.forward.graph, tr.shards, dp)
     seeds = {p for p, a in saved_inputs(tr).items() if a in fw}
     return fw, shard_nodes(tr.backward.graph, tr.shards, dp, seeds)

@@ -17,7 +17,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..hardware import GiB, gpu_profile
-from ..mesh import ParallelDims
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
@@ -104,8 +103,8 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
-            fits = ParallelDims(dp_replicate=dp_rep_t, dp_shard=p.dp_shard,
-                                tp=p.tp).world_size <= FAKE_WORLD
+            fits = dataclasses.replace(tr.key.dims, dp_shard=p.dp_shard).world_size \
+                <= FAKE_WORLD
             em = eager_memory(dataclasses.replace(
                 tr.key, dp_shard=p.dp_shard if fits else dp_shard_t), fits)
             fig.update(eager_peak=em.peak, eager_saved=em.saved)

@@ -23,9 +23,9 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ..compiler.collectives import KINDS, CollectiveKind, full_value
+from ..compiler.collectives import ALL_TO_ALL, KINDS, CollectiveKind, full_value
 from ..compiler.cost.compute import is_zero_cost, roofline_seconds
-from ..compiler.cost.memory import value_bytes
+from ..compiler.cost.memory import op_schema, value_bytes
 from ..compiler.cost.state import optimizer_traffic_bytes_per_param
 from ..compiler.simulate import simulate_graph
 from ..hardware import KNOWN_FABRICS, GpuProfile
@@ -51,12 +51,21 @@ class MeshLinks:
         self.sizes = dims.sizes
 
     def size(self, dim: str) -> int:
-        """Ranks in one group of ``dim`` (a mesh dim, or ``"ep"``)."""
-        return self.dims.ep if dim == "ep" else self.sizes[dim]
+        """Ranks in one group of ``dim`` (a mesh dim, or ``"ep"``). The data-parallel
+        shard group is ``dp_shard x cp`` (with context parallelism, ``dp_shard`` flattened
+        with the cp dims inside it)."""
+        if dim == "ep":
+            return self.dims.ep
+        return self.dims.dp_shard_cp if dim == "dp_shard" else self.sizes[dim]
 
     def link(self, dim: str) -> str:
-        stride = self.dims.stride("dp_shard" if dim == "ep" else dim)
-        return "nvlink" if stride * self.size(dim) <= self.gpn else "ib"
+        """NVLink when the group's consecutive span of ranks fits a node (``dp_shard``'s
+        span covers the cp ranks inside it; ``ep``'s groups lie inside ``dp_shard``)."""
+        if dim == "ep":
+            span = self.dims.stride("dp_shard") * self.dims.ep
+        else:
+            span = self.dims.stride(dim) * self.sizes[dim]
+        return "nvlink" if span <= self.gpn else "ib"
 
     def seconds(self, kind: str, dim: str, nbytes: float) -> float:
         """One collective over ``dim``'s group; ``nbytes`` is the full tensor (an
@@ -75,14 +84,29 @@ class MeshLinks:
         return alpha + (n - 1) * fabric.ring_step_s + ring * nbytes / bw
 
 
+def _arg(node: fx.Node, name: str, default=None):
+    """Argument ``name`` of an op node, by its schema (positional, keyword, or the
+    schema's default when the call left it out)."""
+    schema = op_schema(node.target)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
+    return default
+
+
 def _flops(node: fx.Node) -> tuple[str, float]:
-    """(class, FLOPs) of one node: "matmul", "attention" or "memory"."""
+    """(class, FLOPs) of one node: "matmul", "attention" or "memory". Attention: its
+    queries against its keys (a ring's block of another rank's keys is a full
+    rectangle, its own block causal)."""
     name = str(node.target)
     if any(a in name for a in _ATTENTION):
-        q = node.args[0].meta["val"]
+        q = _arg(node, "query").meta["val"]
         b, h, s, d = (int(x) for x in q.shape)
-        k = node.args[1].meta["val"]
-        flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=True)
+        k = _arg(node, "key").meta["val"]
+        causal = bool(_arg(node, "is_causal", True))
+        flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal)
         return "attention", flops * (ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
     if node.target in _MATMUL:
         packet = node.target.overloadpacket
@@ -124,8 +148,20 @@ def graph_seconds(gm: fx.GraphModule, dev: GpuProfile, fabric: MeshLinks,
             shard_scale if kind == CollectiveKind.ALL_REDUCE and node in shard else 1.0)
         return dim, fabric.seconds(kind, dim, nbytes)
 
-    return simulate_graph(gm.graph, lambda n: node_seconds(
-        n, dev, compiled, shard_scale if n in shard else 1.0), collective)
+    exchanged = [0.0]
+
+    def op(node: fx.Node) -> float:
+        # an all-to-all (Ulysses' heads for sequence): its data feeds the next op, so it
+        # runs on the compute stream's time, exposed whole
+        if node.target == ALL_TO_ALL:
+            seconds = fabric.seconds("all_to_all", groups[node.args[-1]],
+                                     value_bytes(node.meta.get("val")))
+            exchanged[0] += seconds
+            return seconds
+        return node_seconds(node, dev, compiled, shard_scale if node in shard else 1.0)
+
+    seconds, exposed = simulate_graph(gm.graph, op, collective)
+    return seconds, exposed + exchanged[0]
 
 
 def loss_seconds(tokens: int, vocab: int, dev: GpuProfile) -> float:

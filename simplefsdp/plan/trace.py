@@ -62,6 +62,16 @@ class TraceKey:
     reduce_dtype: str
     reshard: bool
     loss_parallel: bool  # parallel.loss_parallel: with tp > 1, vocabulary-sharded logits
+    cp_ring: int  # context parallelism: each rank traces its part of the sequence
+    cp_ulysses: int
+
+    @property
+    def dims(self):
+        """The traced layout's ``ParallelDims`` (one pipeline stage)."""
+        from ..mesh import ParallelDims
+
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                            cp_ring=self.cp_ring, cp_ulysses=self.cp_ulysses, tp=self.tp)
 
 
 @dataclass
@@ -89,7 +99,8 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
     return TraceKey(cfg.model.name, dataclasses.astuple(args), role, p.dp_mode, dp_replicate,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
-                    t.mixed_precision_reduce, p.reshard, p.loss_parallel)
+                    t.mixed_precision_reduce, p.reshard, p.loss_parallel, p.cp_ring,
+                    p.cp_ulysses)
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,20 +133,37 @@ def _job(key: TraceKey) -> JobConfig:
     cfg.parallel = dataclasses.replace(cfg.parallel, dp_replicate=key.dp_replicate,
                                        dp_shard=key.dp_shard, tp=key.tp, pp=1,
                                        dp_mode=key.dp_mode, reshard_after_forward=key.reshard,
-                                       loss_parallel=key.loss_parallel)
+                                       loss_parallel=key.loss_parallel, cp_ring=key.cp_ring,
+                                       cp_ulysses=key.cp_ulysses)
     cfg.training = dataclasses.replace(cfg.training, mixed_precision_param=key.param_dtype,
                                        mixed_precision_reduce=key.reduce_dtype)
+    cfg.training = dataclasses.replace(cfg.training, seq_len=key.seq)
     cfg.activation_checkpoint.mode = key.ac
     cfg.compile.enable = False  # we compile below, with the capture-only compiler
     return cfg
 
 
+def key_mesh(key: TraceKey):
+    """The fake mesh ``key`` is traced on (built once per layout: ``_mesh``)."""
+    return _mesh(key.dims)
+
+
 @functools.cache
-def _mesh(dp_replicate: int, dp_shard: int, tp: int):
+def _mesh(dims):
+    return dims.build_mesh("cpu", fake=True)
+
+
+def data_parallel_groups(mesh, key: TraceKey) -> dict[str, str]:
+    """Process group name -> "dp_replicate" / "dp_shard" of the groups ``data_parallel``
+    runs on: with context parallelism, ``dp_shard`` flattened with the cp dims
+    (``ParallelDims.data_parallel_mesh``; ``timing.MeshLinks`` sizes it ``dp_shard x
+    cp``)."""
     from ..mesh import ParallelDims
 
-    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp).build_mesh(
-        "cpu", fake=True)
+    dp = ParallelDims.data_parallel_mesh(mesh, key.dp_mode)
+    names = dp.mesh_dim_names or ()
+    return {dp.get_group(i).group_name: "dp_replicate" if n == "dp_replicate" else "dp_shard"
+            for i, n in enumerate(names)}
 
 
 def build_model(key: TraceKey):
@@ -151,7 +179,7 @@ def build_model(key: TraceKey):
         with torch.device("meta"):
             model = Transformer(dataclasses.replace(args, n_layers=2 * args.n_layers))
         split_stage(model, 2, 0 if key.role == "first" else 1)
-    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+    mesh = key_mesh(key)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
     return parallelize(model, mesh, _job(key)), args, dtype
 
@@ -159,18 +187,19 @@ def build_model(key: TraceKey):
 def stage_input(key: TraceKey, args, dtype: torch.dtype) -> torch.Tensor:
     """What ``key``'s model (or stage) receives, created in the caller's fake mode: token
     ids, or for the last pipeline stage the previous stage's hidden states, which arrive
-    sequence-sharded under TP + SP (the one owner of that shape; eager replays use it)."""
+    sequence-sharded under TP + SP (the one owner of that shape; eager replays use it).
+    With context parallelism a rank's ids are its part of each sequence."""
     if key.role == "last":
         return torch.empty(key.batch, key.seq // key.tp, args.dim, dtype=dtype,
                            requires_grad=True)
-    return torch.zeros(key.batch, key.seq, dtype=torch.long)
+    return torch.zeros(key.batch, key.seq // key.dims.cp, dtype=torch.long)
 
 
 def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     from ..compiler.backend import SimpleFSDPBackend
 
     model, args, dtype = build_model(key)
-    mesh = _mesh(key.dp_replicate, key.dp_shard, key.tp)
+    mesh = key_mesh(key)
     passes = SimpleFSDPBackend("aot_eager", bucketing=key.bucketing,
                                reordering=key.reordering)
     graphs: list[fx.GraphModule] = []
@@ -209,6 +238,8 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
     if len(graphs) != 2:
         raise RuntimeError(f"expected one forward and one backward graph, captured "
                            f"{len(graphs)} (a graph break?) for {key}")
-    groups = {mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard", "tp")}
+    groups = {mesh[d].get_group().group_name: d for d in ("dp_replicate", "dp_shard",
+                                                          "cp_ring", "cp_ulysses", "tp")}
+    groups.update(data_parallel_groups(mesh, key))
     shards = {(tuple(p.to_local().shape), p.dtype) for p in model.parameters()}
     return Trace(key, graphs[0], graphs[1], counts[0], groups, shards)

@@ -1,0 +1,40 @@
+"""The planner under context parallelism (issue 29): each rank is traced with its own
+part of every sequence and the whole ring's keys, as the trainer runs it
+(``parallel/context.py``), and checked against counts by hand and a published run."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+
+from simplefsdp.train.config import load_config
+
+DEBUG = ["--training.seq_len", "64", "--training.batch_size", "2", "--compile.enable",
+         "true", "--compile.bucketing", "manual", "--activation_checkpoint.mode", "none"]
+
+
+def _ring_rank0():
+    from simplefsdp.plan import timing
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, [*DEBUG, "--parallel.cp_ring", "2"])
+    tr = trace(trace_key(cfg, "full", 1, 2, 1, 1))
+    vals = [n.meta.get("val") for n in tr.forward.graph.nodes if n.op == "placeholder"]
+    ids = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)
+           and v.dtype == torch.long and v.dim() == 2]
+    flops = [timing._flops(n) for n in tr.forward.graph.nodes if n.op == "call_function"]
+    return ids, sum(f for kind, f in flops if kind == "attention")
+
+
+def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
+    """debug Llama (4 heads of 32), batch 2 x seq 64, ring 2: rank 0 holds chunks 0 and 3
+    of 4 chunks of 16 tokens (head-tail balance), 32 token ids per sequence. Its
+    forward attention by hand: chunk 0 causal over itself (16 x 16 / 2), chunk 3 over
+    chunks 0-2 in full (16 x 48) and causal over itself (16 x 16 / 2): 1,024 query-key
+    pairs x 4 x (2 x 4 heads) x 32 = 1,048,576 FLOPs per block, half the whole
+    sequence's causal attention (4 x 8 x 64 x 64 / 2 x 32 = 2,097,152): balanced."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        ids, attention = pool.apply(_ring_rank0)
+    assert ids == [(2, 32)], ids
+    assert attention == 4 * 8 * 32 * (16 * 16 // 2 + 16 * 48 + 16 * 16 // 2) == 1_048_576
