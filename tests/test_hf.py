@@ -324,20 +324,18 @@ def test_sharded_loading_reads_the_files_tensors(assets, tmp_path):
     assert [r["model.embed_tokens.weight"] for r in rows] == [161, 160]
 
 
-def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+def train_keeping_model(argv: list[str]):
+    """``main(argv)`` on the hf family, keeping what it built: (result, (runnable, model)),
+    the trained sharded model for a parity check."""
     import dataclasses
 
-    from transformers import AutoModelForCausalLM
-
-    from simplefsdp.hf.data import DocumentDataset
-    from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.models import registry
     from simplefsdp.train.trainer import main
 
     built = []
     family = registry.get("hf")
 
-    def capture(*args, **kwargs):  # keep the trained sharded model for the parity check
+    def capture(*args, **kwargs):
         built.append(family.build(*args, **kwargs))
         return built[-1]
 
@@ -346,7 +344,16 @@ def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: st
         result = main(argv)
     finally:
         registry.register(family)
-    runnable, _ = built[0]
+    return result, built[0]
+
+
+def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.data import DocumentDataset
+    from simplefsdp.hf.tokenizer import load_tokenizer
+
+    result, (runnable, _) = train_keeping_model(argv)
     tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
     batch = tokens[: 2 * 32].long().view(2, 32)
     with torch.no_grad():

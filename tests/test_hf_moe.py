@@ -26,7 +26,15 @@ import torch
 pytest.importorskip("transformers")
 
 from rank_runner import run_ranks  # noqa: E402
-from test_hf import TOKENIZER_VOCAB, VOCAB, _argv, _documents, _first_loss, _train_tokenizer  # noqa: E402
+from test_hf import (  # noqa: E402
+    TOKENIZER_VOCAB,
+    VOCAB,
+    _argv,
+    _documents,
+    _first_loss,
+    _train_tokenizer,
+    train_keeping_model,
+)
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 EXPERTS = 12  # over 10: file order must be transformers' natural one (10 after 9)
@@ -179,29 +187,13 @@ def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
 # Training on 2 ranks, then export: the per-expert files back, identical logits.
 # ---------------------------------------------------------------------------------------
 def _train_export_compare(rank: int, world: int, argv: list[str], out: str, data: str):
-    import dataclasses
-
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
-    from simplefsdp.models import registry
     from simplefsdp.state_dict import unwrapped_name
-    from simplefsdp.train.trainer import main
 
-    built = []
-    family = registry.get("hf")
-
-    def capture(*args, **kwargs):  # keep the trained sharded model for the comparison
-        built.append(family.build(*args, **kwargs))
-        return built[-1]
-
-    registry.register(dataclasses.replace(family, build=capture))
-    try:
-        result = main(argv)
-    finally:
-        registry.register(family)
-    runnable, model = built[0]
+    result, (runnable, model) = train_keeping_model(argv)
     trained = {unwrapped_name(k): v.full_tensor() for k, v in model.state_dict().items()}
     tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
     batch = tokens[: 2 * 32].long().view(2, 32)
