@@ -347,22 +347,33 @@ def train_keeping_model(argv: list[str]):
     return result, built[0]
 
 
-def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+def exported_logits(runnable, out: str, data: str, **hf_kwargs):
+    """Our trained model's logits on 2 x 32 validation tokens (a collective: every rank)
+    and, on rank 0, those of the exported folder opened by ``from_pretrained``: (ours,
+    theirs, their model); theirs and their model are None off rank 0."""
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
 
-    result, (runnable, _) = train_keeping_model(argv)
     tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
     batch = tokens[: 2 * 32].long().view(2, 32)
     with torch.no_grad():
         ours = runnable(batch)
-    if rank != 0:
-        return result.losses, None
-    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32)
+    if dist.get_rank() != 0:
+        return ours, None, None
+    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32,
+                                              **hf_kwargs)
     with torch.no_grad():
-        theirs = hf(input_ids=batch).logits
+        return ours, hf(input_ids=batch).logits, hf
+
+
+def _train_and_export(rank: int, world: int, argv: list[str], out: str, data: str):
+    result, (runnable, _) = train_keeping_model(argv)
+    ours, theirs, _ = exported_logits(runnable, out, data)
+    if theirs is None:
+        return result.losses, None
     return result.losses, (ours - theirs).abs().max().item()
 
 

@@ -33,6 +33,7 @@ from test_hf import (  # noqa: E402
     _documents,
     _first_loss,
     _train_tokenizer,
+    exported_logits,
     train_keeping_model,
 )
 
@@ -187,23 +188,13 @@ def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
 # Training on 2 ranks, then export: the per-expert files back, identical logits.
 # ---------------------------------------------------------------------------------------
 def _train_export_compare(rank: int, world: int, argv: list[str], out: str, data: str):
-    from transformers import AutoModelForCausalLM
-
-    from simplefsdp.hf.data import DocumentDataset
-    from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.state_dict import unwrapped_name
 
     result, (runnable, model) = train_keeping_model(argv)
     trained = {unwrapped_name(k): v.full_tensor() for k, v in model.state_dict().items()}
-    tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
-    batch = tokens[: 2 * 32].long().view(2, 32)
-    with torch.no_grad():
-        ours = runnable(batch)
-    if rank != 0:
+    ours, theirs, hf = exported_logits(runnable, out, data, **EAGER)
+    if theirs is None:
         return result.losses, None
-    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32, **EAGER)
-    with torch.no_grad():
-        theirs = hf(input_ids=batch).logits
     same = {k: torch.equal(v, trained[k]) for k, v in hf.state_dict().items()}
     return result.losses, {"same": same, "trained": sorted(trained),
                            "diff": (ours - theirs).abs().max().item()}
