@@ -81,17 +81,12 @@ def test_all_to_all_seconds_by_hand():
     cross = 50e-6 + 15 * 4e-6 + 15 / 16 * nbytes / 40e9
     dev = gpu_profile("h100-96gb")
 
-    class _Links(timing.MeshLinks):  # ParallelDims refuses ep > 1 until EP lands
-        def __init__(self, ep, shard, gpn):
-            super().__init__(dev, ParallelDims(dp_shard=shard), gpn)
-            self.ep = ep
-
-        def size(self, dim):
-            return self.ep if dim == "ep" else super().size(dim)
+    def links(ep, shard, gpn):
+        return timing.MeshLinks(dev, ParallelDims(dp_shard=shard, ep=ep), gpn)
 
     for ac, n in [("selective", 4), ("full", 6)]:
-        got = moe.exchange_seconds(args, layers, 16_384, 2, ac, _Links(8, 8, 8))
+        got = moe.exchange_seconds(args, layers, 16_384, 2, ac, links(8, 8, 8))
         assert got == pytest.approx(26 * n * one, rel=1e-12)
-    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", _Links(16, 16, 8)) \
+    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(16, 16, 8)) \
         == pytest.approx(26 * 4 * cross, rel=1e-12)
-    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", _Links(1, 8, 8)) == 0
+    assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(1, 8, 8)) == 0
