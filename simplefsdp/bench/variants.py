@@ -140,10 +140,12 @@ def _check_inductor_options(patches: dict) -> None:
                                  f"has no config {missing}")
 
 
-def _upstream(patches: dict) -> Callable[[BuildContext], Built]:
+def _upstream(patches: dict, missing: Callable[[], str | None] = lambda: None
+              ) -> Callable[[BuildContext], Built]:
+    """Plain Inductor with ``patches``; ``missing()``: why the passes cannot run here."""
     def build(ctx: BuildContext) -> Built:
         _check_inductor_options(patches)
-        if patches is UPSTREAM_OVERLAP_SCHEDULER and (why := overlap_scheduler_missing()):
+        if why := missing():
             raise VariantUnavailable(f"unavailable on this torch ({torch.__version__}): the "
                                      f"overlap scheduler fails here: {why}")
 
@@ -222,7 +224,8 @@ _SPECS = [
     VariantSpec("upstream-overlap-scheduler",
                 "our frontend, plain Inductor + aten_distributed_optimizations overlap "
                 "scheduling + collective bucketing",
-                _upstream(UPSTREAM_OVERLAP_SCHEDULER), compiled=True),
+                _upstream(UPSTREAM_OVERLAP_SCHEDULER, overlap_scheduler_missing),
+                compiled=True),
     VariantSpec("fsdp2-eager", "torch FSDP2 fully_shard per block + root, eager",
                 _fsdp2(False)),
     VariantSpec("fsdp2-compiled-blocks", "FSDP2, each block torch.compile'd before fully_shard",
