@@ -333,6 +333,19 @@ def dynamo_reset() -> None:
     torch._dynamo.reset()
 
 
+def dtensor_sharding_cache_clear() -> None:
+    """Forget DTensor's cached sharding decisions, in Python and in its C++ dispatch
+    fast path (absent in older releases: nothing to clear there). Both key by mesh
+    *equality*, so a model built on a rebuilt but equal (sub-)mesh would otherwise get
+    output specs that hold an earlier model's mesh object. checked: 2.13."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+
+
 def eager_backward_compile():
     """A context in which AOTAutograd compiles the backward graph together with the
     forward instead of lazily at the first backward (the planner captures both graphs

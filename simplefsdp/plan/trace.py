@@ -107,9 +107,20 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
 def trace(key: TraceKey) -> Trace:
     """Capture ``key``'s forward and backward graphs (cached: identical per-rank shapes
     are traced once per process)."""
-    from .._torch_compat import FakeTensorMode, dynamo_reset, eager_backward_compile
+    from .._torch_compat import (
+        FakeTensorMode,
+        dtensor_sharding_cache_clear,
+        dynamo_reset,
+        eager_backward_compile,
+    )
 
     ensure_fake_world()
+    # Sub-meshes (``mesh["tp"]``) are new objects per trace. A sharding decision cached
+    # by an earlier trace would hand this one a spec holding that trace's mesh object;
+    # dynamo then lifts it as an extra graph input and AOTAutograd's partition fails
+    # ("tangents_2 was invalid, but is output": tp 2 with loss_parallel's DTensor
+    # output, traced after two other shapes).
+    dtensor_sharding_cache_clear()
     try:
         with eager_backward_compile():
             return _trace(key, FakeTensorMode)
