@@ -6,7 +6,8 @@
 * Load balance: the attention FLOPs each ring rank's kernels run (counted on the kernel
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
-  AC), ring 2 x Ulysses 2 and TP 2 x ring 2 (with sequence parallel),
+  AC), ring 2 x Ulysses 2, replicate 2 x ring 2, hybrid_shard (2 x 1) x Ulysses 2 and
+  TP 2 x ring 2 (with sequence parallel),
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -127,6 +128,14 @@ CELLS = {  # name: flags; a global batch of 4 sequences each, on 4 processes
                      "--activation_checkpoint.mode", "selective"],
     "ring2_ulysses2": ["--training.batch_size", "4", "--parallel.cp_ring", "2",
                        "--parallel.cp_ulysses", "2"],
+    # replicate: weights and gradients all-reduced over dp_replicate 2 x ring 2 (4 ranks)
+    "replicate2_ring2": ["--training.batch_size", "2", "--parallel.dp_mode", "replicate",
+                         "--parallel.dp_replicate", "2", "--parallel.cp_ring", "2"],
+    # hybrid_shard 2 x 1: sharded over dp_shard 1 x Ulysses 2 (the CP ranks alone),
+    # replicated over dp_replicate 2
+    "hybrid2x1_ulysses2": ["--training.batch_size", "2", "--parallel.dp_mode", "hybrid_shard",
+                           "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                           "--parallel.cp_ulysses", "2"],
 }
 # TP 2 x ring 2 (sequence parallel inside each CP rank's part) needs KV heads over TP: 2.
 TP_CELL = ["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.tp", "2",
