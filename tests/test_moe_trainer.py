@@ -32,6 +32,11 @@ LAYOUTS = {
                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
     "ep2_ddp": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
                 "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
+    # TP 2 x FSDP 2 with EP 2: 2 data-parallel ranks, each with 2 microsteps of the same 2
+    # sequences per microstep that the reference's 4 ranks read in one (the loader splits
+    # the global batch into contiguous runs), so each balance loss is over the same tokens
+    "tp2_ep2": ["--parallel.tp", "2", "--parallel.ep", "2",
+                "--training.grad_accum_steps", "2"],
 }
 
 
@@ -115,11 +120,13 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "ep1"])
 def test_expert_parallel_matches_ep1(runs, layout):
-    """EP 2 x FSDP 2, EP 4 (one expert per rank), EP 2 with HSDP (2 replicas x 2 shards) and
-    EP 2 with replicate (4 replicas, experts in 2 groups of 2) train the same 3 AdamW steps
-    as the same 4 ranks without EP: every rank reads the same batches and routes its own
-    tokens, so routing is identical and only reduction orders differ (each expert's rows
-    from two ranks in one matmul; gradients summed over other groups). Losses within
+    """EP 2 x FSDP 2, EP 4 (one expert per rank), EP 2 with HSDP (2 replicas x 2 shards),
+    EP 2 with replicate (4 replicas, experts in 2 groups of 2) and TP 2 x FSDP 2 with EP 2
+    (attention and shared expert split, each TP rank routing its slice's whole sequence)
+    train the same 3 AdamW steps as the same 4 ranks without EP or TP: the same global
+    batch, each balance loss over the same tokens, so routing is identical and only
+    reduction orders differ (each expert's rows from two ranks in one matmul; gradients
+    summed over other groups; TP's split matmuls summed over ranks). Losses within
     1e-6 relative; every exported parameter within 1e-5 absolute (AdamW's first steps
     move each weight by ~lr = 1e-2 times g / |g|, so a relative 1e-6 gradient difference
     shows as ~1e-8; 1e-5 leaves room for near-zero gradients)."""
@@ -189,6 +196,14 @@ def test_metrics_by_hand(runs):
     assert first["aux_loss"] == pytest.approx(aux, rel=1e-5)
     assert first["expert_load_max_mean"] == pytest.approx(ratio, rel=1e-6)
     assert all(float(r["tokens_dropped"]) == 0 for r in rows)
+    # The other layouts report the same figures: under TP only TP rank 0's share of the
+    # balance loss and of the loads counts (its TP partner routed the same tokens).
+    for layout in ("tp2_ep2",):
+        with open(out / layout / "metrics.csv") as f:
+            other = list(csv.DictReader(f))
+        for mine, theirs in zip(rows, other, strict=True):
+            for key in ("aux_loss", "expert_load_max_mean"):
+                assert float(theirs[key]) == pytest.approx(float(mine[key]), rel=1e-5), key
 
 
 def test_router_stays_float32_under_bf16(runs):
@@ -206,8 +221,8 @@ def test_router_stays_float32_under_bf16(runs):
 @pytest.mark.parametrize("flags, message", [
     (["--parallel.ep", "3"], "parallel.ep = 3 does not divide the 8 experts"),
     (["--model.top_k", "9"], "top_k=9 must be between 1 and num_experts=8"),
-    (["--parallel.tp", "2"], "parallel.tp = 2: tensor parallelism of MoE models is not "
-                             "implemented yet; set parallel.tp = 1"),
+    (["--parallel.tp", "2", "--model.shared_hidden_dim", "33"],
+     "parallel.tp = 2 does not divide model.shared_hidden_dim = 33"),
     (["--parallel.pp", "2"], "parallel.pp = 2: pipeline parallelism of MoE models is not "
                              "implemented yet; set parallel.pp = 1"),
 ])

@@ -69,6 +69,9 @@ class MoEArgs(ModelArgs):
         if self.load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance={self.load_balance!r}: choose one of "
                              f"{LOAD_BALANCE}")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be between 0 and "
+                             f"n_layers={self.n_layers}")
 
     def is_moe(self, layer: int | None) -> bool:
         """Whether block ``layer`` routes (``None``: a typical block, routed)."""
@@ -95,9 +98,6 @@ class MoEArgs(ModelArgs):
         """The SwiGLU width one token's routed block computes: ``top_k`` experts of width
         ``I`` and the shared expert (what the planner's dense stand-in block is given)."""
         return self.top_k * self.moe_hidden_dim + self.shared_hidden_dim
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be between 0 and "
-                             f"n_layers={self.n_layers}")
 
 
 MOE_PRESETS: dict[str, MoEArgs] = {
@@ -309,20 +309,23 @@ def model_args(model: nn.Module) -> MoEArgs:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None
-                       ) -> torch.Tensor:
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None,
+                       reduce=None) -> torch.Tensor:
     """Bias balancing's step (DeepSeek-V3, auxiliary-loss-free): every layer's
     ``expert_bias`` moves by ``bias_update_rate`` towards under-loaded experts
     (``+rate * sign(mean load - load)``), with loads summed over ``group``'s ranks when
     given (the ranks that routed different tokens: the data-parallel ranks of one pipeline
-    stage and TP rank); then the counts restart.
-    Returns the per-layer loads used, (layers, E). Call after each optimizer step."""
+    stage and TP rank), or as ``reduce(local loads)`` returns them (same shape); then the
+    counts restart. Returns the per-layer loads used, (layers, E). Call after each
+    optimizer step."""
     layers = moe_layers(model)
     if not layers:
         return torch.zeros(0)
     loads = torch.stack([m.tokens_per_expert for m in layers])
     if group is not None:
         dist.all_reduce(loads, group=group)
+    if reduce is not None:
+        loads = reduce(loads)
     rate = model_args(model).bias_update_rate
     for m, load in zip(layers, loads, strict=True):
         if m.gate.expert_bias is not None:

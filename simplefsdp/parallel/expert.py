@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .._torch_compat import all_to_all_single_autograd
 from ..mesh import ParallelDims
-from ..models.moe import expert_ffn, moe_layers
+from ..models.moe import MoE, expert_ffn, moe_layers
 
 
 def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
@@ -86,6 +86,43 @@ def shard_experts(model: nn.Module, experts_mesh: DeviceMesh, **data_parallel_kw
 
     for layer in moe_layers(model):
         data_parallel(layer.experts, experts_mesh, **data_parallel_kwargs)
+
+
+def is_moe(module: nn.Module) -> bool:
+    """Whether ``module`` is a routed FFN (``models.moe.MoE``)."""
+    return isinstance(module, MoE)
+
+
+def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
+    """Tensor + sequence parallel for one routed FFN at ``prefix`` of its block (keys for
+    ``parallelize_module`` on the block).
+
+    The sequence shards are gathered before the router (every TP rank then holds its
+    data-parallel slice's whole sequence, as the dense FFN's input), and the router and
+    routed experts stay whole: every TP rank routes the same tokens with the same
+    weights, so it takes the same routing decisions, exchanges them with its own EP
+    group (the experts' mesh keeps ``tp``) and computes the same routed output and the
+    same full gradients (the routed work is repeated on each TP rank; nothing of it is
+    reduced over TP). The shared expert is split as a dense FFN (``w1``/``w3``
+    column-wise, ``w2`` row-wise), its output all-reduced so that both halves are whole;
+    their sum goes back to this rank's sequence shard (a slice; in backward the output
+    gradient is all-gathered over the sequence, so each rank sees all of it)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
+
+    plan = {prefix: PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+        use_local_output=True)}
+    if moe.shared_expert is not None:
+        plan.update({f"{prefix}.shared_expert.w1": ColwiseParallel(),
+                     f"{prefix}.shared_expert.w3": ColwiseParallel(),
+                     f"{prefix}.shared_expert.w2": RowwiseParallel()})
+    return plan
 
 
 _EP_CLASSES: dict[type, type] = {}
@@ -161,5 +198,5 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
             + torch.arange(total, device=sizes.device))
 
 
-__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "ep_forward", "shard_experts",
-           "split_experts"]
+__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "ep_forward", "is_moe",
+           "moe_tp_plan", "shard_experts", "split_experts"]

@@ -16,9 +16,13 @@ the ``MoETransformer`` and three additions.
   mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (0: routing is
   dropless, every slot reaches its expert).
 
+Tensor parallelism splits attention and the shared expert as in a dense block; the router
+and the routed experts stay whole and run the gathered sequence on every TP rank
+(``parallel/expert.moe_tp_plan``).
+
 Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
-ranks: ``ParallelDims``), a dense preset, TP and PP (not built for MoE yet), Hugging Face
-weights or export (another family's job).
+ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
+PP (not built for MoE yet), Hugging Face weights or export (another family's job).
 """
 
 from __future__ import annotations
@@ -53,10 +57,13 @@ def _validate(cfg: JobConfig) -> None:
                           f"{m.name!r} is dense; choose one of {', '.join(moe.MOE_PRESETS)}")
     with config_errors():
         check_ep(p.ep, num_experts=args.num_experts, prefix="parallel.")
-    for key, what in (("tp", "tensor parallelism"), ("pp", "pipeline parallelism")):
-        if getattr(p, key) > 1:
-            raise ConfigError(f"parallel.{key} = {getattr(p, key)}: {what} of MoE models is "
-                              f"not implemented yet; set parallel.{key} = 1")
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism of MoE models is "
+                          f"not implemented yet; set parallel.pp = 1")
+    if args.shared_hidden_dim % p.tp:
+        raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
+                          f"{args.shared_hidden_dim} (the shared expert is split over TP); "
+                          f"change one of them")
     if cfg.checkpoint.export_hf:
         raise ConfigError("checkpoint.export_hf = true writes a Hugging Face Llama folder; our "
                           "MoE has no export: set it to false (export_safetensors works)")
@@ -103,14 +110,30 @@ def _parallelize(model, mesh, cfg: JobConfig):
 
 def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
     """The bias update and the step's figures (see the module docstring). Two all-reduces
-    over every rank: the data-parallel ranks (TP and PP are refused for MoE)."""
-    loads = moe.update_expert_bias(s.model, dist.group.WORLD)  # (layers, E), then zeroed
-    aux = torch.zeros((), device=s.device) if step_aux is None else step_aux.clone()
+    over every rank. The loads go into a table of all the model's blocks (a pipeline
+    stage fills its own rows), summed over the ranks that routed different tokens: TP
+    ranks route the same ones (``parallel/expert.moe_tp_plan``), so only TP rank 0's
+    count, as only its share of the auxiliary loss does."""
+    own, args = s.at.tp == 0, s.cfg.model.model_args()
+    rows = _moe_block_ids(s.model)
+    table = torch.zeros(args.n_layers, args.num_experts, device=s.device)
+    if own and rows:
+        table[rows] = torch.stack([m.tokens_per_expert for m in moe.moe_layers(s.model)])
+    dist.all_reduce(table)  # every rank, also a stage without MoE blocks
+    moe.update_expert_bias(s.model, reduce=lambda _: table[rows])  # then zeroed
+    aux = torch.zeros((), device=s.device) if step_aux is None or not own else step_aux.clone()
     dist.all_reduce(aux)
-    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
-        else torch.ones(())
+    loads = table[table.sum(1) > 0]
+    ratio = (loads.max(1).values / loads.mean(1)).max() if loads.numel() else torch.ones(())
     return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
             "tokens_dropped": 0.0}
+
+
+def _moe_block_ids(model) -> list[int]:
+    """The block index (``layers.<i>``: the whole model's numbering, also in a pipeline
+    stage) of each MoE layer of ``model``, in ``moe.moe_layers`` order."""
+    return [int(name) for name, block in model.layers.items()
+            for _ in moe.moe_layers(block)]
 
 
 _llama = registry.get("llama")

@@ -12,7 +12,9 @@
    sequence; the output projection is split by vocabulary columns. With loss parallel
    (``parallel.loss_parallel``, the default) its logits stay split over the vocabulary
    (a DTensor, ``Shard(-1)``) and the loss runs over the pieces (``step.loss_context``);
-   without, they are gathered (whole on every TP rank, for the loss).
+   without, they are gathered (whole on every TP rank, for the loss). A routed FFN (MoE)
+   takes ``parallel/expert.py``'s plan (:func:`moe_tp_plan`: shared expert split, router
+   and routed experts whole, run on the gathered sequence).
 2. Activation checkpointing (``activation_checkpoint.mode``) per block: ``full``
    recomputes the whole block in backward; ``selective`` is torchtitan's per-op policy:
    it keeps the outputs of attention, TP reduce-scatters and every other matmul, and
@@ -48,6 +50,7 @@ from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
 from ..parallel.context import apply_cp
+from ..parallel.expert import is_moe, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
@@ -117,13 +120,16 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, seq_len: int | None = None
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
+    }
+    dense_ffn = {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                            desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+    for block in model.layers.values():  # a routed FFN: parallel/expert.py's plan
+        ffn = moe_tp_plan(block.feed_forward) if is_moe(block.feed_forward) else dense_ffn
+        parallelize_module(block, tp_mesh, {**block_plan, **ffn})
 
 
 # ---------------------------------------------------------------------------------------
