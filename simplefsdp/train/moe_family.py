@@ -18,11 +18,12 @@ the ``MoETransformer`` and three additions.
 
 Tensor parallelism splits attention and the shared expert as in a dense block; the router
 and the routed experts stay whole and run the gathered sequence on every TP rank
-(``parallel/expert.moe_tp_plan``).
+(``parallel/expert.moe_tp_plan``). Pipeline stages hold whole blocks; each stage's
+balance loss joins backward through its output (``pipeline.AuxLossStage``).
 
 Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
 ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
-PP (not built for MoE yet), Hugging Face weights or export (another family's job).
+Hugging Face weights or export (another family's job).
 """
 
 from __future__ import annotations
@@ -57,9 +58,6 @@ def _validate(cfg: JobConfig) -> None:
                           f"{m.name!r} is dense; choose one of {', '.join(moe.MOE_PRESETS)}")
     with config_errors():
         check_ep(p.ep, num_experts=args.num_experts, prefix="parallel.")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp = {p.pp}: pipeline parallelism of MoE models is "
-                          f"not implemented yet; set parallel.pp = 1")
     if args.shared_hidden_dim % p.tp:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .guard import NonFiniteError, step_flags
+from .pipeline import aux_loss_stage
 from .watchdog import phase
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
 
     A model with an auxiliary loss (MoE balance: a mean over one forward's tokens) adds it
     weighted by that forward's share of the step's tokens, ``aux * tokens / global_tokens``:
-    summed over ranks and microsteps it is the token-weighted mean, as the loss is."""
+    summed over ranks and microsteps it is the token-weighted mean, as the loss is. Under
+    pipeline parallelism each stage adds its blocks' share (``pipeline.AuxLossStage``)."""
     step_loss = torch.zeros((), device=s.device)
     aux_of, step_aux = s.cfg.model.family_entry().aux_loss, None
     with loss_context(s.cfg.parallel.vocab_sharded_loss):  # the backward too
@@ -154,10 +156,18 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
                 loss.backward()
             else:
                 losses: list[torch.Tensor] = []
+                carrier = aux_loss_stage(s.schedule)  # each stage's aux joins backward
+                extra = {} if carrier is None else {
+                    "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
                 s.schedule.step(*((inputs,) if s.at.first else ()),
-                                target=targets if s.at.last else None, losses=losses)
+                                target=targets if s.at.last else None, losses=losses,
+                                **extra)
                 for mb_loss in losses:
                     step_loss += mb_loss.detach() / global_tokens
+                aux = carrier.take_aux() if carrier is not None else None
+                if aux is not None:
+                    aux = aux / global_tokens
+                    step_aux = aux if step_aux is None else step_aux + aux
     if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
         scale_grads_(s.params, 1 / global_tokens)
     return step_loss, step_aux

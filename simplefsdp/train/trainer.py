@@ -23,6 +23,7 @@ in ``run.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -148,8 +149,9 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
     schedule = None
     if p.pp > 1:  # the loss is a token sum; the loop divides the gradients afterwards
+        aux_of = None if family.aux_loss is None else functools.partial(family.aux_loss, model)
         schedule, _ = build_schedule(runnable, mesh["pp"], device, p.pp_microbatches,
-                                     token_loss_sum)
+                                     token_loss_sum, aux_of)
 
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
