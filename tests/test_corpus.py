@@ -92,42 +92,111 @@ def test_cache_hit_miss_and_invalidation(tmp_path: Path, monkeypatch):
 
 
 RICH = DOCS + ["  leading spaces,\ttabs\nand\r\nnewlines  ", "naïve café — 東京 🙂 ∑x²",
-               "repeat " * 300, "'s 't 're numbers 12345 678", "x"]
+               "repeat " * 300, "'s 't 're numbers 12345 678", "x",
+               "an added </s> token inside text</s></s>", "runs:    \t\t\n\n\u3000\xa0 x  ",
+               "digits 0 1 22 333 4444 55555 ٣٤ ..!!?? (a)-[b]_{c}", "ALL CAPS 'LL 'Ve"]
 
 
-def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypatch):
-    """A tokenizer.json's cache, built by 2 threads over several chunks with
-    ``encode_batch_fast``, holds exactly each document's own ``Tokenizer.encode`` ids
-    (offsets kept) plus EOS; another tokenizer file is another cache."""
-    pytest.importorskip("tokenizers")  # the [hf] extra; CI installs it
+def _train_bpe(path: Path, vocab: int, normalizer=None) -> Path:
+    """A byte-level BPE tokenizer.json trained on RICH, ``</s>`` its added token."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from simplefsdp.hf.tokenizer import load_tokenizer
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.train_from_iterator(RICH * 20, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
 
-    def train(vocab: int) -> Path:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.train_from_iterator(RICH * 20, trainers.BpeTrainer(
-            vocab_size=vocab, special_tokens=["</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        path = tmp_path / f"tok{vocab}.json"
-        tok.save(str(path))
-        return path
+
+def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypatch, capsys):
+    """A tokenizer.json's cache, built by 2 threads over several chunks, holds exactly
+    each document's own ``Tokenizer.encode`` ids plus EOS, whichever path tokenized it:
+    tiktoken (converted; RICH has unicode, whitespace runs, digits, punctuation and the
+    added token) or Hugging Face (a normalizer refuses the conversion, and the log says
+    so); both paths write the same tokens.bin; another tokenizer file is another cache."""
+    pytest.importorskip("tokenizers")  # the [hf] extra; CI installs it
+    from tokenizers import normalizers
+
+    from simplefsdp.corpus import fast_bpe
+    from simplefsdp.hf.tokenizer import load_tokenizer
 
     monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 200)  # several chunks, out of order
     monkeypatch.setattr(cache_mod, "ENCODE_BATCH", 3)  # several batches per chunk
+    # A tenth of the code-point probe (every code point to U+2FFF, then every 61st): the
+    # probe's cost is Hugging Face's encoding of it; the benchmark runs the full probe.
+    monkeypatch.setattr(fast_bpe, "PROBE_ALL_BELOW", 0x3000)
     data = _jsonl(tmp_path / "a.jsonl", RICH * 3)
     caches = []
-    for vocab in (270, 290):
-        tok = load_tokenizer(train(vocab))
+    for name, vocab, norm, encoder in [("a", 270, None, "tiktoken"), ("b", 400, None, "tiktoken"),
+                                       ("c", 400, normalizers.NFKC(), "HFTokenizer")]:
+        tok = load_tokenizer(_train_bpe(tmp_path / f"{name}.json", vocab, norm))
         assert tok.parallel_batches  # the thread pool, not forked processes
         (f,) = open_caches(_data(tmp_path, str(data), tokenize_workers=2), tok)
         own = [tok.tok.encode(d, add_special_tokens=False).ids for d in RICH * 3 if d]
         assert f.tokens.tolist() == [i for ids in own for i in ids + [tok.eos_id]]
         assert f.doc_ends.tolist() == np.cumsum([len(ids) + 1 for ids in own]).tolist()
-        assert len(cache_mod.chunks((data,), "text")) > 3
+        assert tok.tok.token_to_id("</s>") in f.tokens.tolist()  # the added token, matched
+        assert f.meta["encoder"] == encoder
+        log = capsys.readouterr().err
+        assert f"with {encoder}" in log and ("normalizer" in log) == (norm is not None)
         caches.append(f.folder)
-    assert caches[0] != caches[1]
+    assert len(cache_mod.chunks((data,), "text")) > 3 and len(set(caches)) == 3
+    # The same tokenizer through Hugging Face (fast path off): a byte-identical tokens.bin.
+    monkeypatch.setattr(fast_bpe, "convert", lambda tok: (None, "switched off"))
+    (slow,) = open_caches(_data(tmp_path, str(data), tokenize_workers=2,
+                                cache_dir=str(tmp_path / "slow")),
+                          load_tokenizer(tmp_path / "b.json"))
+    assert slow.meta["encoder"] == "HFTokenizer"
+    fast_bin = (caches[1] / "tokens.bin").read_bytes()
+    assert (slow.folder / "tokens.bin").read_bytes() == fast_bin
+
+
+def _handmade(tmp_path: Path, merges: list[tuple[str, str]], extra: list[str] = ()):
+    """A byte-level BPE over the 256 bytes (ids in alphabet order) plus ``merges``' results
+    (ids in the order given by ``extra`` when set, else merge order)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from simplefsdp.hf.tokenizer import load_tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for token in list(extra) or [a + b for a, b in merges]:
+        vocab[token] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(tmp_path / "hand.json"))
+    return load_tokenizer(tmp_path / "hand.json")
+
+
+@pytest.mark.parametrize("merges, extra, text, reason", [
+    # Merge order (bc first) against id order (ab's id is lower): tiktoken would merge ab.
+    ([("b", "c"), ("a", "b")], ["ab", "bc"], "abc", "merge order and id order disagree"),
+    # Ids follow merges, but abc's merge (a + bc) never happens after a + b: Hugging Face
+    # gives [ab, c] where tiktoken, merging any pair whose bytes are a token, gives [abc].
+    ([("a", "b"), ("b", "c"), ("a", "bc")], [], "abc", "'abc' merges to"),
+    # An entry no merge makes: tiktoken would make it from its bytes, Hugging Face never.
+    ([("a", "b")], ["ab", "xy"], "xy", "'xy' is made by 0 merges"),
+])
+def test_fast_bpe_refuses_what_it_cannot_prove(tmp_path: Path, merges, extra, text, reason):
+    """Tokenizers whose merges tiktoken's algorithm would apply differently are refused
+    (with the reason), and on ``text`` the two algorithms do differ: tiktoken built from
+    the same tables without the checks gives other ids than Hugging Face."""
+    pytest.importorskip("tokenizers")
+    import tiktoken
+
+    from simplefsdp.corpus import fast_bpe
+
+    tok = _handmade(tmp_path, merges, extra)
+    fast, why = fast_bpe.convert(tok)
+    assert fast is None and reason in why
+    ranks = {bytes(fast_bpe.byte_alphabet()[c] for c in t): i
+             for t, i in tok.tok.get_vocab().items()}
+    unchecked = tiktoken.Encoding("x", pat_str=fast_bpe.GPT2_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens={})
+    assert unchecked.encode_ordinary(text) != tok.encode(text)
 
 
 _KILLED_BUILD = """

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..train.config_reader import ConfigError
+from . import fast_bpe
 from .sources import Source, documents, jsonl_lines, parquet_rows, parse_jsonl
 
 FORMAT_VERSION = 1
@@ -161,8 +162,11 @@ def _encode(tok, texts: list[str], eos: int | None) -> tuple[np.ndarray, np.ndar
     encode_batch = getattr(tok, "encode_batch", None)
     ids = encode_batch(texts) if encode_batch else [tok.encode(t) for t in texts]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
-                       count=int(lengths.sum()))
+    if ids and isinstance(ids[0], np.ndarray):  # the fast path's arrays: no per-id Python
+        flat = np.concatenate(ids).astype(np.int64)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
+                           count=int(lengths.sum()))
     if eos is None:
         return flat, lengths
     return np.insert(flat, np.cumsum(lengths), eos), lengths + 1
@@ -226,14 +230,19 @@ def build(spec: CacheSpec, tokenizer, workers: int, vocab_size: int) -> TokenFil
 def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Path) -> dict:
     src = spec.source
     tasks = list(enumerate(chunks(src.files, spec.text_field)))
+    fast, refused = fast_bpe.convert(tokenizer)
+    encoder = "tiktoken" if fast else type(tokenizer).__name__
+    print(f"[simplefsdp] tokenizing {src.name} with {encoder}"
+          + (" (converted from the tokenizer.json, proven to give its ids)" if fast else
+             f" (tiktoken fast path not used: {refused})"), file=sys.stderr, flush=True)
     _WORK.update(files=src.files, field=spec.text_field, eos=spec.eos_id, dtype=spec.dtype,
-                 tokenizer=tokenizer, tmp=tmp, vocab_size=vocab_size)
+                 tokenizer=fast or tokenizer, tmp=tmp, vocab_size=vocab_size)
     total, done = src.num_bytes, 0
     started = last = time.perf_counter()
     cpu_started = _cpu_seconds()
     lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(tasks)
     workers = max(1, min(workers, len(tasks)))
-    threads = bool(getattr(tokenizer, "parallel_batches", False))
+    threads = bool(getattr(fast or tokenizer, "parallel_batches", False))
     if mp.current_process().daemon and not threads:  # a daemon may not fork: work here
         workers = 1
     pool = None
@@ -276,7 +285,7 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
             "dtype": spec.dtype.name, "tokenizer": spec.fingerprint, "eos": spec.eos_id,
             "text_field": spec.text_field, "bytes": total, "seconds": round(seconds, 3),
             "mb_per_s": round(total / 1e6 / max(seconds, 1e-9), 2), "workers": workers,
-            "threads": threads, "cpu_seconds": round(cpu, 3),
+            "threads": threads, "encoder": encoder, "cpu_seconds": round(cpu, 3),
             "mb_per_cpu_s": round(total / 1e6 / max(cpu, 1e-9), 2)}
     print(f"[simplefsdp] tokenized {src.name}: {meta['documents']} documents, "
           f"{meta['tokens']} tokens ({meta['dtype']}) in {seconds:.1f} s "
