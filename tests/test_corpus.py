@@ -515,3 +515,50 @@ def test_document_mask_equals_each_document_alone():
     compiled_loss.backward()
     assert torch.equal(compiled_loss, eager_loss)
     assert torch.equal(model.layers["0"].attention.wq.weight.grad, eager_grad)
+
+
+def test_feistel_order_is_a_seeded_permutation():
+    """Every index once (sizes incl. non powers of two and a cycle-walked 4**k + 1), the
+    same order for the same key and for any subset of positions, another for another key."""
+    from simplefsdp.train.data import feistel_permute
+
+    for n in [1, 2, 3, 5, 7, 64, 100, 1000, 4097]:
+        perm = feistel_permute(torch.arange(n), n, key=11)
+        assert torch.equal(perm.sort().values, torch.arange(n)), n
+        assert torch.equal(feistel_permute(torch.arange(n), n, key=11), perm)
+        some = torch.tensor([n - 1, 0, n // 2, n - 1])
+        assert torch.equal(feistel_permute(some, n, key=11), perm[some])
+        if n >= 64:  # small domains have few orders; these must move and depend on the key
+            assert not torch.equal(perm, torch.arange(n))
+            assert not torch.equal(feistel_permute(torch.arange(n), n, key=12), perm)
+
+
+def test_large_corpus_order_is_computed_and_resumes(monkeypatch):
+    """Above PERMUTATION_MAX_WINDOWS the loader stores no permutation, still reads each
+    window once per epoch, and resumes exactly (across an epoch end, 2 DP ranks)."""
+    from simplefsdp.train import data as data_mod
+
+    monkeypatch.setattr(data_mod, "PERMUTATION_MAX_WINDOWS", 50)
+    tokens = torch.arange(60 * 8 + 1)  # 60 windows of 8 + 1; window w starts at token 8 w
+    loader = data_mod.BatchLoader(tokens, 4, 8, seed=3)
+    seen = [int(x) // 8 for _ in range(15) for x in next(loader)[0][:, 0]]  # one epoch
+    assert sorted(seen) == list(range(60)) and seen != list(range(60))
+    assert loader._perm.numel() == 0  # nothing per window was stored
+    nxt = [int(x) // 8 for _ in range(15) for x in next(loader)[0][:, 0]]
+    assert sorted(nxt) == list(range(60)) and nxt != seen  # the next epoch: another order
+    make = lambda rank: data_mod.BatchLoader(tokens, 3, 8, dp_rank=rank, dp_world=2, seed=3)
+    ranks = [make(0), make(1)]
+    for _ in range(9):  # 54 of 60 samples: the next 4 steps cross the epoch end
+        [next(r) for r in ranks]
+    states = [r.state_dict() for r in ranks]
+    want = [[next(r) for _ in range(4)] for r in ranks]
+    for rank in (0, 1):
+        resumed = make(rank)
+        resumed.load_state_dict(states[rank])
+        for w, g in zip(want[rank], (next(resumed) for _ in range(4)), strict=True):
+            assert torch.equal(w[0], g[0]) and torch.equal(w[1], g[1])
+    single = data_mod.BatchLoader(tokens, 6, 8, seed=3)  # the ranks' slices = one rank's batch
+    for _ in range(9):
+        next(single)
+    for step in range(4):
+        assert torch.equal(next(single)[0], torch.cat([want[0][step][0], want[1][step][0]]))

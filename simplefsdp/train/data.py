@@ -4,10 +4,12 @@ The corpus is tokenized once into one long 1-D tensor and cut into non-overlappi
 windows of ``seq_len + 1`` tokens (inputs are the first ``seq_len``, targets the last
 ``seq_len``). A window's place in the stream is a pure function of a global sample
 counter: sample ``p`` is window ``perm(epoch)[p % n]`` with ``epoch = p // n`` and a
-permutation seeded by ``(seed, epoch)``. A global batch is ``dp_world * batch_size``
-consecutive samples; DP rank ``r`` takes the ``r``-th slice of ``batch_size``. So the
-ranks read disjoint slices that together are the single-rank global batch, and the
-whole state to checkpoint is the counter.
+permutation seeded by ``(seed, epoch)``: a stored ``torch.randperm`` up to
+``PERMUTATION_MAX_WINDOWS`` windows (at most 8 MB), above it a keyed Feistel network
+computed per position (no memory that grows with the corpus). A global batch is
+``dp_world * batch_size`` consecutive samples; DP rank ``r`` takes the ``r``-th slice of
+``batch_size``. So the ranks read disjoint slices that together are the single-rank
+global batch, and the whole state to checkpoint is the counter.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import torch
 from .config_reader import ConfigError
 
 SHAKESPEARE = "shakespeare"  # the corpus shipped in simplefsdp/data/
+# Up to this many windows an epoch's order is a stored randperm (8 bytes a window: the
+# order every run so far used); above it, feistel_permute (README "Data").
+PERMUTATION_MAX_WINDOWS = 1 << 20
+FEISTEL_ROUNDS = 4
 
 
 @runtime_checkable
@@ -79,6 +85,44 @@ def gather_windows(tokens, windows: torch.Tensor, seq_len: int) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor):
         return tokens[index].long()
     return torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
+
+
+def _round_keys(key: int) -> list[int]:
+    """FEISTEL_ROUNDS 31-bit round keys from ``key`` (splitmix64 steps)."""
+    keys, state = [], key & (2**64 - 1)
+    for _ in range(FEISTEL_ROUNDS):
+        state = (state + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        keys.append((z ^ (z >> 31)) & 0x7FFFFFFF)
+    return keys
+
+
+def _feistel(x: torch.Tensor, half: int, keys: list[int]) -> torch.Tensor:
+    """One pass of a balanced Feistel network over ``[0, 2**(2 * half))``: a bijection
+    whatever the round function (an integer hash whose products stay below 2**63)."""
+    mask = (1 << half) - 1
+    left, right = x >> half, x & mask
+    for k in keys:
+        h = ((right ^ k) * 0x2545F491) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+        left, right = right, left ^ ((h ^ (h >> 13)) & mask)
+    return (left << half) | right
+
+
+def feistel_permute(index: torch.Tensor, n: int, key: int) -> torch.Tensor:
+    """``perm[index]`` for a permutation ``perm`` of ``[0, n)`` chosen by ``key``, without
+    building ``perm``: the Feistel network runs over the smallest ``4**half >= n``, and a
+    value that lands at ``n`` or above is sent through again (cycle walking: the cycle
+    through an index below ``n`` comes back below ``n``), so ``[0, n)`` maps onto itself."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    keys = _round_keys(key)
+    x = _feistel(index.long(), half, keys)
+    outside = x >= n
+    while bool(outside.any()):
+        x[outside] = _feistel(x[outside], half, keys)
+        outside = x >= n
+    return x
 
 
 class SampleCounter:
@@ -140,11 +184,14 @@ class BatchLoader(SampleCounter):
             return offsets
         out = torch.empty_like(positions)
         for epoch in epochs.unique().tolist():
+            mask, key = epochs == epoch, self.seed * 1_000_003 + epoch
+            if self.num_windows > PERMUTATION_MAX_WINDOWS:
+                out[mask] = feistel_permute(offsets[mask], self.num_windows, key)
+                continue
             if epoch != self._perm_epoch:  # one permutation per epoch, made on demand
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._perm = torch.randperm(self.num_windows, generator=gen)
+                self._perm = torch.randperm(self.num_windows,
+                                            generator=torch.Generator().manual_seed(key))
                 self._perm_epoch = epoch
-            mask = epochs == epoch
             out[mask] = self._perm[offsets[mask]]
         return out
 
