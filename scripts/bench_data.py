@@ -131,6 +131,7 @@ def bench(size: int, work: Path, steps: int) -> dict:
             "tokenize_mb_s": meta["mb_per_s"], "tokenize_s": meta["seconds"],
             "tokenize_workers": meta["workers"], "tokenize_threads": meta.get("threads"),
             "tokenize_mb_per_cpu_s": meta.get("mb_per_cpu_s"),
+            "tokenize_encoder": meta.get("encoder"),
             "first": first, "second": second}
 
 
@@ -150,12 +151,13 @@ def main() -> None:
     result = {"load_before": load, "load_after": os.getloadavg(), "cores": os.cpu_count(),
               "baseline_training_rss_mb": model_rss, "runs": rows}
     (out / "bench_data.json").write_text(json.dumps(result, indent=1))
-    print(f"{'MB':>6} {'tok MB/s':>9} {'RSS tokenizing':>15} {'RSS training':>13} "
-          f"{'beyond model':>13} {'2nd run: step 1 s':>18}")
+    print(f"{'MB':>6} {'encoder':>12} {'tok MB/s':>9} {'MB/CPU-s':>9} {'RSS tokenizing':>15} "
+          f"{'RSS training':>13} {'beyond model':>13} {'2nd run: step 1 s':>18}")
     for r in rows:
         tok = max(r["first"]["peak_rss_mb"]["tokenizing"].values(), default=0.0)
         train = max(r["first"]["peak_rss_mb"]["training"].values(), default=0.0)
-        print(f"{r['size_mb']:>6} {r['tokenize_mb_s']:>9.1f} {tok:>15.0f} {train:>13.0f} "
+        print(f"{r['size_mb']:>6} {r['tokenize_encoder']:>12} {r['tokenize_mb_s']:>9.1f} "
+              f"{r['tokenize_mb_per_cpu_s']:>9.2f} {tok:>15.0f} {train:>13.0f} "
               f"{train - model_rss:>13.0f} {r['second']['seconds_to_step_1'] or 0:>18.1f}")
     print(f"(load average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on "
           f"{os.cpu_count()} cores; the machine is shared)")
