@@ -31,7 +31,6 @@ from test_hf import (  # noqa: E402
     VOCAB,
     _argv,
     _documents,
-    _first_loss,
     _train_tokenizer,
     exported_logits,
     train_keeping_model,
@@ -39,11 +38,14 @@ from test_hf import (  # noqa: E402
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 EXPERTS = 12  # over 10: file order must be transformers' natural one (10 after 9)
+# The balance loss joins the loss (transformers: output_router_logits); its weight is 100x
+# the usual 0.001 so that its gradient shows in the gradient norm next to the LM loss's.
+COEF = 0.1
 EAGER = {"experts_implementation": "eager"}  # transformers' per-expert loop (the reference)
 SHAPE = dict(vocab_size=VOCAB, hidden_size=30, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
              num_experts_per_tok=2, tie_word_embeddings=False, eos_token_id=0,
-             bos_token_id=None, output_router_logits=False)
+             bos_token_id=None, output_router_logits=True, router_aux_loss_coef=COEF)
 
 
 def _qwen3_moe_config():
@@ -105,17 +107,90 @@ def moe_assets(tmp_path_factory) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------------------------------
-# First loss: ours (sharded load + adapted experts) against transformers' from_pretrained.
+# First step: ours (sharded load + adapted experts) against transformers' from_pretrained.
 # ---------------------------------------------------------------------------------------
+def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: str):
+    """Our first step (loss, metrics row) and transformers' on the same batch: the LM
+    loss, the balance loss, the gradient norm of their loss (LM + coef x balance), the
+    worst layer's max / mean slots per expert from their router logits. Then the dtypes
+    the router and the experts compute in under bf16 mixed precision."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.data import DocumentDataset
+    from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.train import trainer
+    from simplefsdp.train.config import load_config
+
+    result = trainer.main(argv)
+    dataset = DocumentDataset(data, load_tokenizer(model_dir), "body")
+    inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **EAGER)
+    kwargs = dict(input_ids=inputs, labels=inputs, shift_labels=targets.contiguous())
+    with torch.no_grad():
+        lm = hf(**kwargs, output_router_logits=False).loss.item()
+    out = hf(**kwargs, output_router_logits=True)
+    out.loss.backward()
+    grad_norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in hf.parameters() if p.grad is not None])).item()
+    ratios = []
+    for logits in out.router_logits:
+        chosen = logits.softmax(-1).topk(hf.config.num_experts_per_tok, dim=-1).indices
+        load = torch.bincount(chosen.flatten(), minlength=EXPERTS).double()
+        ratios.append((load.max() / load.mean()).item())
+    theirs = {"loss": lm, "aux_loss": COEF * out.aux_loss.item(), "grad_norm": grad_norm,
+              "expert_load_max_mean": max(ratios)}
+
+    out_dir = argv[argv.index("--metrics.output_dir") + 1]
+    cfg = load_config(None, [*argv, "--training.mixed_precision_param", "bfloat16",
+                             "--metrics.output_dir", f"{out_dir}/bf16"])
+    s = trainer.setup(dataclasses.replace(cfg, parallel=cfg.parallel.resolve(1)), None)
+    dtypes = {}
+    for name, module in s.model.named_modules():
+        if name.endswith("layers.1.mlp.gate"):
+            read, key = (lambda m: m.weight), "router"
+        elif name.endswith("layers.1.mlp.experts"):
+            read, key = (lambda m: m.gate_up_proj), "experts"
+        else:
+            continue
+        module.register_forward_pre_hook(
+            lambda mod, args, key=key, read=read: dtypes.__setitem__(key, str(read(mod).dtype)))
+    with torch.no_grad():  # the logits transformers' balance loss is computed from
+        out = s.model(input_ids=inputs, use_cache=False, output_router_logits=True)
+    dtypes["router_logits"] = str(out.router_logits[0].dtype)
+    s.metrics.close()
+    return result.losses[0], result.metrics["rows"][0], theirs, dtypes
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_moe_first_loss_equals_hf_loss(moe_assets, tmp_path, name):
+def test_moe_first_step_equals_hf(moe_assets, tmp_path, name):
+    """One step on 1 rank against transformers' own model on the same batch.
+
+    LM loss: the same weights and float32 matmuls (the loop path: transformers' own
+    per-expert F.linear on the same rows); only the reduction differs (our sum / token
+    count vs. their mean): float32 rounding of a sum of 64 terms, rel 1e-6. Balance loss
+    (``metrics.csv`` aux_loss, coefficient applied) against their ``aux_loss`` (their
+    ``load_balancing_loss_func``) times ``router_aux_loss_coef``: the same function on
+    router logits equal to float rounding, rel 1e-6. Gradient norm against that of their
+    loss (LM + coef x balance): the same gradients summed in other orders (per-expert
+    rows scattered back by index_add, our loss a sum divided once), rel 1e-5. Expert
+    load: the worst layer's max / mean slots per expert from their router logits' top-k;
+    counts of equal routing, rel 1e-6. Under bf16 mixed precision the router's weight is
+    float32 in forward (kept so by default), the experts' bfloat16, and the router logits
+    transformers records for its balance loss float32 (recorded before the cast back)."""
     argv = _argv(tmp_path, moe_assets[name], moe_assets["jsonl"])
-    ours, theirs = run_ranks(_first_loss, 1, argv, str(moe_assets[name]), "body",
-                             str(moe_assets["jsonl"]), EAGER)[0]
-    # The same weights and float32 matmuls (the loop path: transformers' own per-expert
-    # F.linear on the same rows); only the loss reduction differs (our sum / token count
-    # vs. their mean): float32 rounding of a sum of 64 terms.
-    assert ours == pytest.approx(theirs, rel=1e-6, abs=0)
+    loss, row, theirs, dtypes = run_ranks(_first_step, 1, argv, str(moe_assets[name]),
+                                          str(moe_assets["jsonl"]))[0]
+    print(f"ours {loss} {row}, theirs {theirs}")
+    assert loss == pytest.approx(theirs["loss"], rel=1e-6, abs=0)
+    assert row["aux_loss"] == pytest.approx(theirs["aux_loss"], rel=1e-6, abs=0)
+    assert row["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5, abs=0)
+    assert row["expert_load_max_mean"] == pytest.approx(theirs["expert_load_max_mean"],
+                                                        rel=1e-6, abs=0)
+    assert row["tokens_dropped"] == 0
+    assert dtypes == {"router": "torch.float32", "experts": "torch.bfloat16",
+                      "router_logits": "torch.float32"}, dtypes
 
 
 # ---------------------------------------------------------------------------------------

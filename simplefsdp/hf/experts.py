@@ -25,6 +25,7 @@ interleaved weights, no gate, an activation other than SiLU).
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -85,9 +86,13 @@ def check_experts(model: nn.Module) -> None:
 
 
 class RoutedExperts(nn.Module):
-    """The experts' forward (mixed into a transformers experts class)."""
+    """The experts' forward (mixed into a transformers experts class). ``_sf_load``
+    accumulates this rank's routed slots per expert until :func:`take_loads` reads them
+    (under activation checkpointing the recompute counts them again: every layer's load
+    doubles, the max / mean ratio reported from it does not change)."""
 
     _sf_num_experts: int
+    _sf_load: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -95,6 +100,8 @@ class RoutedExperts(nn.Module):
         if counts.numel() != self._sf_num_experts:
             raise ValueError(f"the router chose expert {counts.numel() - 1} of "
                              f"{self._sf_num_experts}: placeholder experts are not supported")
+        load = counts.detach().float()
+        self._sf_load = load if self._sf_load is None else self._sf_load + load
         return routed_combine(hidden_states, top_k_weights, top_k_index, counts, self._sf_run)
 
     def _sf_run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -122,6 +129,31 @@ def adapt_experts(model: nn.Module) -> int:
             module._sf_num_experts = module._parameters["gate_up_proj"].shape[0]
             module.__class__ = _routed_class(type(module))
     return len(found)
+
+
+def take_loads(model: nn.Module) -> torch.Tensor:
+    """This rank's routed slots per expert since the last call, (layers, E) in module
+    order (zeros for a layer that did not run), and restart the counts."""
+    rows = []
+    for _, module in experts_modules(model):
+        load, module._sf_load = getattr(module, "_sf_load", None), None
+        rows.append(load if load is not None
+                    else torch.zeros(module._parameters["gate_up_proj"].shape[0]))
+    return torch.stack(rows) if rows else torch.zeros(0, 0)
+
+
+def router_globs(model: nn.Module) -> list[str]:
+    """Module-name globs of the routers: the ``gate`` next to each fused experts module
+    (transformers' ``mlp.gate``, weight [E, H]), layer numbers as ``*``; sorted."""
+    from ..state_dict import unwrapped_name
+
+    names = {unwrapped_name(name) for name, _ in model.named_modules()}
+    globs = set()
+    for name in (unwrapped_name(n) for n, _ in experts_modules(model)):
+        gate = name.rsplit(".", 1)[0] + ".gate" if "." in name else "gate"
+        if gate in names:
+            globs.add(re.sub(r"(?<=\.)\d+(?=\.)", "*", gate))
+    return sorted(globs)
 
 
 def expert_parallel(model: nn.Module, mesh, cfg) -> None:

@@ -34,4 +34,7 @@ registry.register(registry.ModelFamily(
     fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
     export=_export,
     expert_parallel=True,  # parallel.ep on a folder with fused MoE experts (hf.experts)
+    aux_loss=hooks.aux_loss,  # transformers' balance loss, when the folder's config adds it
+    after_step=hooks.after_step,
+    metric_columns=hooks.metric_columns,  # an MoE's; none for a dense model
 ))

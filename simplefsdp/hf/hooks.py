@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import HFError, require
+from .model import text_config
 
 
 def validate_folder(cfg, folder: str) -> None:
@@ -48,13 +49,9 @@ def choose_tokenizer(cfg):
     if folder is not None:
         from .model import load_config
 
-        eos = getattr(_text_config(load_config(folder)), "eos_token_id", None)
+        eos = getattr(text_config(load_config(folder)), "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) else eos
     return load_tokenizer(name, eos)
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_vocab(cfg, tokenizer) -> None:
@@ -63,7 +60,7 @@ def check_vocab(cfg, tokenizer) -> None:
         return
     from .model import load_config
 
-    vocab = _text_config(load_config(cfg.model.hf_path)).vocab_size
+    vocab = text_config(load_config(cfg.model.hf_path)).vocab_size
     if tokenizer.vocab_size > vocab:
         source = cfg.data.tokenizer if cfg.data.tokenizer != "auto" else cfg.model.hf_path
         raise HFError(f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but "
@@ -78,7 +75,13 @@ def build_hf(cfg, mesh, device):
     """(module to call, model): transformers' class for ``model.hf_path``, built on meta,
     parallelized (:func:`parallelize_hf`), its weights loaded sharded."""
     from . import conversion
-    from .model import build_on_meta, causal_lm_call, load_config, materialize, refuse_unsupported
+    from .model import (
+        build_on_meta,
+        causal_lm_call,
+        load_config,
+        materialize,
+        refuse_unsupported,
+    )
     from .weights import WeightFiles, check_sources, load_sharded
 
     refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
@@ -95,24 +98,68 @@ def build_hf(cfg, mesh, device):
     _print_report(report, folder, cfg.model.load_weights)
     if cfg.compile.enable:
         runnable = _compile(model, mesh, cfg)
-    return causal_lm_call(runnable), model
+    return causal_lm_call(runnable, model), model
 
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
     """A Hugging Face causal LM's parallelisms, in place: MoE experts adapted
     (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
     checkpointing per decoder layer, data parallel, then (``compile.enable``, and
-    ``compile_``) compile."""
-    from ..train.parallelize import apply_dp
-    from .experts import adapt_experts, expert_parallel
+    ``compile_``) compile. An MoE's routers (``mlp.gate``) stay float32 under mixed
+    precision (added to ``training.mixed_precision_fp32_modules``), and transformers
+    records their logits before data parallel casts them back to the model's dtype (its
+    balance loss sees the float32 logits)."""
+    from ..train.parallelize import apply_dp, with_fp32_modules
+    from .experts import adapt_experts, expert_parallel, router_globs
     from .model import apply_ac
 
-    adapt_experts(model)
+    if adapt_experts(model):
+        cfg = with_fp32_modules(cfg, router_globs(model))
+        _record_router_logits_first(model)
     apply_ac(model, model.config, cfg.activation_checkpoint.mode)
     if cfg.parallel.ep > 1:
         expert_parallel(model, mesh, cfg)
     apply_dp(model, mesh, cfg)
     return _compile(model, mesh, cfg) if compile_ and cfg.compile.enable else model
+
+
+def _record_router_logits_first(model: nn.Module) -> None:
+    """transformers' output-recording hooks installed now (it installs them lazily, on the
+    first call asking for router logits): forward hooks run in the order registered, so
+    they record each router's output before a per-module mixed-precision cast."""
+    if getattr(text_config(model.config), "output_router_logits", False):
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+        maybe_install_capturing_hooks(model)
+
+
+def aux_loss(model: nn.Module):
+    """The balance loss of ``model``'s last forward, coefficient applied (None: not an
+    MoE, or its config does not add one: ``output_router_logits`` false)."""
+    return getattr(model, "_sf_aux_loss", None)
+
+
+def metric_columns(cfg, model: nn.Module) -> tuple[str, ...]:
+    """An MoE's figures (``train.metrics.MOE_COLUMNS``); none for a dense model."""
+    from ..train.metrics import MOE_COLUMNS
+    from .experts import experts_modules
+
+    return MOE_COLUMNS if experts_modules(model) else ()
+
+
+def after_step(s, step_aux) -> dict[str, float]:
+    """An MoE's figures of the step (``train.metrics.expert_figures``): every rank's
+    routed slots per expert summed over all ranks (data parallel only: TP and PP are
+    refused), the balance loss; nothing for a dense model. Collectives."""
+    from ..train.metrics import expert_figures
+    from .experts import take_loads
+
+    loads = take_loads(s.model)
+    if not loads.numel():
+        return {}
+    loads = loads.to(s.device)
+    dist.all_reduce(loads)
+    return expert_figures(loads, step_aux, s.device)
 
 
 def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
@@ -173,7 +220,7 @@ def flops_per_token(cfg, model: nn.Module, seq_len: int) -> float | None:
     from ..models.llama import num_params
     from .experts import WEIGHTS, experts_modules
 
-    text = _text_config(model.config)
+    text = text_config(model.config)
     layers = getattr(text, "num_hidden_layers", 0)
     hidden = getattr(text, "hidden_size", 0)
     top_k = getattr(text, "num_experts_per_tok", None)

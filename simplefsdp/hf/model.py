@@ -37,6 +37,11 @@ def check_folder(path: str | Path) -> Path:
     return folder
 
 
+def text_config(config):
+    """The language model's part of a transformers config (itself for a text model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def load_config(path: str | Path):
     """The folder's ``transformers`` config (local files only)."""
     require()
@@ -93,7 +98,7 @@ def build_on_meta(config) -> nn.Module:
 
 def decoder_layers(model: nn.Module, config) -> nn.ModuleList:
     """The ``nn.ModuleList`` of the model's ``num_hidden_layers`` decoder blocks."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     n = getattr(text, "num_hidden_layers", None)
     for _, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
@@ -122,11 +127,21 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             b.copy_(buffers[name])
 
 
-def causal_lm_call(module: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``tokens -> logits`` for a Hugging Face causal LM (no cache, no loss)."""
+def causal_lm_call(module: Callable, model: nn.Module
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``tokens -> logits`` for a Hugging Face causal LM (``module``: ``model`` or its
+    compiled wrapper; no cache, no loss). An MoE whose config asks for the router logits
+    (``output_router_logits``) returns transformers' balance loss (its own
+    ``load_balancing_loss_func`` over this call's tokens) as ``aux_loss``; times the
+    config's ``router_aux_loss_coef`` it is kept as ``model._sf_aux_loss`` for the loss
+    (:func:`.hooks.aux_loss`), as transformers adds it to its own loss."""
+    coef = getattr(text_config(model.config), "router_aux_loss_coef", None)
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
-        return module(input_ids=tokens, use_cache=False).logits
+        out = module(input_ids=tokens, use_cache=False)
+        aux = getattr(out, "aux_loss", None)
+        model._sf_aux_loss = None if aux is None or coef is None else coef * aux
+        return out.logits
 
     return forward
 

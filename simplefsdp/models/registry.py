@@ -64,7 +64,8 @@ class ModelFamily:
     # -> the step's figures for the metrics (global over the ranks), e.g. the expert load;
     # also where the router's load-balancing bias moves. A collective.
     after_step: Callable[[Any, Any], dict[str, float]] | None = None
-    metric_columns: tuple[str, ...] = ()  # the names ``after_step`` returns, in order
+    # The names ``after_step`` returns, in order; or (cfg, built model) -> those names.
+    metric_columns: tuple[str, ...] | Callable[[Config, Any], tuple[str, ...]] = ()
 
 
 _REGISTERED: dict[str, ModelFamily] = {}

@@ -40,10 +40,10 @@ from ..models.llama import flops_per_token
 from ..parallel.expert import apply_ep, check_ep, shard_experts
 from .config import ConfigError, JobConfig, config_errors
 from .llama_family import build_model
-from .parallelize import dp_options, parallelize
+from .metrics import MOE_COLUMNS, expert_figures
+from .parallelize import dp_options, parallelize, with_fp32_modules
 
 ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
-METRIC_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
 
 
 def _validate(cfg: JobConfig) -> None:
@@ -69,14 +69,9 @@ def _validate(cfg: JobConfig) -> None:
 
 def _with_router_fp32(cfg: JobConfig) -> JobConfig:
     """``cfg`` with the routers kept in float32 when the model computes in another dtype."""
-    t, args = cfg.training, cfg.model.model_args()
-    mixed = t.mixed_precision_param != "float32" or t.mixed_precision_reduce != "float32"
+    args = cfg.model.model_args()
     has_router = args.n_dense_layers < args.n_layers
-    if not mixed or not has_router or ROUTER_GLOB in t.mixed_precision_fp32_modules:
-        return cfg
-    globs = [*t.mixed_precision_fp32_modules, ROUTER_GLOB]
-    return dataclasses.replace(cfg, training=dataclasses.replace(
-        t, mixed_precision_fp32_modules=globs))
+    return with_fp32_modules(cfg, [ROUTER_GLOB] if has_router else [])
 
 
 def _shard_experts(model, mesh, cfg: JobConfig) -> None:
@@ -119,12 +114,7 @@ def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
         table[rows] = torch.stack([m.tokens_per_expert for m in moe.moe_layers(s.model)])
     dist.all_reduce(table)  # every rank, also a stage without MoE blocks
     moe.update_expert_bias(s.model, reduce=lambda _: table[rows])  # then zeroed
-    aux = torch.zeros((), device=s.device) if step_aux is None or not own else step_aux.clone()
-    dist.all_reduce(aux)
-    loads = table[table.sum(1) > 0]
-    ratio = (loads.max(1).values / loads.mean(1)).max() if loads.numel() else torch.ones(())
-    return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
-            "tokens_dropped": 0.0}
+    return expert_figures(table[table.sum(1) > 0], step_aux if own else None, s.device)
 
 
 def _moe_block_ids(model) -> list[int]:
@@ -153,5 +143,5 @@ registry.register(registry.ModelFamily(
     expert_parallel=True,
     aux_loss=moe.aux_loss,
     after_step=_after_step,
-    metric_columns=METRIC_COLUMNS,
+    metric_columns=MOE_COLUMNS,
 ))

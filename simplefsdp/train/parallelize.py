@@ -32,6 +32,7 @@ Pipeline parallelism (splitting into stages) happens before all of this; see
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import fnmatch
 import functools
@@ -222,6 +223,19 @@ def fp32_overrides(model: nn.Module, cfg: JobConfig) -> dict:
             raise ConfigError(f"{key}: {glob!r} matches no module of the model (module "
                               f"names look like {', '.join(names[1:4])}; globs as fnmatch)")
     return overrides
+
+
+def with_fp32_modules(cfg: JobConfig, globs: list[str]) -> JobConfig:
+    """``cfg`` with ``globs`` added to ``training.mixed_precision_fp32_modules`` when the
+    model is gathered or reduced in another dtype than float32 (MoE routers: the routing
+    decision is sensitive to rounding); ``cfg`` itself otherwise."""
+    t = cfg.training
+    mixed = t.mixed_precision_param != "float32" or t.mixed_precision_reduce != "float32"
+    new = [g for g in globs if g not in t.mixed_precision_fp32_modules]
+    if not mixed or not new:
+        return cfg
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        t, mixed_precision_fp32_modules=[*t.mixed_precision_fp32_modules, *new]))
 
 
 def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | None = None):

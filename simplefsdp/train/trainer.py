@@ -155,11 +155,13 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     n_params = _count_params(model, mesh, at)
+    columns = family.metric_columns
+    columns = columns(cfg, model) if callable(columns) else columns
     metrics = MetricsLogger(cfg.metrics.output_dir, rank=rank, world=world, device=device,
                             flops_per_token=family.flops_per_token(cfg, model, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard,
-                            extra_columns=family.metric_columns)
+                            extra_columns=columns)
     s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
               scheduler, schedule, ckpt, metrics, start_step, n_params)
     if rank == 0:
