@@ -344,53 +344,129 @@ def test_moe_bad_folders_refused_before_any_step(moe_assets, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# Expert parallelism on transformers' experts.
+# Expert parallelism on transformers' experts, with every dp_mode and compiled: 4 ranks.
 # ---------------------------------------------------------------------------------------
-def _ep1_and_ep2(rank: int, world: int, argv: list[str], out: str):
-    """Train with ep 1, then ep 2; each run's losses, every tensor gathered (rank 0) and
-    this rank's shard of the first experts weight."""
+# name -> the run's flags on 4 ranks; "ep1" (FSDP over 4, no EP) is the reference
+LAYOUTS = {
+    "ep1": ["--parallel.ep", "1"],
+    "ep2_fsdp": ["--parallel.ep", "2"],  # experts: EP 2 x FSDP 2
+    "ep2_hsdp": ["--parallel.ep", "2", "--parallel.dp_mode", "hybrid_shard",
+                 "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
+    "ep2_ddp": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
+                "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
+    "ep2_compiled": ["--parallel.ep", "2", "--compile.enable", "true",
+                     "--compile.backend", "aot_eager", "--compile.bucketing", "manual"],
+}
+
+
+def _layouts(rank: int, world: int, argv: list[str], out: str):
+    """Train each of :data:`LAYOUTS` (one process group); per layout the losses, the
+    metrics rows, every tensor gathered after training (rank 0), and for EP 2 x FSDP 2
+    every tensor gathered right after loading (rank 0) and this rank's shard shape of
+    the first experts weight."""
     import dataclasses
+
+    import torch._dynamo
 
     from simplefsdp.models import registry
     from simplefsdp.state_dict import unwrapped_name
     from simplefsdp.train.trainer import main
 
-    family, runs = registry.get("hf"), []
-    for ep in (1, 2):
-        built = []
+    def gathered(model):  # a collective
+        state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
+        full = {k: v.full_tensor().numpy() for k, v in state.items()}
+        return full if rank == 0 else None, state
 
-        def capture(*args, built=built, **kwargs):
+    family, runs = registry.get("hf"), {}
+    for name, flags in LAYOUTS.items():
+        built, loaded = [], {}
+
+        def capture(*args, built=built, loaded=loaded, name=name, **kwargs):
             built.append(family.build(*args, **kwargs))
+            if name == "ep2_fsdp":
+                full, state = gathered(built[-1][1])
+                gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]
+                loaded.update(full=full, local=tuple(gate_up.to_local().shape),
+                              mesh=gate_up.device_mesh.mesh_dim_names)
             return built[-1]
 
+        torch._dynamo.reset()
         registry.register(dataclasses.replace(family, build=capture))
         try:
-            result = main([*argv, "--parallel.ep", str(ep), "--metrics.output_dir",
-                           f"{out}/ep{ep}"])
+            result = main([*argv, *flags, "--metrics.output_dir", f"{out}/{name}"])
         finally:
             registry.register(family)
-        state = {unwrapped_name(k): v for k, v in built[0][1].state_dict().items()}
-        full = {k: v.full_tensor().numpy() for k, v in state.items()}  # a collective
-        local = tuple(state["model.layers.0.mlp.experts.gate_up_proj"].to_local().shape)
-        runs.append((result.losses, full if rank == 0 else None, local))
+        runs[name] = {"losses": result.losses, "rows": result.metrics["rows"],
+                      "full": gathered(built[0][1])[0], "loaded": loaded}
     return runs
 
 
-def test_moe_ep2_matches_ep1(moe_assets, tmp_path):
-    """``--parallel.ep 2`` on 2 ranks (each holds 6 of the 12 experts and receives their
-    tokens by all-to-all) against ep 1 (every rank runs every expert on its own tokens,
-    FSDP gathers them): 3 AdamW steps, losses and every tensor after them within 1e-6
-    (float32: an expert's gradient is one matmul over both ranks' tokens instead of a
-    sum of two, a reordering of the same float sums; Adam divides by the gradients'
-    size, so a rounding difference moves a weight by ~lr * 1e-7, far below 1e-6)."""
-    argv = _argv(tmp_path, moe_assets["qwen3_moe"], moe_assets["jsonl"], "--training.steps",
-                 "3", "--training.warmup_steps", "0", "--activation_checkpoint.mode", "none",
+@pytest.fixture(scope="module")
+def layouts(moe_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_moe_layouts")
+    argv = _argv(out, moe_assets["qwen3_moe"], moe_assets["jsonl"], "--training.steps",
+                 "3", "--training.warmup_steps", "0", "--training.lr", "3e-3",
                  "--model.load_weights", "all_ranks")  # each rank reads its own experts
-    (ep1, ep2), _ = run_ranks(_ep1_and_ep2, 2, argv, str(tmp_path))
-    print(f"ep1 losses {ep1[0]}, ep2 losses {ep2[0]}")
-    assert ep1[2] == (EXPERTS // 2, 36, 30) == ep2[2]  # FSDP rows vs EP experts: same count
-    assert ep2[0] == pytest.approx(ep1[0], rel=0, abs=1e-6)
-    assert ep1[1].keys() == ep2[1].keys()
-    for key, value in ep1[1].items():
-        torch.testing.assert_close(torch.from_numpy(ep2[1][key]), torch.from_numpy(value),
-                                   rtol=0, atol=1e-6, msg=key)
+    return run_ranks(_layouts, 4, argv, str(out))
+
+
+def test_moe_ep2_x_fsdp2_loads_every_tensor_bitwise(moe_assets, layouts):
+    """EP 2 x FSDP 2 (4 ranks, 12 experts): each rank holds 3 experts, the rows of its
+    FSDP rank inside its EP rank's 6 (a ``_StridedShard(0)`` inside ``Shard(0)``); read
+    under ``all_ranks``, every gathered tensor equals, bitwise, the one transformers'
+    ``from_pretrained`` builds from the same files (the loader moves bytes). With only
+    2 ranks one of the two mesh dims has size 1, and the order in which the loader takes
+    them does not show."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(moe_assets["qwen3_moe"],
+                                                     dtype=torch.float32, **EAGER).state_dict()
+    loaded = layouts[0]["ep2_fsdp"]["loaded"]
+    assert [r["ep2_fsdp"]["loaded"]["local"] for r in layouts] == [(EXPERTS // 4, 36, 30)] * 4
+    assert "ep" in loaded["mesh"] and "dp_shard" in loaded["mesh"], loaded["mesh"]
+    assert loaded["full"].keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(torch.from_numpy(loaded["full"][key]), value), key
+
+
+@pytest.mark.parametrize("layout", ["ep2_fsdp", "ep2_hsdp", "ep2_ddp"])
+def test_moe_ep2_matches_ep1(layouts, layout):
+    """EP 2 with FSDP (experts: EP 2 x FSDP 2), HSDP (2 replicas x 2 shards) and
+    replicate (4 replicas, experts in 2 groups of 2) against the same 4 ranks without EP
+    (FSDP over 4, every rank runs every expert on its own tokens): 3 AdamW steps with the
+    balance loss. Every rank routes its own tokens alike, so only reduction orders differ
+    (an expert's rows from two ranks in one matmul; gradients summed over other groups):
+    losses and the balance loss within 1e-6 (float32 rounding of sums of ~1), every
+    tensor after the steps within 1e-5 (AdamW moves a weight by ~lr = 3e-3 times
+    g / sqrt(g^2), so a rounding-level gradient difference shows as ~1e-9, except where a
+    gradient is near 0 and the ratio is ill-conditioned: 1e-5 leaves room for those)."""
+    ref, run = layouts[0]["ep1"], layouts[0][layout]
+    print(f"{layout}: losses {run['losses']} (ep1 {ref['losses']})")
+    assert run["losses"] == pytest.approx(ref["losses"], rel=0, abs=1e-6)
+    assert len(run["rows"]) == len(ref["rows"]) == 3  # rank 0 logs every step
+    for got, want in zip(run["rows"], ref["rows"], strict=True):
+        assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=0, abs=1e-6)
+        assert got["expert_load_max_mean"] == want["expert_load_max_mean"]  # same counts
+    assert run["full"].keys() == ref["full"].keys()
+    for key, value in ref["full"].items():
+        torch.testing.assert_close(torch.from_numpy(run["full"][key]),
+                                   torch.from_numpy(value), rtol=0, atol=1e-5, msg=key)
+
+
+def test_moe_ep2_compiled_matches_eager(layouts):
+    """EP 2 x FSDP 2 compiled (aot_eager, our manual bucketing and reordering; graph
+    breaks around the routed experts) against the same eager run, 3 AdamW steps: the
+    losses within 1e-6 and every tensor within 1e-5. Not bitwise: AOTAutograd decomposes
+    the embedding's backward (a scatter-add of the rows of repeated token ids, summed in
+    another order than eager's kernel), so the embedding's gradient differs by float32
+    rounding, and AdamW's first steps turn a rounding difference of a near-zero gradient
+    into up to ~lr (the bound of the EP parity test above, for the same reason)."""
+    eager, compiled = layouts[0]["ep2_fsdp"], layouts[0]["ep2_compiled"]
+    diffs = {k: float(abs(compiled["full"][k] - v).max()) for k, v in eager["full"].items()}
+    worst = max(diffs, key=diffs.get)
+    print(f"compiled losses {compiled['losses']} (eager {eager['losses']}); largest tensor "
+          f"difference {diffs[worst]:.2e} ({worst}); differing: "
+          f"{sorted(k for k, d in diffs.items() if d)}")
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=0, abs=1e-6)
+    assert compiled["full"].keys() == eager["full"].keys()
+    assert diffs[worst] <= 1e-5, (worst, diffs[worst])
