@@ -22,6 +22,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ..models.llama import ModelArgs
+from ..models.moe import MOE_PRESETS
 from ..train.config import CompileBackend, Device, ModelConfig, check_seq_len
 from ..train.config_reader import ConfigError, config_help, read_config, require, split_argv
 
@@ -114,7 +115,10 @@ class BenchConfig:
     def selected_variants(self) -> list[str]:
         from .variants import VARIANTS
 
-        return list(self.bench.variants) if self.bench.variants else list(VARIANTS)
+        if self.bench.variants:
+            return list(self.bench.variants)
+        moe = self.model.name in MOE_PRESETS  # the moe-* variants need an MoE preset
+        return [v for v in VARIANTS if moe or not v.startswith("moe-")]
 
     def at_world(self, world_size: int, fake_pg: bool | None = None) -> BenchConfig:
         """A copy for ``world_size`` ranks (and, if given, with ``bench.fake_pg`` set)."""

@@ -33,11 +33,18 @@ import simplefsdp as sf
 
 from .._torch_compat import disable_compile_caches, dynamo_counters, raise_recompile_limits
 from ..calibrate import calibration_used
-from ..models.llama import Transformer, num_params
+from ..models.llama import num_params
 from ..train.data import TextDataset
 from . import measure
 from .config import BenchConfig
-from .variants import VARIANTS, BuildContext, Built, VariantSpec, VariantUnavailable
+from .variants import (
+    VARIANTS,
+    BuildContext,
+    Built,
+    VariantSpec,
+    VariantUnavailable,
+    model_class,
+)
 
 
 class Control:
@@ -148,7 +155,7 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
     fsdp_mesh = sf.make_mesh(dp_shard=world, device_type=cfg.job.device)["dp_shard"]
     replicate_mesh = sf.make_mesh(dp_replicate=world, dp_shard=1, device_type=cfg.job.device)
     torch.manual_seed(cfg.training.seed)
-    reference = Transformer(args)
+    reference = model_class(args)(args)
     reference.init_weights()
     ctx = BuildContext(args, {k: v.detach().clone() for k, v in reference.state_dict().items()},
                        fsdp_mesh, replicate_mesh, device, cfg.compile.backend)

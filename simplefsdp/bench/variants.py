@@ -22,6 +22,7 @@ import simplefsdp as sf
 
 from .._torch_compat import compile_fx, missing_inductor_options, overlap_scheduler_missing
 from ..models.llama import ModelArgs, Transformer
+from ..models.moe import MoEArgs, MoETransformer
 
 
 class VariantUnavailable(RuntimeError):
@@ -58,9 +59,14 @@ class VariantSpec:
     rank0_only: bool = False  # True: only rank 0 trains (the others wait)
 
 
+def model_class(args: ModelArgs) -> type[Transformer]:
+    """The decoder ``args`` describe: our MoE for an MoE preset (``debug_moe``), else Llama."""
+    return MoETransformer if isinstance(args, MoEArgs) else Transformer
+
+
 def plain_model(ctx: BuildContext) -> Transformer:
     """A fresh, unsharded model holding the shared initial weights."""
-    model = Transformer(ctx.args)
+    model = model_class(ctx.args)(ctx.args)
     model.load_state_dict(ctx.init_state)
     return model.to(ctx.device)
 
@@ -117,6 +123,45 @@ def _hybrid_shard(ctx: BuildContext) -> Built:
     mesh = sf.make_mesh(dp_replicate=2, dp_shard=world // 2, device_type=ctx.device.type)
     model = sf.data_parallel(plain_model(ctx), mesh, mode="hybrid_shard")
     return Built(torch.compile(model, fullgraph=True, backend=backend), backend)
+
+
+def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]:
+    """An MoE preset with expert parallelism over ``ep`` of the ranks (``parallel/expert.py``:
+    experts split, then sharded over the rest; everything else fully sharded), eager or
+    compiled with our backend (manual bucketing and reordering; the routed experts leave
+    the graph, as in the trainer)."""
+
+    def build(ctx: BuildContext) -> Built:
+        from ..mesh import ParallelDims
+        from ..parallel.expert import apply_ep, shard_experts
+
+        world = ctx.fsdp_mesh.size()
+        if not isinstance(ctx.args, MoEArgs):
+            raise VariantUnavailable("expert parallelism needs an MoE preset (model.name = "
+                                     "'debug_moe')")
+        if world % ep or ctx.args.num_experts % ep:
+            raise VariantUnavailable(f"ep {ep} must divide the world size {world} and the "
+                                     f"{ctx.args.num_experts} experts")
+        backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
+                                     reordering=True) if compiled else None
+        mesh = sf.make_mesh(dp_shard=world, device_type=ctx.device.type)
+        model = plain_model(ctx)
+        apply_ep(model, ParallelDims.expert_mesh(mesh, ep))
+        shard_experts(model, ParallelDims.expert_mesh(mesh, ep))
+        model = sf.data_parallel(model, mesh)
+        # The benchmark's loss is each rank's mean and gradients are averaged: an expert's
+        # gradient already sums its EP group's ranks (the exchange's backward), then is
+        # averaged over the world / ep ranks holding it; / ep makes it the mean over all
+        # ranks, as every other parameter's (exact in float32 for a power of 2).
+        for param in model.parameters():
+            mesh_of = getattr(param, "device_mesh", None)
+            if mesh_of is not None and "ep" in (mesh_of.mesh_dim_names or ()):
+                param.register_post_accumulate_grad_hook(lambda p: p.grad.div_(ep))
+        if backend is not None:
+            model = torch.compile(model, fullgraph=False, backend=backend)
+        return Built(model, backend)
+
+    return build
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,6 +281,11 @@ _SPECS = [
     VariantSpec("hsdp-compiled", "simplefsdp hybrid_shard (2 x world/2) + compile + manual "
                 "bucketing + reordering (world >= 4)", _hybrid_shard, compiled=True),
     VariantSpec("torch-ddp", "torch DistributedDataParallel, eager", _torch_ddp),
+    VariantSpec("moe-ep2-eager", "MoE preset: EP 2 x FSDP (world / 2), eager",
+                _expert_parallel(2, False)),
+    VariantSpec("moe-ep2-compiled", "MoE preset: EP 2 x FSDP, compiled (manual bucketing + "
+                "reordering; routed experts eager between graphs)", _expert_parallel(2, True),
+                compiled=True),
     VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
                 _compute_only(False), communicates=False, rank0_only=True),
     VariantSpec("compute-only-compiled", "compute-only, torch.compile'd (the limit of the "
