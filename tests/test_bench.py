@@ -298,3 +298,19 @@ def test_overlap_scheduler_without_triton_is_unavailable_not_failed(monkeypatch)
     with pytest.raises(VariantUnavailable, match="overlap scheduler fails here: its runtime "
                                                  "estimates need triton"):
         VARIANTS["upstream-overlap-scheduler"].build(None)
+
+
+def test_moe_variants_only_for_moe_presets():
+    """The moe-* variants are in the default list of an MoE preset only (a dense model's
+    run would report them as failed), and refuse a dense model when asked for."""
+    from types import SimpleNamespace
+
+    from simplefsdp.bench.variants import VARIANTS, VariantUnavailable
+    from simplefsdp.models.llama import ModelArgs
+
+    dense = load_config(None).selected_variants()
+    assert "simplefsdp-eager" in dense and not [v for v in dense if v.startswith("moe-")]
+    moe = load_config(None, ["--model.name", "debug_moe"]).selected_variants()
+    assert {"moe-ep2-eager", "moe-ep2-compiled", "simplefsdp-eager"} <= set(moe)
+    with pytest.raises(VariantUnavailable, match="expert parallelism needs an MoE preset"):
+        VARIANTS["moe-ep2-eager"].build(SimpleNamespace(args=ModelArgs()))

@@ -135,10 +135,10 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         from ..mesh import ParallelDims
         from ..parallel.expert import apply_ep, shard_experts
 
-        world = ctx.fsdp_mesh.size()
         if not isinstance(ctx.args, MoEArgs):
             raise VariantUnavailable("expert parallelism needs an MoE preset (model.name = "
                                      "'debug_moe')")
+        world = ctx.fsdp_mesh.size()
         if world % ep or ctx.args.num_experts % ep:
             raise VariantUnavailable(f"ep {ep} must divide the world size {world} and the "
                                      f"{ctx.args.num_experts} experts")
