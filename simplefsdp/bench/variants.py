@@ -10,6 +10,7 @@ on every rank alike (``bucketing="auto"`` calibrates there: a collective every r
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,12 +157,16 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         for param in model.parameters():
             mesh_of = getattr(param, "device_mesh", None)
             if mesh_of is not None and "ep" in (mesh_of.mesh_dim_names or ()):
-                param.register_post_accumulate_grad_hook(lambda p: p.grad.div_(ep))
+                param.register_post_accumulate_grad_hook(functools.partial(_divide_grad, ep))
         if backend is not None:
             model = torch.compile(model, fullgraph=False, backend=backend)
         return Built(model, backend)
 
     return build
+
+
+def _divide_grad(factor: int, param: torch.Tensor) -> None:
+    param.grad.div_(factor)
 
 
 # ---------------------------------------------------------------------------------------
