@@ -97,12 +97,19 @@ RICH = DOCS + ["  leading spaces,\ttabs\nand\r\nnewlines  ", "naïve café — �
                "digits 0 1 22 333 4444 55555 ٣٤ ..!!?? (a)-[b]_{c}", "ALL CAPS 'LL 'Ve"]
 
 
-def _train_bpe(path: Path, vocab: int, normalizer=None) -> Path:
-    """A byte-level BPE tokenizer.json trained on RICH, ``</s>`` its added token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _train_bpe(path: Path, vocab: int, normalizer=None, llama3: bool = False) -> Path:
+    """A byte-level BPE tokenizer.json trained on RICH, ``</s>`` its added token; GPT-2's
+    pre-tokenizer, or with ``llama3`` Llama 3's (its regex, then bytes)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from simplefsdp.hf.tokenizer import TIKTOKEN_PATTERN
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if llama3:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(TIKTOKEN_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.train_from_iterator(RICH * 20, trainers.BpeTrainer(
@@ -115,9 +122,10 @@ def _train_bpe(path: Path, vocab: int, normalizer=None) -> Path:
 def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypatch, capsys):
     """A tokenizer.json's cache, built by 2 threads over several chunks, holds exactly
     each document's own ``Tokenizer.encode`` ids plus EOS, whichever path tokenized it:
-    tiktoken (converted; RICH has unicode, whitespace runs, digits, punctuation and the
-    added token) or Hugging Face (a normalizer refuses the conversion, and the log says
-    so); both paths write the same tokens.bin; another tokenizer file is another cache."""
+    tiktoken (converted, from GPT-2's and Llama 3's pre-tokenizers; RICH has unicode,
+    whitespace runs, digits, punctuation and the added token) or Hugging Face (a
+    normalizer refuses the conversion, and the log says so); both paths write the same
+    tokens.bin; another tokenizer file is another cache."""
     pytest.importorskip("tokenizers")  # the [hf] extra; CI installs it
     from tokenizers import normalizers
 
@@ -132,8 +140,10 @@ def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypat
     data = _jsonl(tmp_path / "a.jsonl", RICH * 3)
     caches = []
     for name, vocab, norm, encoder in [("a", 270, None, "tiktoken"), ("b", 400, None, "tiktoken"),
-                                       ("c", 400, normalizers.NFKC(), "HFTokenizer")]:
-        tok = load_tokenizer(_train_bpe(tmp_path / f"{name}.json", vocab, norm))
+                                       ("c", 400, normalizers.NFKC(), "HFTokenizer"),
+                                       ("llama3", 400, None, "tiktoken")]:
+        tok = load_tokenizer(_train_bpe(tmp_path / f"{name}.json", vocab, norm,
+                                        llama3=name == "llama3"))
         assert tok.parallel_batches  # the thread pool, not forked processes
         (f,) = open_caches(_data(tmp_path, str(data), tokenize_workers=2), tok)
         own = [tok.tok.encode(d, add_special_tokens=False).ids for d in RICH * 3 if d]
@@ -144,7 +154,7 @@ def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypat
         log = capsys.readouterr().err
         assert f"with {encoder}" in log and ("normalizer" in log) == (norm is not None)
         caches.append(f.folder)
-    assert len(cache_mod.chunks((data,), "text")) > 3 and len(set(caches)) == 3
+    assert len(cache_mod.chunks((data,), "text")) > 3 and len(set(caches)) == 4
     # The same tokenizer through Hugging Face (fast path off): a byte-identical tokens.bin.
     monkeypatch.setattr(fast_bpe, "convert", lambda tok: (None, "switched off"))
     (slow,) = open_caches(_data(tmp_path, str(data), tokenize_workers=2,
