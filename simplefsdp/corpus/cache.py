@@ -230,6 +230,8 @@ def build(spec: CacheSpec, tokenizer, workers: int, vocab_size: int) -> TokenFil
 def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Path) -> dict:
     src = spec.source
     tasks = list(enumerate(chunks(src.files, spec.text_field)))
+    started = last = time.perf_counter()  # the fast path's checks count as tokenizing
+    cpu_started = _cpu_seconds()
     fast, refused = fast_bpe.convert(tokenizer)
     encoder = "tiktoken" if fast else type(tokenizer).__name__
     print(f"[simplefsdp] tokenizing {src.name} with {encoder}"
@@ -238,8 +240,6 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
     _WORK.update(files=src.files, field=spec.text_field, eos=spec.eos_id, dtype=spec.dtype,
                  tokenizer=fast or tokenizer, tmp=tmp, vocab_size=vocab_size)
     total, done = src.num_bytes, 0
-    started = last = time.perf_counter()
-    cpu_started = _cpu_seconds()
     lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(tasks)
     workers = max(1, min(workers, len(tasks)))
     threads = bool(getattr(fast or tokenizer, "parallel_batches", False))
