@@ -235,7 +235,7 @@ def _tokenize(spec: CacheSpec, tokenizer, workers: int, vocab_size: int, tmp: Pa
     fast, refused = fast_bpe.convert(tokenizer)
     encoder = "tiktoken" if fast else type(tokenizer).__name__
     print(f"[simplefsdp] tokenizing {src.name} with {encoder}"
-          + (" (converted from the tokenizer.json, proven to give its ids)" if fast else
+          + (" (converted from the tokenizer.json; checked to give its ids)" if fast else
              f" (tiktoken fast path not used: {refused})"), file=sys.stderr, flush=True)
     _WORK.update(files=src.files, field=spec.text_field, eos=spec.eos_id, dtype=spec.dtype,
                  tokenizer=fast or tokenizer, tmp=tmp, vocab_size=vocab_size)
