@@ -7,4 +7,4 @@ source scripts/pip.sh  # quiet_pip: pip install -q, without the root warning
 quiet_pip "torch==2.13.0"
 quiet_pip -e ".[dev]"
 ruff check .
-python -m pytest -q --durations=10 "$@"
+python -m pytest -q --durations=40 "$@"

@@ -1,0 +1,33 @@
+"""The rank runner itself: ranks are forked from a preloaded server, yet each sees the
+caller's environment and folder and writes to the caller's stdout and stderr, as a
+spawned rank would."""
+
+import os
+
+from rank_runner import run_ranks
+
+
+def _report(rank: int, world: int, speak: bool) -> tuple[str | None, int, str]:
+    import torch.distributed as dist
+
+    if speak:
+        print(f"stdout of rank {rank}", flush=True)
+        os.write(2, f"stderr of rank {rank}\n".encode())
+    return os.environ.get("RANK_RUNNER_PROBE"), dist.get_world_size(), os.getcwd()
+
+
+def test_ranks_see_the_callers_environment_folder_and_output(monkeypatch, capfd, tmp_path):
+    # the server starts (if no test started it) outside this test's capture, and with
+    # the probe set: neither may leak into the ranks below
+    monkeypatch.setenv("RANK_RUNNER_PROBE", "at start")
+    started_in = os.getcwd()
+    with capfd.disabled():
+        assert run_ranks(_report, 1, False) == [("at start", 1, started_in)]
+    monkeypatch.setenv("RANK_RUNNER_PROBE", "changed")
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(_report, 2, True) == [("changed", 2, str(tmp_path))] * 2
+    monkeypatch.delenv("RANK_RUNNER_PROBE")
+    assert run_ranks(_report, 1, False) == [(None, 1, str(tmp_path))]
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"stdout of rank {rank}" in out and f"stderr of rank {rank}" in err
