@@ -316,3 +316,66 @@ def test_compiled_full_ac_saves_only_block_inputs():
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
         saved = pool.apply(_full_ac_saved)
     assert saved[1] - saved[0] == 4 * 64 * 128 * 4, saved
+
+
+def _loss_time_bytes() -> dict:
+    """The eager tracker (``plan.eager``) on the trainer's loss over real bf16 logits of
+    2 x 32 tokens x 1,000 vocabulary columns (under loss parallel a TP 2 rank's 500, a
+    DTensor made by ``from_local`` as the vocabulary-parallel output projection makes it):
+    {loss parallel: (forward peak, step peak, planner's loss_peaks, local logits)}."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from simplefsdp.plan.eager import _Tracker, peak_of
+    from simplefsdp.plan.memory import loss_peaks
+    from simplefsdp.plan.trace import ensure_fake_world
+    from simplefsdp.train.step import loss_context, token_loss_sum
+
+    ensure_fake_world()
+    mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size() // 2, 2),
+                                             mesh_dim_names=("dp", "tp"))["tp"]
+    out = {}
+    for sharded in (True, False):
+        vocab = 1000 // 2 if sharded else 1000
+        hidden = torch.randn(64, 16, dtype=torch.bfloat16)
+        head = torch.randn(16, vocab, dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.randint(0, vocab, (2, 32))
+        tracker = _Tracker(set(), set())
+        with tracker, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                loss_context(sharded):
+            logits = (hidden @ head).view(2, 32, vocab)
+            if sharded:
+                logits = DTensor.from_local(logits, mesh, [Shard(-1)])
+            loss = token_loss_sum(logits, targets)
+            del logits  # the trainer drops the logits with the loss's forward
+            forward_end = len(tracker.events)
+            loss.backward()
+            del loss
+        forward = peak_of(tracker.events[:forward_end], set())[0]
+        out[sharded] = (forward, peak_of(tracker.events, set())[0],
+                        loss_peaks(64, vocab, 2, sharded), 64 * vocab)
+    return out
+
+
+def test_loss_time_peak_by_hand():
+    """Issue 27's compiled transient is the eager cross-entropy on bf16 logits; its bytes
+    per logit, counted by hand from the ops torch runs (``aten`` kernels without loss
+    parallel; torch's DTensor handlers in ``tensor/parallel/loss.py`` with it):
+    plain: forward logits 2 + float32 copy 4 + log_softmax 4 = 10, backward log_softmax 4
+    + nll_loss_backward 4 + _log_softmax_backward_data 4 = 12; loss parallel: forward
+    2 + 4 + the shifted logits 4 + their exp 4 = 14, backward the saved log_softmax x 4 +
+    zeros_like(x) 4 + exp(x) or the sum 4 + the product by the gradient 4 = 16 (the same
+    as torch.profiler's CPU allocator events on these ops, checked once). Both the eager
+    replay's tracker (which counted 8 in backward before: DTensor's handlers ran out of
+    its sight) and the compiled prediction's ``loss_peaks`` (12 before) must give them.
+    Tolerance: the per-token vectors (targets, aranges, masks, maxima, sums) sit on top of
+    the logit terms, under 64 B per token (4 KiB here; one logit term is 32 or 64 KB)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        got = pool.apply(_loss_time_bytes)
+    for sharded, (forward, backward) in {True: (14, 16), False: (10, 12)}.items():
+        measured_fw, measured, planned, n = got[sharded]
+        assert planned == (forward * n, backward * n), (sharded, planned, n)
+        assert 0 <= measured_fw - forward * n < 64 * 64, (sharded, measured_fw / n)
+        assert 0 <= measured - backward * n < 64 * 64, (sharded, measured / n)

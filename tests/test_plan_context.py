@@ -38,3 +38,22 @@ def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
         ids, attention = pool.apply(_ring_rank0)
     assert ids == [(2, 32)], ids
     assert attention == 4 * 8 * 32 * (16 * 16 // 2 + 16 * 48 + 16 * 16 // 2) == 1_048_576
+
+
+def test_loss_counts_each_cp_ranks_part_of_the_sequence():
+    """Issue 29's 401 GiB: the loss term counted the whole sequence's logits on every CP
+    rank. torchtitan's published long-context run (Llama 3.1 8B, 8 H100, FSDP 1 x CP 8,
+    one sequence of 262,144 tokens, full AC, compiled) gives each rank 262,144 / 8 =
+    32,768 tokens, whose float32 cross-entropy holds 12 B per logit in backward (no TP:
+    plain aten kernels): 12 x 32,768 x 128,256 B = 46.97 GiB, by hand (the whole
+    sequence's: 375.8 GiB). Checked on the compiled prediction's loss peaks over zero
+    graph figures (exact integers)."""
+    from simplefsdp.plan.predict import _role_memory
+
+    cfg = load_config("configs/llama3_8b.toml", [
+        "--parallel.dp_shard", "1", "--parallel.cp_ring", "8", "--training.seq_len",
+        "262144", "--model.max_seq_len", "262144", "--training.batch_size", "1",
+        "--activation_checkpoint.mode", "full", "--compile.enable", "true"])
+    zero = {"forward_peak": 0, "backward_peak": 0, "saved": 0, "layers": []}
+    peaks, saved = _role_memory(cfg, "full", zero, 1)
+    assert saved == 0 and max(peaks) == 12 * 32_768 * 128_256, peaks

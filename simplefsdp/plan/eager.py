@@ -45,6 +45,16 @@ class _Tracker(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (storage id, +-bytes)
         self.live: dict[int, list[int]] = {}  # storage address -> [id, tensors, bytes]
         self.next_id = 0
+        self.paused = 0  # > 0 inside DTensor's sharding propagation (``_Propagation``)
+
+    def __enter__(self):
+        super().__enter__()
+        self.propagation = _Propagation(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.propagation.restore()
+        return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
         entry = self.live[key]
@@ -62,7 +72,7 @@ class _Tracker(TorchDispatchMode):
         """Count ``t``'s storage until ``t`` dies (a DTensor: its local shard's)."""
         local = _local(t)
         key = storage_key(local)
-        if key in self.existing:
+        if key in self.existing or self.paused:
             return
         if key not in self.live:
             self.live[key] = [self.next_id, 0, local.untyped_storage().nbytes()]
@@ -72,6 +82,10 @@ class _Tracker(TorchDispatchMode):
         weakref.finalize(t, self._release, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
+            # DTensor's own dispatch runs the local ops (loss parallel's handlers: several
+            # temporaries per op) with this mode still active: they are counted there
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         seen = set()
         name = str(func)
@@ -85,6 +99,33 @@ class _Tracker(TorchDispatchMode):
                 if gather and self.storage_id(t) is not None:
                     self.gathered[self.storage_id(t)] = t.untyped_storage().nbytes()
         return out
+
+
+class _Propagation:
+    """Pauses a tracker while DTensor's sharding propagation runs the op on fake tensors
+    of the global shape to learn the output's (nothing is allocated on the GPU): torch
+    wraps that run in ``ShardingPropagator._fake_mode_lock`` (a no-op context by
+    default), which this replaces while the tracker is active."""
+
+    def __init__(self, tracker: _Tracker):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self.tracker, self.owner = tracker, ShardingPropagator
+        self.saved = ShardingPropagator.__dict__.get("_fake_mode_lock")
+        if self.saved is not None:
+            ShardingPropagator._fake_mode_lock = self
+
+    def __enter__(self):
+        self.tracker.paused += 1
+        return self.saved.__enter__()
+
+    def __exit__(self, *exc):
+        self.tracker.paused -= 1
+        return self.saved.__exit__(*exc)
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            self.owner._fake_mode_lock = self.saved
 
 
 def peak_of(events: list[tuple[int, int]], skip: set[int], upto: int | None = None

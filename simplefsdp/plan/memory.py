@@ -16,7 +16,8 @@ microbatches in flight.
 * Loss (``loss_peaks``): the trainer computes the cross-entropy eagerly on the logits
   the compiled model returns: ``logits.float()``, ``log_softmax`` (kept for backward),
   then in backward its gradient, the ``log_softmax`` gradient and the cast back. Under
-  loss parallel each TP rank holds its vocabulary columns only (``loss_vocab``).
+  loss parallel each TP rank holds its vocabulary columns only (``loss_vocab``), and
+  torch's DTensor handlers hold more of them at once (16 B per logit, not 12).
 """
 
 from __future__ import annotations
@@ -165,13 +166,24 @@ def _is_param_shard(node: fx.Node, shards: set) -> bool:
         tuple(int(d) for d in val.shape), val.dtype) in shards
 
 
-def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int) -> tuple[int, int]:
-    """Extra bytes over the saved activations while the eager cross-entropy runs:
-    (forward: logits + float32 copy + log_softmax, backward: log_softmax + its
-    gradient + the gradient of the float32 logits)."""
+def loss_peaks(tokens: int, vocab: int, logits_bytes_per_elem: int,
+               vocab_sharded: bool = False) -> tuple[int, int]:
+    """Extra bytes over the saved activations while the eager cross-entropy runs, per
+    logit (``vocab``: one rank's, ``loss_vocab``), counted from the ops torch runs:
+
+    * plain: forward, the logits + their float32 copy + ``log_softmax`` (kept for
+      backward); backward, ``log_softmax`` + ``nll_loss_backward``'s gradient +
+      ``_log_softmax_backward_data``'s: 12 B.
+    * loss parallel (``vocab_sharded``): torch's DTensor handlers run unfused ops on the
+      local columns. Forward, ``log_softmax`` keeps the shifted logits and their ``exp``
+      alive next to the float32 copy: logits + 12 B. Backward, one function does both
+      gradients, ``(zeros_like(x) + exp(x)) * grad``: the saved ``log_softmax`` x, the
+      zeros (held to the end), ``exp(x)`` or the sum, and the product: 16 B."""
     n, e = tokens * vocab, logits_bytes_per_elem
-    forward = n * (e + (4 if e != 4 else 0) + 4)
-    return forward, 12 * n
+    copy = 4 if e != 4 else 0
+    if vocab_sharded:
+        return n * (e + copy + 8), 16 * n
+    return n * (e + copy + 4), 12 * n
 
 
 def loss_vocab(args, parallel) -> int:
@@ -195,6 +207,13 @@ def stage_params(args, role: str, layers: list[int], tp: int) -> float:
         total += args.dim + (0 if args.tie_embeddings and role == "full"
                              else args.vocab_size * args.dim)
     return total
+
+
+def rank_tokens(batch: int, seq_len: int, dims) -> int:
+    """Tokens of a ``batch x seq_len`` microbatch one rank computes: with context
+    parallelism (``dims.cp`` ranks per sequence) its part of each sequence, the logits
+    of which its loss holds."""
+    return batch * seq_len // dims.cp
 
 
 def activation_elem_bytes(training) -> int:

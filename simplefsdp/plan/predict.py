@@ -120,12 +120,14 @@ def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int) -> tuple[list[floa
     vocabulary-sharded ones under loss parallel); eager, the replayed step's own
     allocations, loss included; a mixture of experts' routed copies on top of either."""
     t, args = cfg.training, cfg.model.model_args()
-    tokens, elem = mb * t.seq_len, memory.activation_elem_bytes(t)
+    tokens = memory.rank_tokens(mb, t.seq_len, cfg.parallel.dims())
+    elem = memory.activation_elem_bytes(t)
     routed = moe.saved_bytes(args, f["layers"], tokens, elem, cfg.activation_checkpoint.mode)
     if cfg.compile.enable:
         peaks, saved = [f["forward_peak"], f["backward_peak"]], f["saved"]
         if role in ("full", "last"):
-            loss = memory.loss_peaks(tokens, memory.loss_vocab(args, cfg.parallel), elem)
+            loss = memory.loss_peaks(tokens, memory.loss_vocab(args, cfg.parallel), elem,
+                                     cfg.parallel.vocab_sharded_loss)
             peaks += [saved + extra for extra in loss]
     else:
         peaks, saved = [f["eager_peak"]], f["eager_saved"]
@@ -154,12 +156,13 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         params = memory.stage_params(args, role, f["layers"], p.tp) / p.dims().dp_shard_cp
         states = memory.states_bytes(params)
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
-        a2a = moe.exchange_seconds(args, f["layers"], mb * t.seq_len,
+        tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
+        a2a = moe.exchange_seconds(args, f["layers"], tokens,
                                    memory.activation_elem_bytes(t),
                                    cfg.activation_checkpoint.mode, fabric)
         step = f["seconds"] + a2a
         if role in ("full", "last"):
-            step += timing.loss_seconds(mb * t.seq_len, memory.loss_vocab(args, p), dev)
+            step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         peaks, saved = _role_memory(cfg, role, f, mb)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1

@@ -77,7 +77,9 @@ def _lower_bound(c: JobConfig) -> float:
         need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp)
                                     / p.dims().dp_shard_cp)
         if role != "first":
-            need += memory.loss_peaks(mb * t.seq_len, memory.loss_vocab(args, p), elem)[0]
+            need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, p.dims()),
+                                      memory.loss_vocab(args, p), elem,
+                                      p.vocab_sharded_loss)[0]
         bound = max(bound, need)
     return bound
 
@@ -105,7 +107,8 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
             + timing.tp_comm_floor_seconds(args, mb * t.seq_len, n, role != "first"
                                            and not p.vocab_sharded_loss, elem, fabric)
         if role != "first":
-            step += timing.loss_seconds(mb * t.seq_len, memory.loss_vocab(args, p), dev) \
+            step += timing.loss_seconds(memory.rank_tokens(mb, t.seq_len, p.dims()),
+                                        memory.loss_vocab(args, p), dev) \
                 + timing.head_floor_seconds(args, mb * t.seq_len, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
