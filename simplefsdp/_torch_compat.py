@@ -13,6 +13,7 @@ Heavy modules (Inductor, Dynamo, the testing helpers) are imported inside functi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -466,3 +467,27 @@ def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
     return aten._scaled_dot_product_flash_attention_backward(
         grad, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal,
         empty, empty)
+
+
+def around_sharding_propagation(ctx) -> Callable[[], None]:
+    """Enter ``ctx`` (a reusable context manager) around each run DTensor's sharding
+    propagation makes of an op on fake global-shape tensors: torch wraps that run in
+    ``ShardingPropagator._fake_mode_lock`` (a no-op context by default; checked on
+    2.13), replaced here; returns the undo (a no-op where the attribute is missing)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    saved = ShardingPropagator.__dict__.get("_fake_mode_lock")
+    if saved is None:
+        return lambda: None
+
+    class Around:
+        def __enter__(self):
+            ctx.__enter__()
+            return saved.__enter__()
+
+        def __exit__(self, *exc):
+            ctx.__exit__(*exc)
+            return saved.__exit__(*exc)
+
+    ShardingPropagator._fake_mode_lock = Around()
+    return lambda: setattr(ShardingPropagator, "_fake_mode_lock", saved)

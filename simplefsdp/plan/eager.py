@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._torch_compat import TorchDispatchMode, storage_key, tree_flatten
+from .._torch_compat import (
+    TorchDispatchMode,
+    around_sharding_propagation,
+    storage_key,
+    tree_flatten,
+)
 from ..compiler.collectives import CollectiveKind, collective_kind
 
 
@@ -45,15 +50,15 @@ class _Tracker(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []  # (storage id, +-bytes)
         self.live: dict[int, list[int]] = {}  # storage address -> [id, tensors, bytes]
         self.next_id = 0
-        self.paused = 0  # > 0 inside DTensor's sharding propagation (``_Propagation``)
+        self.paused = 0  # > 0 inside DTensor's sharding propagation (``_Paused``)
 
     def __enter__(self):
         super().__enter__()
-        self.propagation = _Propagation(self)
+        self.restore = around_sharding_propagation(_Paused(self))
         return self
 
     def __exit__(self, *exc):
-        self.propagation.restore()
+        self.restore()
         return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
@@ -101,31 +106,18 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
-class _Propagation:
-    """Pauses a tracker while DTensor's sharding propagation runs the op on fake tensors
-    of the global shape to learn the output's (nothing is allocated on the GPU): torch
-    wraps that run in ``ShardingPropagator._fake_mode_lock`` (a no-op context by
-    default), which this replaces while the tracker is active."""
+class _Paused:
+    """Pauses a tracker while DTensor's sharding propagation runs an op on fake tensors of
+    the global shape to learn the output's (nothing is allocated on the GPU)."""
 
     def __init__(self, tracker: _Tracker):
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-        self.tracker, self.owner = tracker, ShardingPropagator
-        self.saved = ShardingPropagator.__dict__.get("_fake_mode_lock")
-        if self.saved is not None:
-            ShardingPropagator._fake_mode_lock = self
+        self.tracker = tracker
 
     def __enter__(self):
         self.tracker.paused += 1
-        return self.saved.__enter__()
 
     def __exit__(self, *exc):
         self.tracker.paused -= 1
-        return self.saved.__exit__(*exc)
-
-    def restore(self) -> None:
-        if self.saved is not None:
-            self.owner._fake_mode_lock = self.saved
 
 
 def peak_of(events: list[tuple[int, int]], skip: set[int], upto: int | None = None
