@@ -21,10 +21,13 @@ _LAYER = {
     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
     "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    # our MoE (models/moe.py): transformers' in-memory MoE names (Mixtral, Qwen2/3-MoE)
+    "feed_forward.gate": "mlp.gate", "feed_forward.experts.gate_up_proj":
+        "mlp.experts.gate_up_proj", "feed_forward.experts.down_proj": "mlp.experts.down_proj",
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight")
+_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+?)(\.weight)?")
 
 
 def to_hf_name(name: str) -> str:
@@ -34,7 +37,7 @@ def to_hf_name(name: str) -> str:
     match = _LAYER_RE.fullmatch(name)
     if match is None or match.group(2) not in _LAYER:
         raise HFError(f"{name!r} has no Hugging Face Llama counterpart")
-    return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}.weight"
+    return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}{match.group(3) or ''}"
 
 
 def rope_heads(name: str, args: ModelArgs) -> int | None:
@@ -65,6 +68,44 @@ def hf_config(args: ModelArgs, dtype: str = "float32"):
         rope_theta=args.rope_theta, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config.architectures = ["LlamaForCausalLM"]
     config.torch_dtype = dtype
+    return config
+
+
+# Our MoE's settings that Mixtral (softmax router, top-k weights renormalized, every
+# block routed, no shared expert, no router bias) computes alike: key -> required value.
+MIXTRAL_SAME = {"score_func": "softmax", "norm_topk_prob": True, "shared_hidden_dim": 0,
+                "n_dense_layers": 0}
+
+
+def mixtral_refusal(args) -> str | None:
+    """Why our MoE ``args`` has no Mixtral counterpart (a ``model.`` key and its needed
+    value), or None."""
+    odd = {k: getattr(args, k) for k, v in MIXTRAL_SAME.items() if getattr(args, k) != v}
+    if args.load_balance == "bias":
+        odd["load_balance"] = "bias"
+    if not odd:
+        return None
+    keys = ", ".join(f"model.{k} = {v!r}" for k, v in odd.items())
+    return (f"{keys}: the export writes a Mixtral folder (Llama attention, softmax top-k "
+            f"router with renormalized weights, routed experts only), which computes "
+            f"{MIXTRAL_SAME} and no router bias (load_balance aux_loss or none)")
+
+
+def hf_moe_config(args, dtype: str = "float32"):
+    """A ``transformers.MixtralConfig`` for our MoE ``args`` (:func:`mixtral_refusal`
+    None): Llama's fields of :func:`hf_config`, the experts', and the balance loss as
+    transformers adds it (``output_router_logits``, ``router_aux_loss_coef``)."""
+    from transformers import MixtralConfig
+
+    fields = {k: v for k, v in hf_config(args, dtype).to_dict().items()
+              if k in MixtralConfig().to_dict() and k not in ("architectures", "model_type")}
+    config = MixtralConfig(**{**fields, "intermediate_size": args.moe_hidden_dim,
+                              "num_local_experts": args.num_experts,
+                              "num_experts_per_tok": args.top_k, "router_jitter_noise": 0.0,
+                              "output_router_logits": args.load_balance == "aux_loss",
+                              "router_aux_loss_coef": args.aux_loss_coef,
+                              "sliding_window": None})
+    config.architectures = ["MixtralForCausalLM"]
     return config
 
 

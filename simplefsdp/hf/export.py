@@ -50,7 +50,7 @@ def _plan(entries: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[
 FileTensors = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def _renamed(rename: Callable[[str], str],
+def renamed(rename: Callable[[str], str],
              rope_heads: Callable[[str], int | None]) -> FileTensors:
     def to_files(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
         heads = rope_heads(name)
@@ -75,7 +75,7 @@ def export_hf(model: nn.Module, folder: str | Path, config, tokenizer=None,
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    to_files = to_files or _renamed(rename, rope_heads)
+    to_files = to_files or renamed(rename, rope_heads)
     folder = Path(folder)
     entries = [(names[0], value) for names, value in unique_tensors(model)]
     shards = _plan(entries, max_shard_bytes)

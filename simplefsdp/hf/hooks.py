@@ -264,6 +264,33 @@ def export_llama(cfg, model: nn.Module, tokenizer) -> Path:
         rope_heads=lambda name: rope_heads(name, args)), cfg)
 
 
+def export_moe(cfg, model: nn.Module, tokenizer) -> Path:
+    """``checkpoint.export_hf`` of our MoE: a Mixtral folder (``convert.hf_moe_config``;
+    ``validate_moe_export`` refused what Mixtral computes otherwise). Names and RoPE rows
+    as for our Llama; the fused experts are saved per expert by transformers' reverse
+    conversion for Mixtral (``conversion.file_tensors`` on a meta Mixtral)."""
+    require("transformers", "safetensors")
+    from transformers import AutoModelForCausalLM
+
+    from .conversion import file_tensors
+    from .convert import hf_moe_config, rope_heads, to_hf_name
+    from .export import export_hf, renamed
+
+    args = cfg.model.model_args()
+    config = hf_moe_config(args)
+    config.eos_token_id = getattr(tokenizer, "eos_id", None)
+    with torch.device("meta"):  # transformers' conversion mapping is looked up on a model
+        layout = AutoModelForCausalLM.from_config(config)
+    to_hf = renamed(to_hf_name, lambda name: rope_heads(name, args))
+
+    def to_files(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {key: tensor for hf_name, value in to_hf(name, full).items()
+                for key, tensor in file_tensors(layout, hf_name, value).items()}
+
+    return _exporting(lambda folder: export_hf(model, folder, config, tokenizer,
+                                               to_files=to_files), cfg)
+
+
 def _exporting(write, cfg) -> Path:
     """Run ``write(<metrics.output_dir>/hf)`` (a collective); rank 0 says where and how
     long it took."""

@@ -23,7 +23,9 @@ balance loss joins backward through its output (``pipeline.AuxLossStage``).
 
 Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
 ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
-Hugging Face weights or export (another family's job).
+Hugging Face weights (another family's job), ``checkpoint.export_hf`` of a model Mixtral
+does not compute alike (``hf.convert.mixtral_refusal``: the export writes a Mixtral
+folder) or under PP.
 """
 
 from __future__ import annotations
@@ -63,8 +65,22 @@ def _validate(cfg: JobConfig) -> None:
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "
                           f"change one of them")
     if cfg.checkpoint.export_hf:
-        raise ConfigError("checkpoint.export_hf = true writes a Hugging Face Llama folder; our "
-                          "MoE has no export: set it to false (export_safetensors works)")
+        _validate_export(args, p.pp)
+
+
+def _validate_export(args: moe.MoEArgs, pp: int) -> None:
+    """``checkpoint.export_hf`` writes a Mixtral folder from the whole model: refused for
+    a model Mixtral does not compute alike and under pipeline parallelism."""
+    from ..hf.convert import mixtral_refusal
+
+    why = mixtral_refusal(args)
+    if why is not None:
+        raise ConfigError(f"checkpoint.export_hf = true cannot be written for {why}; set "
+                          f"checkpoint.export_hf = false (export_safetensors works)")
+    if pp > 1:
+        raise ConfigError(f"checkpoint.export_hf = true with parallel.pp = {pp}: each stage "
+                          f"holds part of the model; export from a run with parallel.pp = 1 "
+                          f"(or set checkpoint.export_hf = false)")
 
 
 def _with_router_fp32(cfg: JobConfig) -> JobConfig:
@@ -124,6 +140,15 @@ def _moe_block_ids(model) -> list[int]:
             for _ in moe.moe_layers(block)]
 
 
+def _export(cfg: JobConfig, model, tokenizer):
+    """``checkpoint.export_hf``: a Mixtral folder ``from_pretrained`` opens (``hf.hooks``)."""
+    if not cfg.checkpoint.export_hf:
+        return None
+    from ..hf.hooks import export_moe
+
+    return export_moe(cfg, model, tokenizer)
+
+
 _llama = registry.get("llama")
 
 registry.register(registry.ModelFamily(
@@ -139,7 +164,7 @@ registry.register(registry.ModelFamily(
     flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
                                                                 seq_len),
     fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
-    export=lambda cfg, model, tokenizer: None,
+    export=_export,
     expert_parallel=True,
     aux_loss=moe.aux_loss,
     after_step=_after_step,
