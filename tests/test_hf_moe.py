@@ -262,16 +262,62 @@ def test_moe_sharded_loading_reads_only_own_experts(moe_assets):
 # ---------------------------------------------------------------------------------------
 # Training on 2 ranks, then export: the per-expert files back, identical logits.
 # ---------------------------------------------------------------------------------------
+# Our MoE (model.family = "moe"): a tiny debug_moe that Mixtral computes alike (softmax
+# router with renormalized top-2 weights, no shared expert).
+OUR_MOE = ["--model.name", "debug_moe", "--model.dim", "32", "--model.n_layers", "2",
+           "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.num_experts", "4",
+           "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "0",
+           "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "2",
+           "--training.warmup_steps", "0", "--training.lr", "1e-2", "--metrics.log_every", "1",
+           "--parallel.ep", "2", "--checkpoint.export_hf", "true"]
+
+
+def _our_moe_exported(rank: int, out: str):
+    """Train :data:`OUR_MOE` (EP 2) with ``checkpoint.export_hf``; then our logits
+    on 2 x 32 fixed tokens (a collective) and, on rank 0, those of the exported folder
+    opened by ``from_pretrained`` (transformers' per-expert loop), with the folder's
+    file names and the class transformers chose."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.models import registry
+    from simplefsdp.train.trainer import main
+
+    family, built = registry.get("moe"), []
+
+    def capture(*args, **kwargs):
+        built.append(family.build(*args, **kwargs))
+        return built[-1]
+
+    registry.register(dataclasses.replace(family, build=capture))
+    try:
+        main([*OUR_MOE, "--metrics.output_dir", out])
+    finally:
+        registry.register(family)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = built[0][0](tokens)
+    if rank != 0:
+        return None
+    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32, **EAGER)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+    return {"diff": (ours - theirs).abs().max().item(), "class": type(hf).__name__,
+            "files": sorted(_file_keys(Path(out) / "hf"))}
+
+
 def _train_export_compare(rank: int, world: int, argv: list[str], out: str, data: str):
     from simplefsdp.state_dict import unwrapped_name
 
     result, (runnable, model) = train_keeping_model(argv)
     trained = {unwrapped_name(k): v.full_tensor() for k, v in model.state_dict().items()}
     ours, theirs, hf = exported_logits(runnable, out, data, **EAGER)
+    our_moe = _our_moe_exported(rank, f"{out}/ours")  # the same ranks, our MoE family
     if theirs is None:
         return result.losses, None
     same = {k: torch.equal(v, trained[k]) for k, v in hf.state_dict().items()}
-    return result.losses, {"same": same, "trained": sorted(trained),
+    return result.losses, {"same": same, "trained": sorted(trained), "ours": our_moe,
                            "diff": (ours - theirs).abs().max().item()}
 
 
@@ -281,13 +327,15 @@ def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
     folder), and ``from_pretrained`` of them holds, bitwise, every trained tensor (the
     round trip moves bytes) and gives the trained model's logits within 1e-5 (float32
     logits of size ~1; the same products, rounded by the BLAS according to the rows'
-    memory alignment, see the module docstring: 1.8e-7 seen)."""
+    memory alignment, see the module docstring: 1.8e-7 seen). Then our MoE family on the
+    same ranks exports a folder from_pretrained opens (see the comment below)."""
     folder = moe_assets["qwen3_moe"]
     argv = _argv(tmp_path, folder, moe_assets["jsonl"], "--training.steps", "12",
                  "--training.lr", "3e-3", "--training.warmup_steps", "2",
                  "--checkpoint.export_hf", "true", "--activation_checkpoint.mode", "full")
     (losses, check), _ = run_ranks(_train_export_compare, 2, argv, str(tmp_path),
                                    str(moe_assets["jsonl"]))
+
     print(f"losses {[round(x, 3) for x in losses]}, export logits max diff {check['diff']:.2e}")
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses  # the random model starts ~ln(321)
@@ -295,6 +343,21 @@ def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
     assert sorted(check["same"]) == check["trained"]
     assert all(check["same"].values()), [k for k, v in check["same"].items() if not v]
     assert check["diff"] <= 1e-5, check["diff"]
+
+    # Our MoE on the same 2 ranks (EP 2: one expert pair per rank, gathered for the export)
+    # writes a Mixtral folder (Llama attention, softmax top-k router with renormalized
+    # weights: our debug_moe's math) with transformers' own per-expert file names;
+    # from_pretrained opens it and gives our logits within 1e-5: float32 logits of size ~1
+    # from the same weights and operations summed in other orders (our grouped matmul of
+    # every expert's rows against transformers' loop over experts; RoPE rotate-half on
+    # rows permuted from our interleaved layout).
+    ours = check["ours"]
+    print(f"our MoE exported as {ours['class']}: logits max diff {ours['diff']:.2e}")
+    assert ours["class"] == "MixtralForCausalLM"
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ours["files"]
+    assert "model.layers.1.block_sparse_moe.gate.weight" in ours["files"]
+    assert not any("gate_up_proj" in k for k in ours["files"])
+    assert ours["diff"] <= 1e-5, ours["diff"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,53 +461,7 @@ def _layouts(rank: int, world: int, argv: list[str], out: str):
             registry.register(family)
         runs[name] = {"losses": result.losses, "rows": result.metrics["rows"],
                       "full": gathered(built[0][1])[0], "loaded": loaded}
-    runs["ours"] = _our_moe_exported(rank, f"{out}/ours")
     return runs
-
-
-# Our MoE (model.family = "moe"): a tiny debug_moe that Mixtral computes alike (softmax
-# router with renormalized top-2 weights, no shared expert).
-OUR_MOE = ["--model.name", "debug_moe", "--model.dim", "32", "--model.n_layers", "2",
-           "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.num_experts", "4",
-           "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "0",
-           "--training.seq_len", "32", "--training.batch_size", "2", "--training.steps", "2",
-           "--training.warmup_steps", "0", "--training.lr", "1e-2", "--metrics.log_every", "1",
-           "--parallel.ep", "2", "--checkpoint.export_hf", "true"]
-
-
-def _our_moe_exported(rank: int, out: str):
-    """Train :data:`OUR_MOE` (EP 2 x FSDP 2) with ``checkpoint.export_hf``; then our logits
-    on 2 x 32 fixed tokens (a collective) and, on rank 0, those of the exported folder
-    opened by ``from_pretrained`` (transformers' per-expert loop), with the folder's
-    file names and the class transformers chose."""
-    import dataclasses
-
-    from transformers import AutoModelForCausalLM
-
-    from simplefsdp.models import registry
-    from simplefsdp.train.trainer import main
-
-    family, built = registry.get("moe"), []
-
-    def capture(*args, **kwargs):
-        built.append(family.build(*args, **kwargs))
-        return built[-1]
-
-    registry.register(dataclasses.replace(family, build=capture))
-    try:
-        main([*OUR_MOE, "--metrics.output_dir", out])
-    finally:
-        registry.register(family)
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = built[0][0](tokens)
-    if rank != 0:
-        return None
-    hf = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32, **EAGER)
-    with torch.no_grad():
-        theirs = hf(input_ids=tokens).logits
-    return {"diff": (ours - theirs).abs().max().item(), "class": type(hf).__name__,
-            "files": sorted(_file_keys(Path(out) / "hf"))}
 
 
 @pytest.fixture(scope="module")
@@ -516,23 +533,6 @@ def test_moe_ep2_compiled_matches_eager(layouts):
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=0, abs=1e-6)
     assert compiled["full"].keys() == eager["full"].keys()
     assert diffs[worst] <= 1e-5, (worst, diffs[worst])
-
-
-def test_our_moe_exports_a_folder_from_pretrained_opens(layouts):
-    """``checkpoint.export_hf`` of our MoE (trained 2 steps with EP 2 x FSDP 2, experts
-    gathered from that layout) writes a Mixtral folder (Llama attention, softmax top-k
-    router with renormalized weights: our debug_moe's math) with transformers' own
-    per-expert file names; ``from_pretrained`` opens it and gives our logits within 1e-5:
-    float32 logits of size ~1 from the same weights and operations summed in other
-    orders (our grouped matmul of every expert's rows against transformers' loop over
-    experts; RoPE rotate-half on rows permuted from our interleaved layout)."""
-    ours = layouts[0]["ours"]
-    print(f"our MoE exported as {ours['class']}: logits max diff {ours['diff']:.2e}")
-    assert ours["class"] == "MixtralForCausalLM"
-    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ours["files"]
-    assert "model.layers.1.block_sparse_moe.gate.weight" in ours["files"]
-    assert not any("gate_up_proj" in k for k in ours["files"])
-    assert ours["diff"] <= 1e-5, ours["diff"]
 
 
 def test_our_moe_export_refused_where_mixtral_differs(tmp_path):
