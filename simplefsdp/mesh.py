@@ -277,21 +277,26 @@ class ParallelDims:
         """The experts' mesh over the job ``mesh``'s ranks (dims ``MESH_DIMS``, as
         :meth:`build_mesh` makes them): ``dp_shard`` split into ``(dp_shard / ep, ep)``, ``ep``
         inside so that neighbouring ranks exchange tokens; dims ``EXPERT_MESH_DIMS``, where
-        ``dp_shard`` now counts the ranks holding the *same* experts. With ``dp_shard = 1``
-        (``replicate``) the groups come out of ``dp_replicate`` instead, split into
+        ``dp_shard`` now counts the ranks holding the *same* experts. Context-parallel ranks
+        hold the same weights (:meth:`data_parallel_mesh`): ``dp_shard x cp_ring x
+        cp_ulysses`` is split so, the experts' cp dims left of size 1. With ``dp_shard x
+        cp = 1`` (``replicate``) the groups come out of ``dp_replicate`` instead, split into
         ``(dp_replicate / ep, ep)``: the experts are then replicated over the rest."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != MESH_DIMS:
             raise ValueError(f"expert_mesh needs the job mesh (dims {', '.join(MESH_DIMS)}, "
                              f"as simplefsdp.make_mesh builds it), got dims {names}")
-        dp_shard, replicas = mesh["dp_shard"].size(), mesh["dp_replicate"].size()
-        if dp_shard == 1 and ep > 1:  # (pp, R, 1, tp) -> (pp, R / ep, 1, ep, tp)
+        shard = mesh["dp_shard"].size() * mesh["cp_ring"].size() * mesh["cp_ulysses"].size()
+        replicas = mesh["dp_replicate"].size()
+        if shard == 1 and ep > 1:  # (pp, R, 1, 1, 1, tp) -> (pp, R / ep, 1, ep, 1, 1, tp)
             ParallelDims.check_ep(ep, replicas, dim="dp_replicate")
             at = MESH_DIMS.index("dp_replicate")
             ranks = mesh.mesh.unflatten(at, (replicas // ep, ep)).transpose(at + 1, at + 2)
-        else:
-            ParallelDims.check_ep(ep, dp_shard)
-            ranks = mesh.mesh.unflatten(MESH_DIMS.index("dp_shard"), (dp_shard // ep, ep))
+        else:  # (pp, R, S, CR, CU, tp) -> (pp, R, S * CR * CU / ep, ep, 1, 1, tp)
+            at = MESH_DIMS.index("dp_shard")
+            ParallelDims.check_ep(ep, shard, dim="dp_shard" if shard == mesh["dp_shard"].size()
+                                  else "dp_shard * cp_ring * cp_ulysses")
+            ranks = mesh.mesh.flatten(at, at + 2).unflatten(at, (shard // ep, ep, 1, 1))
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @staticmethod

@@ -7,7 +7,7 @@
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
   AC), ring 2 x Ulysses 2, replicate 2 x ring 2, hybrid_shard (2 x 1) x Ulysses 2 and
-  TP 2 x ring 2 (with sequence parallel),
+  TP 2 x ring 2 (with sequence parallel), and the MoE family as DP 2 x ring 2 with EP 2,
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -17,6 +17,10 @@
   Bounds: 1e-6 relative for losses and norms (the gradient norm also catches a gradient
   off by a constant factor, which AdamW's update would hide), 1e-5 absolute for the
   parameters (a flipped update would move a weight by ~1e-3).
+  The MoE balance loss is a mean over one forward's tokens: with CP its statistics are
+  summed over the CP ranks (whole sequences), so DP 2 x ring 2 computes it over each
+  data-parallel slice's 2 sequences, and the reference runs 2 microsteps of those 2
+  sequences; the step's balance loss (metrics.csv) within 1e-6 relative as the loss.
 * One compiled cell (aot_eager, manual bucketing): bitwise equal to the eager CP run
   (the same ops), the data-parallel collectives bucketed, the CP ones left alone.
 * Bad input is refused when the config is read, naming the keys.
@@ -24,6 +28,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -137,10 +142,28 @@ CELLS = {  # name: flags; a global batch of 4 sequences each, on 4 processes
                            "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
                            "--parallel.cp_ulysses", "2"],
 }
-# TP 2 x ring 2 (sequence parallel inside each CP rank's part) needs KV heads over TP: 2.
-TP_CELL = ["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.tp", "2",
-           "--model.n_kv_heads", "2"]
-REFERENCE = ["--training.batch_size", "4"]  # one process, the same global batch of 4
+KV2 = ["--model.n_kv_heads", "2"]
+# A tiny debug_moe: 4 experts of width 32, top-2, a shared expert, the balance loss with a
+# large coefficient (so that it moves the weights visibly).
+MOE = ["--model.name", "debug_moe", "--model.num_experts", "4", "--model.moe_hidden_dim", "32",
+       "--model.shared_hidden_dim", "32", "--model.aux_loss_coef", "0.1"]
+OTHER_CELLS = {  # name: (flags, its reference's name)
+    # TP 2 x ring 2 (sequence parallel inside each CP rank's part): KV heads over TP, 2.
+    "tp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
+                   "--parallel.tp", "2", *KV2], "reference_kv2"),
+    # MoE: FSDP 2 x ring 2 with EP 2 (experts split over dp_shard, the ring ranks hold the
+    # same experts); the balance loss's statistics over the ring (whole sequences)
+    "moe_ep2_dp2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.cp_ring", "2",
+                           "--parallel.ep", "2"], "reference_moe"),
+}
+REFERENCES = {  # one process, the same global batch of 4 sequences
+    "reference": ["--training.batch_size", "4"],
+    "reference_kv2": ["--training.batch_size", "4", *KV2],
+    # The balance loss is a mean over one forward's tokens: under DP 2 x ring 2, over each
+    # data-parallel slice's 2 whole sequences. Here too: 2 microsteps of 2 sequences (the
+    # loader serves microstep i the sequences data-parallel rank i reads).
+    "reference_moe": [*MOE, "--training.batch_size", "2", "--training.grad_accum_steps", "2"],
+}
 
 
 def _runs(rank, world, cells, out):
@@ -163,16 +186,21 @@ def _params(path):
     return load_file(str(path / "model.safetensors"))
 
 
+def _column(path, name):
+    with open(path / "metrics.csv", newline="") as f:
+        return [float(row[name]) for row in csv.DictReader(f)]
+
+
 def test_trainer_cp_matches_one_process(tmp_path):
     compiled = ["--compile.enable", "true", "--compile.backend", "aot_eager",
                 "--compile.bucketing", "manual"]
+    reference_of = dict({name: "reference" for name in CELLS},
+                        **{name: ref for name, (_, ref) in OTHER_CELLS.items()})
     cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + compiled,
-                 tp2_ring2=TP_CELL)
+                 **{name: flags for name, (flags, _) in OTHER_CELLS.items()})
     got = run_ranks(_runs, 4, cells, str(tmp_path))[0]
-    refs = run_ranks(_runs, 1, {"reference": REFERENCE,
-                                "reference_kv2": REFERENCE + TP_CELL[-2:]}, str(tmp_path))[0]
-    for name in [*CELLS, "tp2_ring2"]:
-        ref_name = "reference_kv2" if name == "tp2_ring2" else "reference"
+    refs = run_ranks(_runs, 1, REFERENCES, str(tmp_path))[0]
+    for name, ref_name in reference_of.items():
         reference, want = _params(tmp_path / ref_name), refs[ref_name][0]
         for got_list, want_list in zip(got[name][0], want, strict=True):  # losses, norms
             torch.testing.assert_close(torch.tensor(got_list), torch.tensor(want_list),
@@ -182,6 +210,11 @@ def test_trainer_cp_matches_one_process(tmp_path):
         for key, value in params.items():
             torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-5,
                                        msg=f"{name}: {key}")
+    # the step's balance loss (metrics.csv; coefficient applied, summed over layers)
+    aux, aux_want = (_column(tmp_path / n, "aux_loss") for n in ("moe_ep2_dp2_ring2",
+                                                                   "reference_moe"))
+    assert len(aux) == 3 and min(aux_want) > 0.1  # top_k 2 x 2 layers x 0.1 when balanced
+    torch.testing.assert_close(torch.tensor(aux), torch.tensor(aux_want), rtol=1e-6, atol=0)
     # compiled: the eager ops, so bitwise; the parameters likewise
     assert got["ring2_ulysses2_compiled"][0] == got["ring2_ulysses2"][0]
     compiled_params = _params(tmp_path / "ring2_ulysses2_compiled")

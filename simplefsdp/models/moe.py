@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import grouped_mm, grouped_mm_aligned
+from .._torch_compat import all_gather_autograd, grouped_mm, grouped_mm_aligned
 from .llama import (
     FeedForward,
     ModelArgs,
@@ -239,6 +239,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts),
                              persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # Context parallelism: the ranks holding the other parts of these sequences; the
+        # balance loss's statistics are over all of them (set by parallel.context.apply_cp).
+        self.token_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -252,7 +255,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += counts
         if self.load_balance == "aux_loss":
-            self.aux_loss = switch_aux_loss(scores, counts, self.score_func)
+            self.aux_loss = switch_aux_loss(scores, counts, self.score_func, self.token_group)
         out = routed_combine(x, weights, ids, counts, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
@@ -266,14 +269,23 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
+def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Switch Transformer's balance loss, as transformers computes it for one layer:
     ``E * sum_e (slots to e / tokens) * mean score of e``; ``top_k`` when perfectly
-    balanced. Sigmoid scores are normalized per token first."""
+    balanced. Sigmoid scores are normalized per token first. With ``group`` (context
+    parallel: its ranks hold equal parts of the same sequences) the slots and scores are
+    summed over its ranks first, so the loss is the whole sequences' on every rank; the
+    scores' gradient comes back summed over the ranks (the all-gather's backward)."""
     if score_func == "sigmoid":
         scores = scores / scores.sum(-1, keepdim=True)
-    tokens = scores.shape[0]
-    return scores.shape[1] * (counts.float() / tokens * scores.mean(0)).sum()
+    tokens, experts = scores.shape
+    stats = torch.stack([counts.float(), scores.sum(0)])  # (2, E)
+    if group is not None:
+        size = dist.get_world_size(group)
+        stats = all_gather_autograd(stats, group).view(size, 2, experts).sum(0)
+        tokens *= size
+    return experts * (stats[0] / tokens * (stats[1] / tokens)).sum()
 
 
 class MoETransformer(Transformer):

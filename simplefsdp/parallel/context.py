@@ -42,8 +42,9 @@ from .._torch_compat import (
     all_to_all_single_autograd,
     attention_with_lse,
     attention_with_lse_backward,
+    flatten_mesh,
 )
-from ..mesh import ParallelDims
+from ..mesh import CP_DIMS, ParallelDims
 from ..models.llama import causal_attention
 
 
@@ -223,11 +224,24 @@ def rank_positions(mesh: DeviceMesh, seq_len: int) -> torch.Tensor:
 def apply_cp(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
     """Context parallelism on a Llama ``Transformer``, in place: each block's attention
     core becomes :class:`ContextAttention`, RoPE takes this rank's global positions. The
-    inputs must then be this rank's tokens (``shard_sequence(x, rank_positions(...))``)."""
+    inputs must then be this rank's tokens (``shard_sequence(x, rank_positions(...))``).
+    Modules with a ``token_group`` (``models/moe.MoE``) get the context-parallel group."""
     core = ContextAttention(mesh)
     for block in model.layers.values():
         block.attention.core = core
     model.positions = rank_positions(mesh, seq_len)
+    group = cp_group(mesh)
+    for module in model.modules():  # statistics over whole sequences (MoE balance loss)
+        if hasattr(module, "token_group"):
+            module.token_group = group
+
+
+def cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One process group over this rank's context-parallel ranks (ring x Ulysses)."""
+    dims = tuple(d for d in CP_DIMS if mesh[d].size() > 1)
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    return flatten_mesh(mesh[dims], "cp").get_group()
 
 
 def cp_batches(batches: list[tuple[torch.Tensor, ...]], mesh: DeviceMesh,

@@ -165,6 +165,7 @@ registry.register(registry.ModelFamily(
                                                                 seq_len),
     fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
     export=_export,
+    context_parallel=True,
     expert_parallel=True,
     aux_loss=moe.aux_loss,
     after_step=_after_step,
