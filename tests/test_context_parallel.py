@@ -75,6 +75,37 @@ def test_ring_core_is_exact_attention_forward_and_backward(ring):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("ring", [2, 3])
+def test_ring_core_with_documents_is_exact_masked_attention(ring):
+    """The document mask: every simulated ring rank's output, and the gradients summed over
+    ranks, equal SDPA over the whole sequence with the block-diagonal causal mask (float64,
+    1e-12). Sequence 0 has documents starting at 3, 10 (a chunk start: its queries see
+    nothing of the block before) and 13; sequence 1 one starting at 17 (some rows of
+    its chunk see keys of the block before, some none)."""
+    seq = 2 * ring * 5
+    q, k, v = _qkv(seq)
+    doc = torch.zeros(2, seq, dtype=torch.long)
+    for row, starts in ((0, (3, 10, 13)), (1, (17,))):
+        for start in starts:
+            doc[row, start:] += 1
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    weight = torch.randn(2, 3, seq, 8, dtype=torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    (ref * weight).sum().backward()
+    want = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    total = 0
+    for r in range(ring):
+        index = positions(seq, (r, ring))
+        out = RingCore.apply(q[:, :, index], k, v, r, ring, doc)
+        torch.testing.assert_close(out, ref[:, :, index].detach(), rtol=0, atol=1e-12)
+        total = total + (out * weight[:, :, index]).sum()
+    total.backward()
+    for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
 def test_positions_cover_the_sequence_head_and_tail():
     """Ring 2 x Ulysses 2 on 16 tokens, by hand: chunks of 4; ring rank 0 holds chunks 0
     and 3, rank 1 chunks 1 and 2; Ulysses halves each."""
@@ -240,8 +271,8 @@ def test_trainer_cp_matches_one_process(tmp_path):
      "training.seq_len = 34 is not divisible by 2 * parallel.cp_ring * parallel.cp_ulysses = 4"),
     (["--parallel.cp_ulysses", "8", "--training.seq_len", "64"],
      "model.n_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
-    (["--parallel.cp_ring", "2", "--data.document_mask", "true"],
-     "does not support a mask over the whole sequence yet: set data.document_mask back"),
+    (["--parallel.cp_ring", "2", "--parallel.pp", "2"],
+     "does not support pipeline stages yet: set parallel.pp back (1)"),
     (["--parallel.cp_ring", "2", "--parallel.tp", "4", "--model.n_kv_heads", "4",
       "--training.seq_len", "12"],
      "training.seq_len = 12 over parallel.cp_ring * parallel.cp_ulysses = 2 ranks leaves 6 "

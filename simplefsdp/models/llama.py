@@ -148,21 +148,27 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def document_index(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed documents end at ``eos_id`` (the EOS is the last token of its document).
     Returns each token's position in its document, restarting at 0 after every EOS and
-    at the sequence start, ``(batch, seq)``, and the block-diagonal causal mask
-    ``(batch, 1, seq, seq)``: a token attends to earlier tokens of its own document."""
+    at the sequence start, and its document's index in the sequence, ``(batch, seq)``."""
     is_eos = (tokens == eos_id).long()
     doc = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before
     index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     starts = torch.ones_like(is_eos)
     starts[:, 1:] = is_eos[:, :-1]  # a document starts after each EOS
     first = torch.cummax(index * starts, dim=1).values  # its first token's index
+    return index - first, doc
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`document_index`'s positions and the block-diagonal causal mask
+    ``(batch, 1, seq, seq)``: a token attends to earlier tokens of its own document."""
+    positions, doc = document_index(tokens, eos_id)
     causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool,
                         device=tokens.device).tril()
     mask = (doc[:, :, None] == doc[:, None, :]) & causal
-    return index - first, mask[:, None]
+    return positions, mask[:, None]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -281,6 +287,9 @@ class Transformer(nn.Module):
         # Each input token's place in the whole sequence (RoPE's angle): context
         # parallelism sets it (a rank holds chunks of the sequence); None: 0, 1, 2, ...
         self.positions: torch.Tensor | None = None
+        # (tokens, EOS id) -> (positions in their documents, the attention cores' mask);
+        # context parallelism swaps in its own (its tokens are part of the sequence)
+        self.documents = document_positions
 
     def build_block(self, layer_id: int, args: ModelArgs) -> TransformerBlock:
         """Block ``layer_id``; a model family that swaps the FFN overrides this."""
@@ -302,7 +311,7 @@ class Transformer(nn.Module):
         if self.positions is not None:
             rope = self.rope_cache[self.positions.to(rope.device)]
         if self.document_eos is not None:  # positions restart per document
-            positions, mask = document_positions(tokens, self.document_eos)
+            positions, mask = self.documents(tokens, self.document_eos)
             rope = self.rope_cache[positions]
         for layer in self.layers.values():
             h = layer(h, rope, mask)

@@ -24,8 +24,10 @@ Attention (:class:`ContextAttention`, swapped into each block's ``attention.core
   its exact share of dq/dk/dv; the all-gather's backward reduce-scatters dk/dv.
 
 Kernels: ``_torch_compat.attention_with_lse`` (CPU: the flash kernel for CPU; CUDA: the
-flash kernel, not run here). The document mask is not supported with CP (refused by the
-config).
+flash kernel, not run here). The document mask (``data.document_mask``): every rank learns
+each position's document over the whole sequence (:class:`ContextDocuments`); the ring
+masks each (query chunk, key block) pair by it and skips the pairs no query can see
+(:class:`RingCore`); Ulysses alone masks its whole sequence as without CP.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .._torch_compat import (
     flatten_mesh,
 )
 from ..mesh import CP_DIMS, ParallelDims
-from ..models.llama import causal_attention
+from ..models.llama import causal_attention, document_index
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,43 +96,94 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return out.to(out_a.dtype), lse
 
 
+def _masked_block(q, k, v, allowed):
+    """(output, log-sum-exp) of attention under a boolean mask, by the formula (float32
+    at least). A row with no visible key gets output 0 and log-sum-exp -inf, which the
+    merge weighs by exp(-inf) = 0."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # no key: -inf - -inf
+    return (probs @ v.to(acc)).to(q.dtype), lse
+
+
+def _masked_block_backward(grad, q, k, v, out, lse, allowed):
+    """(dq, dk, dv) of one masked block given the *merged* output and log-sum-exp (so the
+    probabilities are this block's share of the whole row's softmax)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, grad, out = (x.to(acc) for x in (q, k, v, grad, out))
+    scale = q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    probs = torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse.unsqueeze(-1))
+    dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+    return dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, \
+        probs.transpose(-1, -2) @ grad
+
+
 class RingCore(torch.autograd.Function):
     """Causal attention of a rank's two query chunks over the whole (naturally ordered)
-    key/value sequence, ``(batch, heads, seq, head_dim)`` each."""
+    key/value sequence, ``(batch, heads, seq, head_dim)`` each. With ``doc`` (each
+    position's document index, ``(batch, seq)``, natural order) a query sees only keys of
+    its own document: each block is masked (``_masked_block``), and a block no query of the
+    chunk can see is skipped (eager only: the test is data-dependent)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rank: int, size: int):
+    def forward(ctx, q, k, v, rank: int, size: int, doc=None):
         length = q.shape[2] // 2
         outs, lses = [], []
         for i, chunk in enumerate(ring_chunks(rank, size)):
             qi = q[:, :, i * length:(i + 1) * length]
             out = lse = None
-            for start, end, causal in _blocks(chunk, length):
-                o, s = attention_with_lse(qi, k[:, :, start:end], v[:, :, start:end], causal)
+            for start, end, causal, allowed in _visible(chunk, length, doc):
+                if allowed is None:
+                    o, s = attention_with_lse(qi, k[:, :, start:end], v[:, :, start:end],
+                                              causal)
+                else:
+                    o, s = _masked_block(qi, k[:, :, start:end], v[:, :, start:end], allowed)
                 out, lse = (o, s) if out is None else merge(out, lse, o, s)
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, doc)
         ctx.rank, ctx.size = rank, size
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, doc = ctx.saved_tensors
         length = q.shape[2] // 2
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i, chunk in enumerate(ring_chunks(ctx.rank, ctx.size)):
             rows = slice(i * length, (i + 1) * length)
             gi, qi = grad[:, :, rows].contiguous(), q[:, :, rows]
             oi, si = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
-            for start, end, causal in _blocks(chunk, length):
-                g = attention_with_lse_backward(gi, qi, k[:, :, start:end], v[:, :, start:end],
-                                                oi, si, causal)
+            for start, end, causal, allowed in _visible(chunk, length, doc):
+                kv = k[:, :, start:end], v[:, :, start:end]
+                if allowed is None:
+                    g = attention_with_lse_backward(gi, qi, *kv, oi, si, causal)
+                else:
+                    g = _masked_block_backward(gi, qi, *kv, oi, si, allowed)
                 dq[:, :, rows] += g[0]
                 dk[:, :, start:end] += g[1]
                 dv[:, :, start:end] += g[2]
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def _visible(chunk: int, length: int, doc: torch.Tensor | None):
+    """:func:`_blocks` with each block's document mask (None without ``doc``); blocks no
+    query can see left out (not while compiling: a data-dependent test)."""
+    for start, end, causal in _blocks(chunk, length):
+        if doc is None:
+            yield start, end, causal, None
+            continue
+        q_doc = doc[:, None, chunk * length:(chunk + 1) * length, None]
+        allowed = q_doc == doc[:, None, None, start:end]
+        if causal:
+            allowed = allowed & torch.ones(length, length, dtype=torch.bool,
+                                           device=doc.device).tril()
+        if torch.compiler.is_compiling() or bool(allowed.any()):
+            yield start, end, causal, allowed
 
 
 def natural_order(size: int, length: int) -> torch.Tensor:
@@ -143,9 +196,11 @@ def natural_order(size: int, length: int) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+                   group: dist.ProcessGroup, rank: int, size: int,
+                   doc: torch.Tensor | None = None) -> torch.Tensor:
     """Exact causal attention of this ring rank's tokens (its two chunks, ``(batch, seq,
-    heads, head_dim)``; k/v may have fewer heads) over the whole ring's sequence."""
+    heads, head_dim)``; k/v may have fewer heads) over the whole ring's sequence; within
+    documents with ``doc`` (:class:`RingCore`)."""
     length = q.shape[1] // 2
     order = natural_order(size, length).to(q.device)
 
@@ -157,7 +212,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_rep = q.shape[2] // k.shape[1]
     if n_rep > 1:  # grouped-query attention: each K/V head serves n_rep query heads
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    out = RingCore.apply(q.transpose(1, 2), k, v, rank, size)
+    out = RingCore.apply(q.transpose(1, 2), k, v, rank, size, doc)
     return out.transpose(1, 2)
 
 
@@ -197,22 +252,50 @@ class ContextAttention:
         self.uly_group = mesh["cp_ulysses"].get_group()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        if mask is not None:
-            raise ValueError("context parallelism does not take a document mask; turn "
-                             "data.document_mask off")
+                 doc: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc`` (document mask): each position's document index over the whole
+        sequence, ``(batch, seq)`` in order (:class:`ContextDocuments`)."""
         if self.uly_size > 1:
             repeats = kv_repeats(k.shape[2], self.uly_size)
             if repeats > 1:
                 k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
             q, k, v = (seq_to_heads(x, self.uly_group, self.uly_size) for x in (q, k, v))
         if self.ring_size > 1:
-            out = ring_attention(q, k, v, self.ring_group, self.ring_rank, self.ring_size)
-        else:
-            out = causal_attention(q, k, v)
+            out = ring_attention(q, k, v, self.ring_group, self.ring_rank, self.ring_size, doc)
+        else:  # Ulysses alone: the whole sequence, in order
+            out = causal_attention(q, k, v, None if doc is None else document_mask(doc))
         if self.uly_size > 1:
             out = heads_to_seq(out, self.uly_group, self.uly_size)
         return out
+
+
+def document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask ``(batch, 1, seq, seq)`` of document indices."""
+    causal = torch.ones(doc.shape[1], doc.shape[1], dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+class ContextDocuments:
+    """The model's ``documents`` under context parallelism: this rank's token positions
+    within their documents, and for the attention cores each position's document index
+    over the whole sequence (``(batch, seq)``, in order). The token ids of the whole
+    sequence are all-gathered over the CP ranks first (``batch * seq`` ids per forward)."""
+
+    def __init__(self, mesh: DeviceMesh, seq_len: int, group: dist.ProcessGroup):
+        self.group = group  # cp_group(mesh)
+        ring, uly = mesh["cp_ring"].size(), mesh["cp_ulysses"].size()
+        # the global positions of the gathered tokens (CP ranks in group order: ring
+        # outside, Ulysses inside), and of this rank's
+        self.slots = torch.cat([positions(seq_len, (r, ring), (u, uly))
+                                for r in range(ring) for u in range(uly)])
+        self.mine = rank_positions(mesh, seq_len)
+
+    def __call__(self, tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gathered = all_gather_autograd(tokens.t().contiguous(), self.group)  # (seq, batch)
+        whole = torch.empty_like(gathered).index_copy_(0, self.slots.to(tokens.device),
+                                                       gathered).t()
+        where, doc = document_index(whole, eos_id)
+        return where[:, self.mine.to(tokens.device)], doc
 
 
 def rank_positions(mesh: DeviceMesh, seq_len: int) -> torch.Tensor:
@@ -231,6 +314,7 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
         block.attention.core = core
     model.positions = rank_positions(mesh, seq_len)
     group = cp_group(mesh)
+    model.documents = ContextDocuments(mesh, seq_len, group)  # with data.document_mask
     for module in model.modules():  # statistics over whole sequences (MoE balance loss)
         if hasattr(module, "token_group"):
             module.token_group = group

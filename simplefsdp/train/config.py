@@ -352,14 +352,10 @@ def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
                           f"(our Llama has: leave model.hf_path unset), or set both to 1")
     with config_errors():
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
-    for key, value, why in (
-            ("data.document_mask", cfg.data.document_mask, "a mask over the whole sequence"),
-            ("parallel.pp", p.pp > 1, "pipeline stages")):
-        if value:
-            raise ConfigError(f"context parallelism (parallel.cp_ring * parallel.cp_ulysses = "
-                              f"{dims.cp}) does not support {why} yet: set {key} back "
-                              f"({'false' if key.startswith('data') else 1}) or the cp sizes "
-                              f"to 1")
+    if p.pp > 1:
+        raise ConfigError(f"context parallelism (parallel.cp_ring * parallel.cp_ulysses = "
+                          f"{dims.cp}) does not support pipeline stages yet: set parallel.pp "
+                          f"back (1) or the cp sizes to 1")
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
