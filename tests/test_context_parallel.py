@@ -21,6 +21,8 @@
   summed over the CP ranks (whole sequences), so DP 2 x ring 2 computes it over each
   data-parallel slice's 2 sequences, and the reference runs 2 microsteps of those 2
   sequences; the step's balance loss (metrics.csv) within 1e-6 relative as the loss.
+  The document mask (each newline ends a document) with ring x Ulysses and Ulysses alone,
+  against one process with the mask.
 * One compiled cell (aot_eager, manual bucketing): bitwise equal to the eager CP run
   (the same ops), the data-parallel collectives bucketed, the CP ones left alone.
 * Bad input is refused when the config is read, naming the keys.
@@ -39,6 +41,7 @@ from rank_runner import run_ranks
 from simplefsdp._torch_compat import TorchDispatchMode
 from simplefsdp.parallel.context import RingCore, natural_order, positions
 from simplefsdp.train.config import ConfigError, load_config
+from simplefsdp.train.data import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,6 +181,17 @@ KV2 = ["--model.n_kv_heads", "2"]
 # large coefficient (so that it moves the weights visibly).
 MOE = ["--model.name", "debug_moe", "--model.num_experts", "4", "--model.moe_hidden_dim", "32",
        "--model.shared_hidden_dim", "32", "--model.aux_loss_coef", "0.1"]
+DOC = ["--data.document_mask", "true"]  # with _NewlineEnds as the tokenizer
+
+
+class _NewlineEnds(ByteTokenizer):
+    """Bytes, each newline the EOS that ends a document (Shakespeare's lines: about one a
+    window of 32)."""
+
+    fingerprint = "byte-newline-eos"
+    eos_id = 10
+
+
 OTHER_CELLS = {  # name: (flags, its reference's name)
     # TP 2 x ring 2 (sequence parallel inside each CP rank's part): KV heads over TP, 2.
     "tp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
@@ -186,6 +200,11 @@ OTHER_CELLS = {  # name: (flags, its reference's name)
     # same experts); the balance loss's statistics over the ring (whole sequences)
     "moe_ep2_dp2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.cp_ring", "2",
                            "--parallel.ep", "2"], "reference_moe"),
+    # the document mask (every newline ends a document): ring x Ulysses, Ulysses alone
+    "ring2_ulysses2_doc": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
+                            "--parallel.cp_ulysses", "2", *DOC], "reference_doc"),
+    "dp2_ulysses2_doc": (["--training.batch_size", "2", "--parallel.cp_ulysses", "2", *DOC],
+                         "reference_doc"),
 }
 REFERENCES = {  # one process, the same global batch of 4 sequences
     "reference": ["--training.batch_size", "4"],
@@ -194,6 +213,7 @@ REFERENCES = {  # one process, the same global batch of 4 sequences
     # data-parallel slice's 2 whole sequences. Here too: 2 microsteps of 2 sequences (the
     # loader serves microstep i the sequences data-parallel rank i reads).
     "reference_moe": [*MOE, "--training.batch_size", "2", "--training.grad_accum_steps", "2"],
+    "reference_doc": ["--training.batch_size", "4", *DOC],
 }
 
 
@@ -204,7 +224,8 @@ def _runs(rank, world, cells, out):
     results = {}
     for name, argv in cells.items():
         with CompileReports() as reports:
-            run = main(BASE + argv + ["--metrics.output_dir", str(Path(out) / name)])
+            run = main(BASE + argv + ["--metrics.output_dir", str(Path(out) / name)],
+                       tokenizer=_NewlineEnds() if DOC[0] in argv else None)
         graphs = [(r.graph, dict(r.collectives_before), r.other_collectives, len(r.buckets))
                   for r in reports.reports]
         results[name] = ((run.losses, run.grad_norms), graphs)
@@ -241,6 +262,7 @@ def test_trainer_cp_matches_one_process(tmp_path):
         for key, value in params.items():
             torch.testing.assert_close(value, reference[key], rtol=0, atol=1e-5,
                                        msg=f"{name}: {key}")
+    assert refs["reference_doc"][0][0] != refs["reference"][0][0]  # the mask masks
     # the step's balance loss (metrics.csv; coefficient applied, summed over layers)
     aux, aux_want = (_column(tmp_path / n, "aux_loss") for n in ("moe_ep2_dp2_ring2",
                                                                    "reference_moe"))
