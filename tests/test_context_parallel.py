@@ -7,7 +7,8 @@
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
   AC), ring 2 x Ulysses 2, replicate 2 x ring 2, hybrid_shard (2 x 1) x Ulysses 2 and
-  TP 2 x ring 2 (with sequence parallel), and the MoE family as DP 2 x ring 2 with EP 2,
+  TP 2 x ring 2 (with sequence parallel), PP 2 x ring 2 (2 microbatches), and the MoE
+  family as DP 2 x ring 2 with EP 2,
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -200,6 +201,9 @@ OTHER_CELLS = {  # name: (flags, its reference's name)
     # same experts); the balance loss's statistics over the ring (whole sequences)
     "moe_ep2_dp2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.cp_ring", "2",
                            "--parallel.ep", "2"], "reference_moe"),
+    # pipeline stages, each with ring attention (stage-to-stage: each rank's part)
+    "pp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.pp",
+                   "2", "--parallel.pp_microbatches", "2"], "reference"),
     # the document mask (every newline ends a document): ring x Ulysses, Ulysses alone
     "ring2_ulysses2_doc": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
                             "--parallel.cp_ulysses", "2", *DOC], "reference_doc"),
@@ -293,8 +297,6 @@ def test_trainer_cp_matches_one_process(tmp_path):
      "training.seq_len = 34 is not divisible by 2 * parallel.cp_ring * parallel.cp_ulysses = 4"),
     (["--parallel.cp_ulysses", "8", "--training.seq_len", "64"],
      "model.n_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
-    (["--parallel.cp_ring", "2", "--parallel.pp", "2"],
-     "does not support pipeline stages yet: set parallel.pp back (1)"),
     (["--parallel.cp_ring", "2", "--parallel.tp", "4", "--model.n_kv_heads", "4",
       "--training.seq_len", "12"],
      "training.seq_len = 12 over parallel.cp_ring * parallel.cp_ulysses = 2 ranks leaves 6 "

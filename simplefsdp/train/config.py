@@ -338,9 +338,8 @@ def _check_data(cfg: JobConfig) -> None:
 
 
 def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
-    """Context parallelism: the family must have CP attention (our Llama); the sequence
-    and heads must split (``ParallelDims.check_cp``); what it does not compose with yet is
-    refused, naming the keys."""
+    """Context parallelism: the family must have CP attention (our Llama and MoE); the
+    sequence and heads must split (``ParallelDims.check_cp``), named by their keys."""
     p = cfg.parallel
     dims = p.dims()
     if dims.cp == 1:
@@ -352,10 +351,6 @@ def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
                           f"(our Llama has: leave model.hf_path unset), or set both to 1")
     with config_errors():
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
-    if p.pp > 1:
-        raise ConfigError(f"context parallelism (parallel.cp_ring * parallel.cp_ulysses = "
-                          f"{dims.cp}) does not support pipeline stages yet: set parallel.pp "
-                          f"back (1) or the cp sizes to 1")
 
 
 def check_tp(args: ModelArgs, tp: int) -> None:
