@@ -138,6 +138,9 @@ def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypat
     # probe's cost is Hugging Face's encoding of it; the benchmark runs the full probe.
     monkeypatch.setattr(fast_bpe, "PROBE_ALL_BELOW", 0x3000)
     data = _jsonl(tmp_path / "a.jsonl", RICH * 3)
+    used, encode_batch = [], fast_bpe.FastBPE.encode_batch  # did tiktoken encode the corpus?
+    monkeypatch.setattr(fast_bpe.FastBPE, "encode_batch", lambda self, texts: (
+        used.append(all(t in RICH for t in texts)), encode_batch(self, texts))[1])
     caches = []
     for name, vocab, norm, encoder in [("a", 270, None, "tiktoken"), ("b", 400, None, "tiktoken"),
                                        ("c", 400, normalizers.NFKC(), "HFTokenizer"),
@@ -151,6 +154,8 @@ def test_hf_tokenizer_cache_follows_the_tokenizer_file(tmp_path: Path, monkeypat
         assert f.doc_ends.tolist() == np.cumsum([len(ids) + 1 for ids in own]).tolist()
         assert tok.tok.token_to_id("</s>") in f.tokens.tolist()  # the added token, matched
         assert f.meta["encoder"] == encoder
+        assert any(used) == (encoder == "tiktoken")  # corpus batches, not only the probe
+        used.clear()
         log = capsys.readouterr().err
         assert f"with {encoder}" in log and ("normalizer" in log) == (norm is not None)
         caches.append(f.folder)
