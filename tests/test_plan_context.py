@@ -57,3 +57,31 @@ def test_loss_counts_each_cp_ranks_part_of_the_sequence():
     zero = {"forward_peak": 0, "backward_peak": 0, "saved": 0, "layers": []}
     peaks, saved = _role_memory(cfg, "full", zero, 1)
     assert saved == 0 and max(peaks) == 12 * 32_768 * 128_256, peaks
+
+
+def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
+    # Under full AC the compiled graphs call attention through torch's RNG-state
+    # operators (forward: run_and_save_rng_state; recompute: run_with_rng_state). Read
+    # by name they looked like memory ops: at 262k tokens most of the step went free.
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp.models.llama import attention_flops
+    from simplefsdp.plan.timing import _flops
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        values = {"state": torch.empty(2, dtype=torch.int64), "q": torch.empty(1, 4, 64, 16),
+                  "k": torch.empty(1, 4, 128, 16), "v": torch.empty(1, 4, 128, 16)}
+    nodes = {}
+    for name, value in values.items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = value
+    qkv = (nodes["q"], nodes["k"], nodes["v"])
+    causal = {"is_causal": True}
+    plain = graph.call_function(op, qkv, causal)
+    saved = graph.call_function(run_and_save_rng_state, (op, *qkv), causal)
+    replayed = graph.call_function(run_with_rng_state, (nodes["state"], op, *qkv), causal)
+    expected = ("attention", attention_flops(4, 64, 128, 16, causal=True))
+    assert _flops(plain) == _flops(saved) == _flops(replayed) == expected

@@ -84,15 +84,29 @@ class MeshLinks:
         return alpha + (n - 1) * fabric.ring_step_s + ring * nbytes / bw
 
 
-def _arg(node: fx.Node, name: str, default=None):
-    """Argument ``name`` of an op node, by its schema (positional, keyword, or the
-    schema's default when the call left it out)."""
-    schema = op_schema(node.target)
+def _call(node: fx.Node) -> tuple[object, tuple, dict]:
+    """(op, args, kwargs) a node runs. Under full AC the compiled graphs wrap random ops,
+    attention among them, in torch's RNG-state operators (``run_and_save_rng_state(op,
+    *args)`` in forward, ``run_with_rng_state(state, op, *args)`` for the recompute):
+    the op inside is what costs."""
+    name = getattr(node.target, "__name__", str(node.target))
+    if name == "run_and_save_rng_state":
+        return node.args[0], node.args[1:], node.kwargs
+    if name == "run_with_rng_state":
+        return node.args[1], node.args[2:], node.kwargs
+    return node.target, node.args, node.kwargs
+
+
+def _arg(call: tuple[object, tuple, dict], name: str, default=None):
+    """Argument ``name`` of an op call (``_call``), by its schema (positional, keyword,
+    or the schema's default when the call left it out)."""
+    target, args, kwargs = call
+    schema = op_schema(target)
     for i, a in enumerate(schema.arguments if schema is not None else ()):
         if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
+            if i < len(args):
+                return args[i]
+            return kwargs.get(name, a.default_value if a.has_default_value() else default)
     return default
 
 
@@ -100,12 +114,13 @@ def _flops(node: fx.Node) -> tuple[str, float]:
     """(class, FLOPs) of one node: "matmul", "attention" or "memory". Attention: its
     queries against its keys (a ring's block of another rank's keys is a full
     rectangle, its own block causal)."""
-    name = str(node.target)
+    call = _call(node)
+    name = str(call[0])
     if any(a in name for a in _ATTENTION):
-        q = _arg(node, "query").meta["val"]
+        q = _arg(call, "query").meta["val"]
         b, h, s, d = (int(x) for x in q.shape)
-        k = _arg(node, "key").meta["val"]
-        causal = bool(_arg(node, "is_causal", True))
+        k = _arg(call, "key").meta["val"]
+        causal = bool(_arg(call, "is_causal", True))
         flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal)
         return "attention", flops * (ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
     if node.target in _MATMUL:
