@@ -66,8 +66,9 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from simplefsdp.hardware import GPU_PROFILES
     from simplefsdp.models.llama import attention_flops
-    from simplefsdp.plan.timing import _flops
+    from simplefsdp.plan.timing import _flops, node_seconds
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     graph = torch.fx.Graph()
@@ -85,3 +86,7 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     replayed = graph.call_function(run_with_rng_state, (nodes["state"], op, *qkv), causal)
     expected = ("attention", attention_flops(4, 64, 128, 16, causal=True))
     assert _flops(plain) == _flops(saved) == _flops(replayed) == expected
+    # and timed as the op they run (they used to cost nothing, as higher-order ops)
+    dev = GPU_PROFILES["h100-96gb"]
+    seconds = [node_seconds(n, dev, compiled=True) for n in (plain, saved, replayed)]
+    assert seconds[0] > 0 and seconds[1] == seconds[2] == seconds[0], seconds

@@ -132,12 +132,15 @@ def _flops(node: fx.Node) -> tuple[str, float]:
 
 def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 1.0) -> float:
     """Roofline time of one compute node (``scale`` multiplies shard-sized bytes)."""
-    if is_zero_cost(node, planner=True):
+    op, args, _ = _call(node)
+    wrapped = op is not node.target  # an RNG-state wrapper: its op runs a kernel
+    if not wrapped and is_zero_cost(node, planner=True):
         return 0.0
     kind, flops = _flops(node)
+    inputs = [a for a in args if isinstance(a, fx.Node)] if wrapped else node.all_input_nodes
     nbytes = value_bytes(node.meta.get("val")) * scale + sum(
-        value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    dtype = next((a.meta["val"].dtype for a in node.all_input_nodes
+        value_bytes(a.meta.get("val")) for a in inputs)
+    dtype = next((a.meta["val"].dtype for a in inputs
                   if isinstance(a.meta.get("val"), torch.Tensor)), torch.float32)
     peak = dev.spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) \
         else dev.spec.fp32_flops

@@ -69,8 +69,9 @@ def is_zero_cost(node: torch.fx.Node, planner: bool = False) -> bool:
     ``planner``: the planner's setting, which differs in two ways, both kept because its
     roofline's efficiencies and kernel floor were fitted to published runs this way:
     metadata-only ops are timed as kernels, and so is nothing that is not an op overload
-    (higher-order ops such as the RNG-state wrappers of a recomputed attention cost
-    nothing; the cost model times or estimates those)."""
+    (higher-order ops cost nothing here; the cost model times or estimates them, and
+    the planner's ``timing.node_seconds`` costs the op inside full AC's RNG-state
+    wrappers itself)."""
     if node.op != "call_function":
         return True
     target = node.target
