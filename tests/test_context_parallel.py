@@ -56,14 +56,17 @@ def _qkv(seq, heads=3, dim=8, dtype=torch.float64):
             for _ in range(3)]
 
 
-@pytest.mark.parametrize("ring", [2, 3])
-def test_ring_core_is_exact_attention_forward_and_backward(ring):
-    """Every simulated ring rank's output, and the gradients summed over ranks, equal
-    causal SDPA over the whole sequence (float64, 1e-12)."""
-    seq = 2 * ring * 5
+def _ring_equals_sdpa(ring: int, seq: int, doc: torch.Tensor | None = None) -> None:
+    """Every simulated ring rank's output, and the gradients summed over ranks, equal SDPA
+    over the whole sequence: causal, or with ``doc``'s block-diagonal causal mask."""
     q, k, v = _qkv(seq)
     weight = torch.randn(2, 3, seq, 8, dtype=torch.float64)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if doc is None:
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        mask = (doc[:, :, None] == doc[:, None, :]) & causal
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
     (ref * weight).sum().backward()
     want = [x.grad.clone() for x in (q, k, v)]
     for x in (q, k, v):
@@ -71,43 +74,31 @@ def test_ring_core_is_exact_attention_forward_and_backward(ring):
     total = 0
     for r in range(ring):
         index = positions(seq, (r, ring))
-        out = RingCore.apply(q[:, :, index], k, v, r, ring)
+        out = RingCore.apply(q[:, :, index], k, v, r, ring, *(() if doc is None else (doc,)))
         torch.testing.assert_close(out, ref[:, :, index].detach(), rtol=0, atol=1e-12)
         total = total + (out * weight[:, :, index]).sum()
     total.backward()
     for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("ring", [2, 3])
+def test_ring_core_is_exact_attention_forward_and_backward(ring):
+    """Causal attention, float64, 1e-12."""
+    _ring_equals_sdpa(ring, 2 * ring * 5)
 
 
 @pytest.mark.parametrize("ring", [2, 3])
 def test_ring_core_with_documents_is_exact_masked_attention(ring):
-    """The document mask: every simulated ring rank's output, and the gradients summed over
-    ranks, equal SDPA over the whole sequence with the block-diagonal causal mask (float64,
-    1e-12). Sequence 0 has documents starting at 3, 10 (a chunk start: its queries see
-    nothing of the block before) and 13; sequence 1 one starting at 17 (some rows of
-    its chunk see keys of the block before, some none)."""
+    """The document mask (float64, 1e-12). Sequence 0 has documents starting at 3, 10 (a
+    chunk start: its queries see nothing of the block before) and 13; sequence 1 one
+    starting at 17 (some rows of its chunk see keys of the block before, some none)."""
     seq = 2 * ring * 5
-    q, k, v = _qkv(seq)
     doc = torch.zeros(2, seq, dtype=torch.long)
     for row, starts in ((0, (3, 10, 13)), (1, (17,))):
         for start in starts:
             doc[row, start:] += 1
-    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
-    weight = torch.randn(2, 3, seq, 8, dtype=torch.float64)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-    (ref * weight).sum().backward()
-    want = [x.grad.clone() for x in (q, k, v)]
-    for x in (q, k, v):
-        x.grad = None
-    total = 0
-    for r in range(ring):
-        index = positions(seq, (r, ring))
-        out = RingCore.apply(q[:, :, index], k, v, r, ring, doc)
-        torch.testing.assert_close(out, ref[:, :, index].detach(), rtol=0, atol=1e-12)
-        total = total + (out * weight[:, :, index]).sum()
-    total.backward()
-    for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    _ring_equals_sdpa(ring, seq, doc)
 
 
 def test_positions_cover_the_sequence_head_and_tail():
