@@ -306,11 +306,17 @@ def test_bad_cp_input_is_refused_at_load(flags, message):
     assert message in str(info.value), str(info.value)
 
 
-def test_cp_refused_for_a_family_without_cp_attention(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"model.family = 'hf' has none"):
-        load_config(None, ["--model.family", "hf", "--model.hf_path", str(tmp_path),
-                           "--parallel.cp_ulysses", "2"])
+def test_cp_refused_for_a_family_without_cp_attention(monkeypatch):
+    """Every family has CP attention today (Hugging Face models through hf.context): a
+    family without it stands in for the next one added."""
+    import dataclasses
+
+    from simplefsdp.models import registry
+
+    plain = dataclasses.replace(registry.get("llama"), context_parallel=False)
+    monkeypatch.setitem(registry._REGISTERED, "llama", plain)
+    with pytest.raises(ConfigError, match=r"model.family = 'llama' has none"):
+        load_config(None, ["--parallel.cp_ulysses", "2"])
 
 
 def test_parallel_dims_with_cp():

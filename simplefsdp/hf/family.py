@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models import registry
-from . import HFError, hooks
+from . import HFError, context, hooks
 
 
 def _validate(cfg) -> None:
@@ -16,6 +16,7 @@ def _validate(cfg) -> None:
         raise HFError(f"model.family = {cfg.model.family!r} trains a Hugging Face model: set "
                       f"model.hf_path to its local folder")
     hooks.validate_folder(cfg, cfg.model.hf_path)
+    context.check_config(cfg)  # parallel.cp_ring / cp_ulysses: does the model fit
 
 
 def _export(cfg, model, tokenizer) -> Path | None:
@@ -33,6 +34,7 @@ registry.register(registry.ModelFamily(
     flops_per_token=hooks.flops_per_token,
     fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
     export=_export,
+    context_parallel=True,  # Llama-family attention through hf.context
     expert_parallel=True,  # parallel.ep on a folder with fused MoE experts (hf.experts)
     aux_loss=hooks.aux_loss,  # transformers' balance loss, when the folder's config adds it
     after_step=hooks.after_step,

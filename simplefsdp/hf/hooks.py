@@ -102,7 +102,8 @@ def build_hf(cfg, mesh, device):
 
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
-    """A Hugging Face causal LM's parallelisms, in place: MoE experts adapted
+    """A Hugging Face causal LM's parallelisms, in place: context parallelism
+    (:mod:`.context`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
     (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
     checkpointing per decoder layer, data parallel, then (``compile.enable``, and
     ``compile_``) compile. An MoE's routers (``mlp.gate``) stay float32 under mixed
@@ -113,6 +114,10 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     from .experts import adapt_experts, expert_parallel, router_globs
     from .model import apply_ac
 
+    if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
+        from .context import apply_cp
+
+        apply_cp(model, mesh, cfg.training.seq_len)
     if adapt_experts(model):
         cfg = with_fp32_modules(cfg, router_globs(model))
         _record_router_logits_first(model)

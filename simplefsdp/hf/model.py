@@ -8,7 +8,8 @@ in the weight files. Then: activation checkpointing on the decoder layers, our
 ``data_parallel``, ``to_empty`` for the parameters only, and :func:`.weights.load_sharded`.
 
 Supported: ``data_parallel`` in every mode, mixed precision, activation checkpointing
-(full / selective), ``torch.compile`` (graph breaks allowed). Refused: tensor and pipeline
+(full / selective), ``torch.compile`` (graph breaks allowed), context parallelism for the
+Llama family (:mod:`.context`). Refused: tensor and pipeline
 parallelism (``parallel.tp > 1``, ``parallel.pp > 1``): Hugging Face module names vary
 by architecture and no plan is written for them.
 """
@@ -130,15 +131,19 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def causal_lm_call(module: Callable, model: nn.Module
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``tokens -> logits`` for a Hugging Face causal LM (``module``: ``model`` or its
-    compiled wrapper; no cache, no loss). An MoE whose config asks for the router logits
+    compiled wrapper; no cache, no loss). Under context parallelism (:mod:`.context`)
+    ``tokens`` are this rank's part of each sequence and ``position_ids`` their global
+    positions (``model._sf_positions``). An MoE whose config asks for the router logits
     (``output_router_logits``) returns transformers' balance loss (its own
     ``load_balancing_loss_func`` over this call's tokens) as ``aux_loss``; times the
     config's ``router_aux_loss_coef`` it is kept as ``model._sf_aux_loss`` for the loss
     (:func:`.hooks.aux_loss`), as transformers adds it to its own loss."""
     coef = getattr(text_config(model.config), "router_aux_loss_coef", None)
+    positions = getattr(model, "_sf_positions", None)  # context parallel: global positions
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
-        out = module(input_ids=tokens, use_cache=False)
+        extra = {} if positions is None else {"position_ids": positions.to(tokens.device)[None]}
+        out = module(input_ids=tokens, use_cache=False, **extra)
         aux = getattr(out, "aux_loss", None)
         model._sf_aux_loss = None if aux is None or coef is None else coef * aux
         return out.logits
