@@ -171,6 +171,8 @@ def test_hf_llama_cp_matches_one_process(tmp_path):
     ("Gemma2", {"head_dim": 12, "attn_logit_softcapping": None}, [],
      "query_pre_attn_scalar = 256 != head_dim = 12"),
     ("Llama", {"is_causal": False}, [], "is_causal = false"),
+    ("Llama", {"layer_types": ["full_attention", "linear_attention"]}, [],
+     "layer_types has ['linear_attention']"),
     ("Llama", {}, ["--parallel.cp_ulysses", "8"],
      "num_attention_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
 ])
@@ -211,3 +213,16 @@ def test_attention_refuses_what_it_does_not_compute(kwargs, message):
     with pytest.raises(HFError, match="parallel.cp_ring = parallel.cp_ulysses = 1") as info:
         attention(module, q, q[:, :2], q[:, :2], **kwargs)
     assert message in str(info.value), info.value
+
+
+def test_a_model_that_bypasses_the_attention_interface_is_refused():
+    """A module without transformers' ``_supports_attention_backend`` would never call our
+    attention (each rank would attend over its own tokens only): refused before anything
+    is changed."""
+    from simplefsdp.hf import HFError
+    from simplefsdp.hf.context import apply_cp
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(HFError, match="does not route its attention through"):
+        apply_cp(model, None, 8)
+    assert not hasattr(model, "_sf_context")
