@@ -14,8 +14,8 @@ batch and each keeps its part of the sequence; they hold the same weights, so pa
 are sharded over ``dp_shard x cp`` (:meth:`ParallelDims.data_parallel_mesh`).
 
 ``ep`` (expert parallelism) is no dim of the job mesh: its groups are carved out of
-``dp_shard`` (``dp_replicate`` when nothing is sharded, the ``replicate`` mode) on the
-experts' own mesh (:meth:`ParallelDims.expert_mesh`).
+``dp_shard x cp x tp`` (``dp_replicate`` too in the ``replicate`` mode) on the experts' own
+mesh (:meth:`ParallelDims.expert_mesh`).
 
 Errors are ValueErrors naming each size as the caller spells it (``prefix``:
 ``"parallel."`` for the trainer's ``[parallel]`` section, empty for keyword arguments).
@@ -104,13 +104,10 @@ class ParallelDims:
                 extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
                 raise ValueError(f"{self.prefix}{name} = {size!r} is out of range: it must be "
                                  f"a positive integer{extra}")
-        if self.dp_shard != -1 and self.dp_shard * self.cp > 1 \
-                and (self.dp_shard * self.cp) % self.ep:
-            names, _ = self._names("dp_shard", "cp")
-            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {names} = "
-                             f"{self.dp_shard * self.cp} "
-                             f"(the experts are sharded over those ranks)")
-        if self.dp_shard * self.cp == 1 and self.dp_replicate % self.ep:
+        if self.dp_shard != -1 and self.expert_ranks > 1 and self.expert_ranks % self.ep:
+            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self._expert_names()} = "
+                             f"{self.expert_ranks} (the experts are sharded over those ranks)")
+        if self.dp_shard != -1 and self.expert_ranks == 1 and self.dp_replicate % self.ep:
             raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}"
                              f"dp_replicate = {self.dp_replicate} (with {self.prefix}dp_shard "
                              f"= 1 the expert-parallel groups are carved out of the replicas)")
@@ -184,6 +181,20 @@ class ParallelDims:
     def dp_shard_cp(self) -> int:
         """Ranks a parameter is sharded over: ``dp_shard * cp``."""
         return self._shard() * self.cp
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks of one data-parallel replica that hold the same non-expert weights and
+        read different tokens for the experts: ``dp_shard * cp * tp``. TP ranks count: under
+        TP each routes its own part of the sequence (``parallel/expert.py``), so for the
+        experts they are data-parallel ranks; the ``ep`` groups and the experts' sharding
+        are carved out of these (:meth:`expert_mesh`)."""
+        return self._shard() * self.cp * self.tp
+
+    def _expert_names(self) -> str:
+        """``expert_ranks``' factors as the caller spells them (the cp dims and tp when used)."""
+        used = ["dp_shard"] + [d for d in (*CP_DIMS, "tp") if getattr(self, d) > 1]
+        return " * ".join(f"{self.prefix}{d}" for d in used)
 
     def _shard(self) -> int:
         if not self.resolved:
@@ -273,30 +284,39 @@ class ParallelDims:
         return flat
 
     @staticmethod
-    def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    def expert_mesh(mesh: DeviceMesh, ep: int, mode: str = "fully_shard") -> DeviceMesh:
         """The experts' mesh over the job ``mesh``'s ranks (dims ``MESH_DIMS``, as
-        :meth:`build_mesh` makes them): ``dp_shard`` split into ``(dp_shard / ep, ep)``, ``ep``
-        inside so that neighbouring ranks exchange tokens; dims ``EXPERT_MESH_DIMS``, where
-        ``dp_shard`` now counts the ranks holding the *same* experts. Context-parallel ranks
-        hold the same weights (:meth:`data_parallel_mesh`): ``dp_shard x cp_ring x
-        cp_ulysses`` is split so, the experts' cp dims left of size 1. With ``dp_shard x
-        cp = 1`` (``replicate``) the groups come out of ``dp_replicate`` instead, split into
-        ``(dp_replicate / ep, ep)``: the experts are then replicated over the rest."""
+        :meth:`build_mesh` makes them), dims ``EXPERT_MESH_DIMS``: ``dp_shard x cp_ring x
+        cp_ulysses x tp`` (:attr:`expert_ranks`: one replica's ranks that feed the experts
+        different tokens) flattened and split into ``(expert_ranks / ep, ep)``, ``ep``
+        inside so that neighbouring ranks exchange tokens: with TP, the ``ep`` groups take
+        the TP ranks first (TP's fast links carry the all-to-all). The experts' ``dp_shard``
+        then counts the ranks holding the *same* experts, over which ``data_parallel``
+        shards them and sums their gradients (TP ranks included: torchtitan's experts'
+        mesh, ``dp_shard * cp * tp / ep``); the experts' cp and tp dims are left of size 1
+        (the experts are neither context- nor tensor-parallel). ``mode = "replicate"`` (the
+        experts replicated, reduced over ``dp_replicate``), or ``expert_ranks = 1``: the
+        groups come out of all of a stage's ranks, the experts' ``dp_replicate`` holding the
+        rest."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != MESH_DIMS:
             raise ValueError(f"expert_mesh needs the job mesh (dims {', '.join(MESH_DIMS)}, "
                              f"as simplefsdp.make_mesh builds it), got dims {names}")
-        shard = mesh["dp_shard"].size() * mesh["cp_ring"].size() * mesh["cp_ulysses"].size()
-        replicas = mesh["dp_replicate"].size()
-        if shard == 1 and ep > 1:  # (pp, R, 1, 1, 1, tp) -> (pp, R / ep, 1, ep, 1, 1, tp)
-            ParallelDims.check_ep(ep, replicas, dim="dp_replicate")
-            at = MESH_DIMS.index("dp_replicate")
-            ranks = mesh.mesh.unflatten(at, (replicas // ep, ep)).transpose(at + 1, at + 2)
-        else:  # (pp, R, S, CR, CU, tp) -> (pp, R, S * CR * CU / ep, ep, 1, 1, tp)
+        inner = MESH_DIMS[MESH_DIMS.index("dp_shard"):]  # dp_shard, cp_ring, cp_ulysses, tp
+        used = [d for d in inner if d == "dp_shard" or mesh[d].size() > 1]
+        shard = 1
+        for d in inner:
+            shard *= mesh[d].size()
+        if mode == "replicate" or shard == 1:  # (pp, R, 1, CR, CU, T) -> (pp, R*../ep, 1, ep)
+            at, used = MESH_DIMS.index("dp_replicate"), ["dp_replicate", *used[1:]]
+            if shard == 1:
+                used = ["dp_replicate"]
+        else:  # (pp, R, S, CR, CU, T) -> (pp, R, S * CR * CU * T / ep, ep, 1, 1, 1)
             at = MESH_DIMS.index("dp_shard")
-            ParallelDims.check_ep(ep, shard, dim="dp_shard" if shard == mesh["dp_shard"].size()
-                                  else "dp_shard * cp_ring * cp_ulysses")
-            ranks = mesh.mesh.flatten(at, at + 2).unflatten(at, (shard // ep, ep, 1, 1))
+        ranks = mesh.mesh.flatten(at)
+        ParallelDims.check_ep(ep, ranks.shape[at], dim=" * ".join(used))
+        tail = (1, ep, 1, 1, 1) if at == MESH_DIMS.index("dp_replicate") else (ep, 1, 1, 1)
+        ranks = ranks.unflatten(at, (ranks.shape[at] // ep, *tail))
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @staticmethod

@@ -43,6 +43,8 @@ def test_bad_input_refused():
 
 
 def _expert_mesh_layout(rank: int, world: int):
+    from simplefsdp.train.parallelize import apply_tp
+
     mesh = sf.make_mesh(dp_shard=2, tp=2)  # ranks [[[[0, 1], [2, 3]]]]: tp inside dp_shard
     experts = ParallelDims.expert_mesh(mesh, 2)
     refused = ""
@@ -50,21 +52,46 @@ def _expert_mesh_layout(rank: int, world: int):
         ParallelDims.expert_mesh(mesh, 3)
     except ValueError as e:
         refused = str(e)
+    # TP 2 x EP 2 on this mesh: the rows each rank's dispatch sends (forward only)
+    torch.manual_seed(0)
+    model = moe.MoETransformer(ARGS)
+    model.init_weights()
+    apply_tp(model, mesh["tp"], SEQ)
+    expert.apply_ep(model, experts)
+    sent = []
+    exchange = expert.all_to_all_single_autograd
+
+    def counting(x, recv, send, group):
+        sent.append(sum(send))
+        return exchange(x, recv, send, group)
+
+    expert.all_to_all_single_autograd = counting
+    try:
+        model(_batches(1)[0][0])
+    finally:
+        expert.all_to_all_single_autograd = exchange
     return (experts.mesh_dim_names, experts.mesh.tolist(),
-            sorted(experts["ep"].mesh.tolist()), refused)
+            sorted(experts["ep"].mesh.tolist()), refused, sent)
 
 
 def test_expert_mesh_layout():
     """The experts' mesh over 4 gloo ranks laid out (dp_shard 2, tp 2), against the layout
-    by hand: dp_shard splits into (dp_shard / ep = 1, ep = 2), so each tp column's two
-    dp_shard ranks form an ep group: {0, 2} on tp 0 and {1, 3} on tp 1."""
+    by hand: dp_shard x tp (4 ranks, the TP ranks routing different tokens) splits into
+    (4 / ep = 2, ep = 2), ep inside: the ep groups are the TP pairs {0, 1} and {2, 3}, the
+    experts' dp_shard pairs {0, 2} and {1, 3}. And with TP 2 x EP 2 on it, each rank's
+    all-to-all sends only its own sequence shard's slots: each MoE layer's dispatch (the
+    first of its two exchanges) sends batch 2 x seq 16 / tp 2 x top-2 = 32 rows (the
+    whole sequence's 64 if TP ranks routed the gathered sequence)."""
     results = run_ranks(_expert_mesh_layout, 4)
-    names, ranks, _, refused = results[0]
+    names, ranks, _, refused, _ = results[0]
     assert names == ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
-    assert ranks == [[[[[[[0, 1]]], [[[2, 3]]]]]]]  # (1, 1, 1, 2, 1, 1, 2): ep, then tp
-    assert [r[2] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert refused == "ep = 3 does not divide dp_shard = 2 (the expert-parallel groups " \
-                      "are carved out of dp_shard)"
+    assert ranks == [[[[[[[0]]], [[[1]]]], [[[[2]]], [[[3]]]]]]]  # (1, 1, 2, 2, 1, 1, 1)
+    assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert refused == "ep = 3 does not divide dp_shard * tp = 4 (the expert-parallel " \
+                      "groups are carved out of dp_shard * tp)"
+    slots = BATCH * SEQ // 2 * ARGS.top_k
+    assert all(len(r[4]) == 2 * ARGS.n_layers for r in results)
+    assert [r[4][::2] for r in results] == [[slots] * ARGS.n_layers] * 4
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

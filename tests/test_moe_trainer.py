@@ -37,6 +37,15 @@ LAYOUTS = {
     # the global batch into contiguous runs), so each balance loss is over the same tokens
     "tp2_ep2": ["--parallel.tp", "2", "--parallel.ep", "2",
                 "--training.grad_accum_steps", "2"],
+    # the same with EP 4: each all-to-all spans both TP ranks and both data-parallel ranks
+    # (the experts' mesh folds tp in: dp_shard 2 x tp 2 = ep 4, one expert per rank)
+    "tp2_ep4": ["--parallel.tp", "2", "--parallel.ep", "4",
+                "--training.grad_accum_steps", "2"],
+    # ring 2 x TP 2 with EP 2 (no data parallel: 4 microsteps of the reference ranks' 2
+    # sequences): each rank routes a quarter of each sequence; the balance loss gathers
+    # its statistics over all 4 (cp x tp); EP pairs are the TP pairs
+    "cp2_tp2_ep2": ["--parallel.cp_ring", "2", "--parallel.tp", "2", "--parallel.ep", "2",
+                    "--training.grad_accum_steps", "4"],
     # PP 2 x FSDP 2 with EP 2: each data-parallel rank's 4 sequences in 2 microbatches of
     # the 2 that one reference rank reads; each stage's balance loss joins backward
     "pp2_ep2": ["--parallel.pp", "2", "--parallel.ep", "2", "--training.batch_size", "4",
@@ -57,7 +66,8 @@ def _runs(rank: int, world: int, out: str) -> dict:
     results, batches = {}, []
 
     def keep(inputs, targets):  # this rank's batches, for the reference by hand
-        batches.append((inputs.clone(), targets.clone()))
+        # plain lists: a tensor would travel as shared memory that dies with this process
+        batches.append((inputs.tolist(), targets.tolist()))
         return inputs, targets
 
     for name, flags in LAYOUTS.items():
@@ -186,7 +196,7 @@ def test_metrics_by_hand(runs):
     aux, ce, loads = 0.0, 0.0, {}
     experts, coef, ranks = 4, 0.1, 4
     for rank in range(ranks):
-        inputs, targets = results[rank]["batches"][0]
+        inputs, targets = (torch.tensor(t) for t in results[rank]["batches"][0])
         routed.clear()
         with torch.no_grad():
             logits = model(inputs)

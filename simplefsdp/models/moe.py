@@ -143,7 +143,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` (tokens, dim) -> (scores (tokens, E) float32, weights (tokens, k) float32,
         expert ids (tokens, k))."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.gate_weight().float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         ids = choice.topk(self.top_k, dim=-1).indices
@@ -151,6 +151,11 @@ class Router(nn.Module):
         if self.norm:
             weights = weights / weights.sum(-1, keepdim=True)
         return scores, weights, ids
+
+    def gate_weight(self) -> torch.Tensor:
+        """The weight as the matmul takes it (tensor parallelism reads it differently:
+        ``parallel/expert.py``)."""
+        return self.weight
 
     def init_weights(self) -> None:
         _trunc_normal(self.weight, 0.02)
@@ -239,12 +244,15 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts),
                              persistent=False)
         self.aux_loss: torch.Tensor | None = None
-        # Context parallelism: the ranks holding the other parts of these sequences; the
-        # balance loss's statistics are over all of them (set by parallel.context.apply_cp).
+        # Context (and tensor) parallelism: the ranks holding the other parts of these
+        # sequences; the balance loss's statistics are over all of them (set by
+        # parallel.context.apply_cp, parallel.expert.set_token_group). ``loss_copies``: how
+        # many of them add the same loss for the same tokens (TP ranks; see switch_aux_loss).
         self.token_group: dist.ProcessGroup | None = None
+        self.loss_copies = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, seqs = x.shape, x
         x = x.reshape(-1, shape[-1])
         scores, weights, ids = self.gate(x)
         # Slots per expert; not bincount, whose output length depends on the data (a
@@ -255,11 +263,12 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += counts
         if self.load_balance == "aux_loss":
-            self.aux_loss = switch_aux_loss(scores, counts, self.score_func, self.token_group)
-        out = routed_combine(x, weights, ids, counts, self.experts)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
-        return out.view(shape)
+            self.aux_loss = switch_aux_loss(scores, counts, self.score_func, self.token_group,
+                                            self.loss_copies)
+        out = routed_combine(x, weights, ids, counts, self.experts).view(shape)
+        if self.shared_expert is not None:  # on (batch, seq, dim): TP gathers the sequence
+            out = out + self.shared_expert(seqs)
+        return out
 
     def init_weights(self, init_std: float) -> None:
         self.gate.init_weights()
@@ -270,22 +279,42 @@ class MoE(nn.Module):
 
 
 def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    group: dist.ProcessGroup | None = None, copies: int = 1) -> torch.Tensor:
     """Switch Transformer's balance loss, as transformers computes it for one layer:
     ``E * sum_e (slots to e / tokens) * mean score of e``; ``top_k`` when perfectly
-    balanced. Sigmoid scores are normalized per token first. With ``group`` (context
-    parallel: its ranks hold equal parts of the same sequences) the slots and scores are
-    summed over its ranks first, so the loss is the whole sequences' on every rank; the
-    scores' gradient comes back summed over the ranks (the all-gather's backward)."""
+    balanced. Sigmoid scores are normalized per token first. With ``group`` (context and
+    tensor parallel: its ranks hold equal parts of the same sequences) the slots and scores
+    are summed over its ranks first, so the loss is the whole sequences' on every rank; the
+    scores' gradient comes back summed over the ranks (the all-gather's backward).
+
+    ``copies``: ranks of ``group`` that each add this loss with the weight of the same
+    tokens (TP ranks: the trainer weighs every TP rank's copy by its whole slice's share,
+    as TP ranks share one loss), so the summed gradient is divided by it: the sum over the
+    group then counts each part of the sequences once (a CP rank weighs by its own part)."""
     if score_func == "sigmoid":
         scores = scores / scores.sum(-1, keepdim=True)
     tokens, experts = scores.shape
     stats = torch.stack([counts.float(), scores.sum(0)])  # (2, E)
+    if copies > 1:
+        stats = _ScaleGrad.apply(stats, 1 / copies)
     if group is not None:
         size = dist.get_world_size(group)
         stats = all_gather_autograd(stats, group).view(size, 2, experts).sum(0)
         tokens *= size
     return experts * (stats[0] / tokens * (stats[1] / tokens)).sum()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; in backward the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
 
 
 class MoETransformer(Transformer):

@@ -1,9 +1,10 @@
 """Expert parallelism: each rank of an ``ep`` group holds ``num_experts / ep`` of every MoE
 layer's routed experts, and tokens travel to the rank of their expert and back.
 
-The experts' mesh is the job's mesh with ``dp_shard`` split in two, ``(dp_shard / ep, ep)``,
-``ep`` inside (neighbouring ranks exchange tokens): ``simplefsdp.mesh.ParallelDims.expert_mesh``
-builds it. Its dims are named
+The experts' mesh is the job's mesh with ``dp_shard x cp x tp`` flattened and split in two,
+``(dp_shard * cp * tp / ep, ep)``, ``ep`` inside (neighbouring ranks exchange tokens; TP
+ranks, which route different tokens under :func:`moe_tp_plan`, join the experts' data
+parallel): ``simplefsdp.mesh.ParallelDims.expert_mesh`` builds it. Its dims are named
 as the job mesh's, ``dp_shard`` now meaning the ranks that hold the *same* experts, so
 ``data_parallel`` runs on it unchanged in every mode (``fully_shard`` shards each EP
 group's local experts over those ranks, ``hybrid_shard`` adds the replicas, ``replicate``
@@ -33,10 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from .._torch_compat import all_to_all_single_autograd
-from ..mesh import ParallelDims
+from .._torch_compat import all_to_all_single_autograd, flatten_mesh
+from ..mesh import CP_DIMS, ParallelDims
 from ..models.moe import MoE, expert_ffn, moe_layers
 
 
@@ -63,7 +65,8 @@ def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
     ep_mesh = experts_mesh["ep"]
     for layer in layers:
         split_experts(layer.experts, ep_mesh)
-        layer.experts.__class__ = _ep_class(type(layer.experts))
+        layer.experts.__class__ = _subclass(type(layer.experts), ExpertParallelExperts,
+                                             "ExpertParallel")
 
 
 def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -95,45 +98,90 @@ def is_moe(module: nn.Module) -> bool:
 
 def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
     """Tensor + sequence parallel for one routed FFN at ``prefix`` of its block (keys for
-    ``parallelize_module`` on the block).
+    ``parallelize_module`` on the block's TP mesh).
 
-    The sequence shards are gathered before the router (every TP rank then holds its
-    data-parallel slice's whole sequence, as the dense FFN's input), and the router and
-    routed experts stay whole: every TP rank routes the same tokens with the same
-    weights, so it takes the same routing decisions, exchanges them with its own EP
-    group (the experts' mesh keeps ``tp``) and computes the same routed output and the
-    same full gradients (the routed work is repeated on each TP rank; nothing of it is
-    reduced over TP). The shared expert is split as a dense FFN (``w1``/``w3``
-    column-wise, ``w2`` row-wise), its output all-reduced so that both halves are whole;
-    their sum goes back to this rank's sequence shard (a slice; in backward the output
-    gradient is all-gathered over the sequence, so each rank sees all of it)."""
-    from torch.distributed.tensor import Replicate, Shard
+    Each TP rank routes its own part of the sequence: the FFN takes the normed residual's
+    sequence shard as it is (no gather), the router runs on those tokens with its whole
+    weight (replicated over TP, :class:`TensorParallelRouter`: its gradient, one part of
+    the sequence per rank, is summed over TP in backward), and the routed experts (whole,
+    not TP-split) see only those tokens: the all-to-alls carry ``1 / tp`` of the slots,
+    and TP ranks act as data-parallel ranks for the experts (``ParallelDims.expert_mesh``
+    folds ``tp`` into the experts' dims). The routed output is this rank's part already.
+    The shared expert is a dense sequence-parallel FFN: its input gathered over the
+    sequence, ``w1``/``w3`` column-wise, ``w2`` row-wise, its output reduce-scattered back
+    onto this rank's part. The balance loss needs the whole sequence's statistics:
+    :func:`set_token_group`."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInputOutput,
+        PrepareModuleInput,
         RowwiseParallel,
     )
 
-    plan = {prefix: PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-        use_local_output=True)}
+    plan = {prefix: PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Shard(1),),
+                                       use_local_output=True),
+            f"{prefix}.gate": _ReplicateRouter()}
     if moe.shared_expert is not None:
-        plan.update({f"{prefix}.shared_expert.w1": ColwiseParallel(),
+        plan.update({f"{prefix}.shared_expert": PrepareModuleInput(
+                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     f"{prefix}.shared_expert.w1": ColwiseParallel(),
                      f"{prefix}.shared_expert.w3": ColwiseParallel(),
-                     f"{prefix}.shared_expert.w2": RowwiseParallel()})
+                     f"{prefix}.shared_expert.w2": RowwiseParallel(output_layouts=Shard(1))})
     return plan
 
 
-_EP_CLASSES: dict[type, type] = {}
+class _ReplicateRouter(ParallelStyle):
+    """The router's weight becomes a ``Replicate`` DTensor on the TP mesh (the router
+    computes on local tokens: :class:`TensorParallelRouter`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight = module._parameters["weight"]
+        src = None if weight.device.type == "meta" else 0
+        module._parameters["weight"] = nn.Parameter(
+            distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
+            requires_grad=weight.requires_grad)
+        module.__class__ = _subclass(type(module), TensorParallelRouter, "TensorParallel")
+        return module
 
 
-def _ep_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls`` with :class:`ExpertParallelExperts`'s forward (one subclass per class)."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelExperts, cls),
-                                {})
-    return _EP_CLASSES[cls]
+class TensorParallelRouter(nn.Module):
+    """The router under TP (mixed into the router's class): its weight, a ``Replicate``
+    DTensor on the TP mesh, is read as the local tensor whose gradient is ``Partial``:
+    each TP rank's gradient comes from its own tokens, and the read's backward (a
+    ``Partial`` to ``Replicate`` redistribution) sums them over TP."""
+
+    def gate_weight(self) -> torch.Tensor:
+        weight = self.weight
+        if not isinstance(weight, DTensor):
+            return weight
+        return weight.to_local(grad_placements=(Partial(),) * weight.device_mesh.ndim)
+
+
+def set_token_group(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Under TP, every MoE layer's balance-loss statistics are summed over the ranks that
+    route parts of the same sequences: ``cp_ring x cp_ulysses x tp`` of the job ``mesh``
+    (their dims above 1, flattened; replaces ``apply_cp``'s cp-only group), so the loss is
+    the whole sequences' on each; ``loss_copies = tp`` (each TP rank adds the loss with
+    its slice's whole weight: ``models.moe.switch_aux_loss``). Collective (every rank
+    flattens the same dims). Nothing to do without TP."""
+    if mesh["tp"].size() == 1:
+        return
+    dims = tuple(d for d in (*CP_DIMS, "tp") if mesh[d].size() > 1)
+    group = (mesh["tp"] if len(dims) == 1 else flatten_mesh(mesh[dims], "_".join(dims))
+             ).get_group()
+    for layer in moe_layers(model):
+        layer.token_group, layer.loss_copies = group, mesh["tp"].size()
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(cls: type[nn.Module], mixin: type[nn.Module], prefix: str) -> type[nn.Module]:
+    """``cls`` with ``mixin``'s methods first, named ``prefix`` + its name (one subclass per
+    pair: a module's class is swapped in place, its state and parameters kept)."""
+    if (cls, mixin) not in _SUBCLASSES:
+        _SUBCLASSES[cls, mixin] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _SUBCLASSES[cls, mixin]
 
 
 class ExpertParallelExperts(nn.Module):
@@ -198,5 +246,6 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
             + torch.arange(total, device=sizes.device))
 
 
-__all__ = ["ExpertParallelExperts", "apply_ep", "check_ep", "ep_forward", "is_moe",
-           "moe_tp_plan", "shard_experts", "split_experts"]
+__all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
+           "ep_forward", "is_moe", "moe_tp_plan", "set_token_group", "shard_experts",
+           "split_experts"]

@@ -17,9 +17,10 @@ the ``MoETransformer`` and three additions.
   dropless, every slot reaches its expert).
 
 Tensor parallelism splits attention and the shared expert as in a dense block; the router
-and the routed experts stay whole and run the gathered sequence on every TP rank
-(``parallel/expert.moe_tp_plan``). Pipeline stages hold whole blocks; each stage's
-balance loss joins backward through its output (``pipeline.AuxLossStage``).
+and the routed experts stay whole, each TP rank routing its own part of the sequence
+(``parallel/expert.moe_tp_plan``): the experts are sharded over ``dp_shard x cp x tp /
+ep`` (``ParallelDims.expert_mesh``), also with ``ep = 1``. Pipeline stages hold whole
+blocks; each stage's balance loss joins backward through its output (``pipeline.AuxLossStage``).
 
 Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
 ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from ..mesh import ParallelDims
 from ..models import moe, registry
 from ..models.llama import flops_per_token
-from ..parallel.expert import apply_ep, check_ep, shard_experts
+from ..parallel.expert import apply_ep, check_ep, set_token_group, shard_experts
 from .config import ConfigError, JobConfig, config_errors
 from .llama_family import build_model
 from .metrics import MOE_COLUMNS, expert_figures
@@ -91,11 +92,16 @@ def _with_router_fp32(cfg: JobConfig) -> JobConfig:
 
 
 def _shard_experts(model, mesh, cfg: JobConfig) -> None:
-    """Expert parallelism, then the experts' data parallel on their own mesh (ep > 1)."""
-    if cfg.parallel.ep == 1:
+    """Expert parallelism, then the experts' data parallel on their own mesh (ep > 1, or
+    tp > 1: TP ranks route different tokens, so the experts' gradients are summed over
+    them too); under TP the balance loss's statistics over the whole sequences."""
+    p = cfg.parallel
+    set_token_group(model, mesh)
+    if p.ep == 1 and p.tp == 1:
         return
-    experts_mesh = ParallelDims.expert_mesh(mesh, cfg.parallel.ep)
-    apply_ep(model, experts_mesh)
+    experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode)
+    if p.ep > 1:
+        apply_ep(model, experts_mesh)
     shard_experts(model, experts_mesh, **dp_options(cfg))
 
 
@@ -120,13 +126,13 @@ def _parallelize(model, mesh, cfg: JobConfig):
 def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
     """The bias update and the step's figures (see the module docstring). Two all-reduces
     over every rank. The loads go into a table of all the model's blocks (a pipeline
-    stage fills its own rows), summed over the ranks that routed different tokens: TP
-    ranks route the same ones (``parallel/expert.moe_tp_plan``), so only TP rank 0's
-    count, as only its share of the auxiliary loss does."""
+    stage fills its own rows), summed over every rank: each routed different tokens (TP
+    ranks each their part of the sequence: ``parallel/expert.moe_tp_plan``). The balance
+    loss is the whole slice's on each TP rank, so only TP rank 0's share counts."""
     own, args = s.at.tp == 0, s.cfg.model.model_args()
     rows = _moe_block_ids(s.model)
     table = torch.zeros(args.n_layers, args.num_experts, device=s.device)
-    if own and rows:
+    if rows:
         table[rows] = torch.stack([m.tokens_per_expert for m in moe.moe_layers(s.model)])
     dist.all_reduce(table)  # every rank, also a stage without MoE blocks
     moe.update_expert_bias(s.model, reduce=lambda _: table[rows])  # then zeroed

@@ -14,7 +14,7 @@
    (a DTensor, ``Shard(-1)``) and the loss runs over the pieces (``step.loss_context``);
    without, they are gathered (whole on every TP rank, for the loss). A routed FFN (MoE)
    takes ``parallel/expert.py``'s plan (:func:`moe_tp_plan`: shared expert split, router
-   and routed experts whole, run on the gathered sequence).
+   and routed experts whole, each TP rank routing its own part of the sequence).
 2. Activation checkpointing (``activation_checkpoint.mode``) per block: ``full``
    recomputes the whole block in backward; ``selective`` is torchtitan's per-op policy:
    it keeps the outputs of attention, TP reduce-scatters and every other matmul, and
