@@ -191,7 +191,8 @@ def _entries_merge_to_themselves(spec: dict, ranks: dict[bytes, int]) -> str:
     model = spec["model"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
               for m in model.get("merges", [])]
-    vocab = {t: i for t, i in model["vocab"].items() if i in set(ranks.values())}
+    kept = set(ranks.values())  # once: a 128k vocabulary made this quadratic
+    vocab = {t: i for t, i in model["vocab"].items() if i in kept}
     bpe = models.BPE(vocab, merges, ignore_merges=False)
     for token, token_id in vocab.items():
         ids = [t.id for t in bpe.tokenize(token)]
