@@ -95,3 +95,37 @@ def test_a_collective_timing_out_in_the_first_step_dumps_every_ranks_stacks(tmp_
     assert hung.startswith("[simplefsdp] hang watchdog: rank 1 at step 1, in next batch for")
     assert "first seen by rank 0, step 1, token-count all-reduce" in hung.splitlines()[0]
     assert "_hang_on_rank1_in_step1" in hung
+
+
+# A process that leaves the watchdog while its thread is inside a store call, then exits.
+# The call is made long (one large matmul first: torch releases the GIL in it, as the
+# store's own C++ calls do) so the exit always lands inside it, as it can under load.
+# Without the join on exit the interpreter finalizes under that daemon thread and the
+# process aborts ("terminate called without an active exception", status -6).
+_EXIT_WHILE_POLLING = """
+import datetime, time, torch, torch.distributed as dist
+from simplefsdp.train import watchdog
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+big = torch.randn(2000, 2000)
+class SlowStore:
+    def check(self, keys):
+        torch.mm(big, big)  # 16 GFLOP: several times the 0.05 s below
+        return store.check(keys)
+watchdog._store = SlowStore
+watchdog.POLL_S = 0.0
+with watchdog.Watchdog(600.0, {folder!r}, 0):
+    time.sleep(0.05)
+print("left the watchdog")
+"""
+
+
+def test_a_finished_run_exits_cleanly_while_the_watchdog_polls(tmp_path):
+    import subprocess
+    import sys
+
+    script = _EXIT_WHILE_POLLING.format(folder=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "left the watchdog" in run.stdout, \
+        (run.returncode, run.stdout, run.stderr[-2000:])

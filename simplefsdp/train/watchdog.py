@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .._torch_compat import collective_timed_out, default_store, nccl_flight_recorder
 
 POLL_S = 0.5
+JOIN_S = 30.0  # the store's own calls time out well before
 HANG_EXIT = 5
 _KEY = "simplefsdp/hang"
 
@@ -87,6 +88,11 @@ class Watchdog:
             self._dump(time.monotonic() - self.since, None, cause=exc)
         _active = None
         self._stop.set()
+        if self._thread is not None:
+            # Wait out a store call in flight: a daemon thread still inside C++ (the GIL
+            # released) when the interpreter exits aborts the process ("terminate called
+            # without an active exception"), i.e. a finished run exits with SIGABRT.
+            self._thread.join(timeout=JOIN_S)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
