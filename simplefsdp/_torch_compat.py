@@ -478,6 +478,12 @@ def around_sharding_propagation(ctx) -> Callable[[], None]:
 
     saved = ShardingPropagator.__dict__.get("_fake_mode_lock")
     if saved is None:
+        import warnings
+
+        warnings.warn("this torch's DTensor has no ShardingPropagator._fake_mode_lock: "
+                      "its sharding propagation cannot be told apart, so eager memory "
+                      "predictions may also count its fake global-shape tensors",
+                      stacklevel=2)
         return lambda: None
 
     class Around:
@@ -485,9 +491,11 @@ def around_sharding_propagation(ctx) -> Callable[[], None]:
             ctx.__enter__()
             return saved.__enter__()
 
-        def __exit__(self, *exc):
-            ctx.__exit__(*exc)
-            return saved.__exit__(*exc)
+        def __exit__(self, *exc):  # in the reverse order of entering
+            try:
+                return saved.__exit__(*exc)
+            finally:
+                ctx.__exit__(*exc)
 
     ShardingPropagator._fake_mode_lock = Around()
     return lambda: setattr(ShardingPropagator, "_fake_mode_lock", saved)
