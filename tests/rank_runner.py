@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import time
 import traceback
@@ -76,7 +77,10 @@ def _worker(fn, rank, world_size, port, env, _std_fds, args, queue):
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle copies tensors' data; the queue's own pickler would send them as
+        # shared memory that the parent reads through this process, which may have
+        # exited by then (ConnectionResetError / refused, seen under load)
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -118,7 +122,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=10)

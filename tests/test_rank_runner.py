@@ -31,3 +31,30 @@ def test_ranks_see_the_callers_environment_folder_and_output(monkeypatch, capfd,
     out, err = capfd.readouterr()
     for rank in (0, 1):
         assert f"stdout of rank {rank}" in out and f"stderr of rank {rank}" in err
+
+
+def _tensor(rank: int, world: int):
+    import torch
+
+    return {"x": torch.arange(1000.0) + rank}
+
+
+def test_a_returned_tensor_outlives_its_rank():
+    # The rank has exited before its result is read: the tensor's data must travel in the
+    # message, not as shared memory served by the rank process.
+    import pickle
+
+    import rank_runner
+    import torch
+
+    ctx = rank_runner._context()
+    queue = ctx.Queue()
+    proc = ctx.Process(target=rank_runner._worker,
+                       args=(_tensor, 0, 1, rank_runner.free_port(), dict(os.environ),
+                             (), (), queue))
+    proc.start()
+    proc.join(timeout=300)
+    assert proc.exitcode == 0
+    rank, status, payload = queue.get(timeout=60)
+    assert (rank, status) == (0, "ok"), payload
+    assert torch.equal(pickle.loads(payload)["x"], torch.arange(1000.0))
