@@ -52,12 +52,15 @@ def _expert_mesh_layout(rank: int, world: int):
         ParallelDims.expert_mesh(mesh, 3)
     except ValueError as e:
         refused = str(e)
-    # TP 2 x EP 2 on this mesh: the rows each rank's dispatch sends (forward only)
+    # TP 2 x EP 2 on this mesh: the rows each rank's dispatch sends, then one backward of
+    # the trainer's loss (every rank the same batch: no data-parallel reduction needed
+    # for the router, whose gradient is the TP ranks' sum)
     torch.manual_seed(0)
     model = moe.MoETransformer(ARGS)
     model.init_weights()
     apply_tp(model, mesh["tp"], SEQ)
     expert.apply_ep(model, experts)
+    expert.set_token_group(model, mesh)
     sent = []
     exchange = expert.all_to_all_single_autograd
 
@@ -66,12 +69,17 @@ def _expert_mesh_layout(rank: int, world: int):
         return exchange(x, recv, send, group)
 
     expert.all_to_all_single_autograd = counting
+    inputs, targets = _batches(1)[0]
     try:
-        model(_batches(1)[0][0])
+        _loss(model, inputs, targets, targets.numel()).backward()
     finally:
         expert.all_to_all_single_autograd = exchange
+    # the gradient is a Partial DTensor (data_parallel would reduce it): its sum over TP
+    routers = [layer.gate.weight.grad.full_tensor().tolist()
+               for layer in moe.moe_layers(model)]
     return (experts.mesh_dim_names, experts.mesh.tolist(),
-            sorted(experts["ep"].mesh.tolist()), refused, sent)
+            sorted(experts["ep"].mesh.tolist()), refused, sent,
+            [layer.aux_loss.item() for layer in moe.moe_layers(model)], routers)
 
 
 def test_expert_mesh_layout():
@@ -81,9 +89,27 @@ def test_expert_mesh_layout():
     experts' dp_shard pairs {0, 2} and {1, 3}. And with TP 2 x EP 2 on it, each rank's
     all-to-all sends only its own sequence shard's slots: each MoE layer's dispatch (the
     first of its two exchanges) sends batch 2 x seq 16 / tp 2 x top-2 = 32 rows (the
-    whole sequence's 64 if TP ranks routed the gathered sequence)."""
+    whole sequence's 64 if TP ranks routed the gathered sequence). Each layer's balance
+    loss and its router's gradient after one backward equal a single process on the same
+    batch: the loss's statistics gathered over TP (whole sequence), the router's gradient
+    summed over TP, the balance loss's not counted twice (each TP rank adds it). Balance
+    losses within 1e-6 relative; router gradients within 1e-8 absolute + 1e-5 relative
+    (float32: TP's split matmuls add in another order; measured worst 1.9e-9 absolute, on
+    elements whose terms cancel; the largest are ~4e-3, and a missing TP sum halves each,
+    a doubled balance term moves them by its share)."""
     results = run_ranks(_expert_mesh_layout, 4)
-    names, ranks, _, refused, _ = results[0]
+    torch.manual_seed(0)
+    reference = moe.MoETransformer(ARGS)
+    reference.init_weights()
+    inputs, targets = _batches(1)[0]
+    _loss(reference, inputs, targets, targets.numel()).backward()
+    layers = moe.moe_layers(reference)
+    for _, _, _, _, _, aux, routers in results:
+        assert aux == pytest.approx([layer.aux_loss.item() for layer in layers], rel=1e-6)
+        for got, layer in zip(routers, layers, strict=True):
+            torch.testing.assert_close(torch.tensor(got), layer.gate.weight.grad, rtol=1e-5,
+                                       atol=1e-8)
+    names, ranks, _, refused, _, _, _ = results[0]
     assert names == ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
     assert ranks == [[[[[[[0]]], [[[1]]]], [[[[2]]], [[[3]]]]]]]  # (1, 1, 2, 2, 1, 1, 1)
     assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
