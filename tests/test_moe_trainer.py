@@ -263,7 +263,8 @@ def test_moe_bad_input_refused(flags, message):
 
 def test_ep_refusals_name_the_key():
     """EP on a dense model, an MoE key on a dense preset, ep not dividing the ranks the
-    groups come from (dp_shard; dp_replicate when dp_shard = 1) for the world size."""
+    groups come from (dp_shard, times tp under TP; dp_replicate when dp_shard = 1) for the
+    world size."""
     with pytest.raises(ConfigError, match=r"^parallel\.ep = 2 needs a mixture-of-experts "
                                           r"model, but model\.family = 'llama'"):
         load_config(None, ["--parallel.ep", "2"])
@@ -282,6 +283,11 @@ def test_ep_refusals_name_the_key():
                                           r"preset: set model\.family = 'moe'"):
         load_config(None, ["--model.name", "debug_moe", "--model.family", "llama"])
     load_config(None, [*moe, "--parallel.dp_shard", "4"], world_size=4)  # fine
+    # under TP the groups come out of dp_shard x tp (TP ranks route different tokens)
+    load_config(None, [*moe, "--parallel.tp", "2"], world_size=4)  # ep 4 = dp_shard 2 x tp 2
+    with pytest.raises(ConfigError, match=r"^parallel\.ep = 4 must divide parallel\.dp_shard "
+                                          r"\* parallel\.tp = 2 "):
+        load_config(None, [*moe, "--parallel.tp", "2"], world_size=2)
 
 
 
