@@ -147,8 +147,9 @@ class _ReplicateRouter(ParallelStyle):
 class TensorParallelRouter(nn.Module):
     """The router under TP (mixed into the router's class): its weight, a ``Replicate``
     DTensor on the TP mesh, is read as the local tensor whose gradient is ``Partial``:
-    each TP rank's gradient comes from its own tokens, and the read's backward (a
-    ``Partial`` to ``Replicate`` redistribution) sums them over TP."""
+    each TP rank's gradient comes from its own tokens, and they are summed over TP where
+    the gradient meets the weight's ``Replicate`` placement (``data_parallel``'s read
+    redistributes it in backward; without it the gradient stays a ``Partial`` DTensor)."""
 
     def gate_weight(self) -> torch.Tensor:
         weight = self.weight
