@@ -109,7 +109,8 @@ def moe_assets(tmp_path_factory) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------
 # First step: ours (sharded load + adapted experts) against transformers' from_pretrained.
 # ---------------------------------------------------------------------------------------
-def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: str):
+def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: str,
+                coef: float = COEF):
     """Our first step (loss, metrics row) and transformers' on the same batch: the LM
     loss, the balance loss, the gradient norm of their loss (LM + coef x balance), the
     worst layer's max / mean slots per expert from their router logits. Then the dtypes
@@ -131,7 +132,8 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
     with torch.no_grad():
         lm = hf(**kwargs, output_router_logits=False).loss.item()
     out = hf(**kwargs, output_router_logits=True)
-    out.loss.backward()
+    # their loss with the balance loss weighed ``coef`` (the folder's weight is COEF)
+    (out.loss + (coef - hf.config.router_aux_loss_coef) * out.aux_loss).backward()
     grad_norm = torch.linalg.vector_norm(
         torch.stack([p.grad.norm() for p in hf.parameters() if p.grad is not None])).item()
     ratios = []
@@ -139,7 +141,7 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
         chosen = logits.softmax(-1).topk(hf.config.num_experts_per_tok, dim=-1).indices
         load = torch.bincount(chosen.flatten(), minlength=EXPERTS).double()
         ratios.append((load.max() / load.mean()).item())
-    theirs = {"loss": lm, "aux_loss": COEF * out.aux_loss.item(), "grad_norm": grad_norm,
+    theirs = {"loss": lm, "aux_loss": coef * out.aux_loss.item(), "grad_norm": grad_norm,
               "expert_load_max_mean": max(ratios)}
 
     out_dir = argv[argv.index("--metrics.output_dir") + 1]
@@ -178,10 +180,14 @@ def test_moe_first_step_equals_hf(moe_assets, tmp_path, name):
     load: the worst layer's max / mean slots per expert from their router logits' top-k;
     counts of equal routing, rel 1e-6. Under bf16 mixed precision the router's weight is
     float32 in forward (kept so by default), the experts' bfloat16, and the router logits
-    transformers records for its balance loss float32 (recorded before the cast back)."""
-    argv = _argv(tmp_path, moe_assets[name], moe_assets["jsonl"])
+    transformers records for its balance loss float32 (recorded before the cast back).
+    Mixtral runs with ``model.router_aux_loss_coef = 2 x`` the folder's: their loss then
+    weighs the balance loss so too."""
+    coef = COEF if name == "qwen3_moe" else 2 * COEF
+    extra = [] if coef == COEF else ["--model.router_aux_loss_coef", str(coef)]
+    argv = _argv(tmp_path, moe_assets[name], moe_assets["jsonl"], *extra)
     loss, row, theirs, dtypes = run_ranks(_first_step, 1, argv, str(moe_assets[name]),
-                                          str(moe_assets["jsonl"]))[0]
+                                          str(moe_assets["jsonl"]), coef)[0]
     print(f"ours {loss} {row}, theirs {theirs}")
     assert loss == pytest.approx(theirs["loss"], rel=1e-6, abs=0)
     assert row["aux_loss"] == pytest.approx(theirs["aux_loss"], rel=1e-6, abs=0)
@@ -548,3 +554,85 @@ def test_our_moe_export_refused_where_mixtral_differs(tmp_path):
     for key in ("checkpoint.export_hf", "model.shared_hidden_dim = 32",
                 "model.score_func = 'sigmoid'", "model.load_balance = 'bias'"):
         assert key in message, message
+
+
+# ---------------------------------------------------------------------------------------
+# One process, no ranks: the balance-loss key and the expert counts under AC.
+# ---------------------------------------------------------------------------------------
+def _tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_moe_expert_counts_once_under_activation_checkpointing(mode):
+    """A checkpointed decoder layer routes its tokens again in backward; the loads
+    (``take_loads``) count the forward's routing once: per layer, the bincount of the
+    top-k of transformers' own router logits (exact integers), summing to tokens x top_k."""
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.experts import adapt_experts, take_loads
+    from simplefsdp.hf.model import apply_ac
+
+    torch.manual_seed(0)
+    config = _qwen3_moe_config()
+    model = AutoModelForCausalLM.from_config(config)
+    assert adapt_experts(model) == 2
+    apply_ac(model, config, mode)
+    tokens = _tokens()
+    out = model(input_ids=tokens, output_router_logits=True, use_cache=False)
+    out.logits.sum().backward()  # the recompute runs here
+    want = torch.stack([torch.bincount(logits.topk(2, dim=-1).indices.flatten(),
+                                       minlength=EXPERTS).float()
+                        for logits in out.router_logits])
+    loads = take_loads(model)
+    assert torch.equal(loads, want), (loads, want)
+    assert loads.sum(1).tolist() == [tokens.numel() * 2] * 2  # 32 tokens x top 2, per layer
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5, None])
+def test_moe_router_aux_loss_coef_overrides_the_folder(moe_assets, coef):
+    """``model.router_aux_loss_coef``: 0 turns the folder's balance loss off (no router
+    logits, no aux loss), 0.5 weighs it 0.5, left out keeps the folder's (COEF). The loss
+    kept for the trainer (``hooks.aux_loss``) against ``coef x`` transformers' own balance
+    loss of the folder's model on the same tokens (the same ops: bitwise)."""
+    from transformers import AutoModelForCausalLM
+
+    from simplefsdp.hf.hooks import aux_loss
+    from simplefsdp.hf.model import causal_lm_call, job_config
+    from simplefsdp.train.config import load_config
+
+    folder = moe_assets["qwen3_moe"]
+    flags = ["--model.hf_path", str(folder)]
+    if coef is not None:
+        flags += ["--model.router_aux_loss_coef", str(coef)]
+    config = job_config(load_config(None, flags))
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config, **EAGER)
+    causal_lm_call(model, model)(_tokens())
+    if coef == 0.0:
+        assert config.output_router_logits is False and aux_loss(model) is None
+        return
+    reference = AutoModelForCausalLM.from_pretrained(folder, **EAGER)
+    want = reference(input_ids=_tokens(), output_router_logits=True, use_cache=False).aux_loss
+    assert aux_loss(model) is not None and want > 0
+    assert torch.equal(aux_loss(model), (COEF if coef is None else coef) * want)
+
+
+def test_moe_router_aux_loss_coef_refused(moe_assets, tmp_path):
+    """Refused at config load, naming the key: without model.hf_path (our MoE has
+    model.aux_loss_coef), below 0, and on a folder whose model has no balance loss."""
+    from transformers import LlamaConfig
+
+    from simplefsdp.train.config import ConfigError, load_config
+
+    LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64).save_pretrained(tmp_path)
+    for flags, message in [
+        ([], "model.hf_path is not set; for our MoE presets use model.aux_loss_coef"),
+        (["--model.hf_path", str(moe_assets["qwen3_moe"]), "--model.router_aux_loss_coef",
+          "-1"], "model.router_aux_loss_coef = -1.0 is out of range: it must be >= 0"),
+        (["--model.hf_path", str(tmp_path)], "(LlamaConfig) has no output_router_logits"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, flags + (["--model.router_aux_loss_coef", "0.1"]
+                                       if "-1" not in flags else []))
+        assert message in str(info.value), str(info.value)

@@ -64,7 +64,7 @@ def _unfit(text, seq_len: int) -> str | None:
         return f"attention_dropout = {text.attention_dropout} (no dropout in CP attention)"
     if getattr(text, "output_router_logits", False):
         return "output_router_logits = true (the balance loss's statistics are per " \
-               "forward, here part of each sequence)"
+               "forward, here part of each sequence; model.router_aux_loss_coef = 0 turns it off)"
     return None
 
 
@@ -74,13 +74,13 @@ def check_config(cfg) -> None:
     (``ParallelDims.check_cp`` on config.json's ``num_attention_heads``). Imports
     transformers (to read the config) only when ``cp > 1``."""
     from ..train.config import config_errors
-    from .model import load_config, text_config
+    from .model import job_config, text_config
 
     dims = cfg.parallel.dims()
     if dims.cp == 1:
         return
     where = Path(cfg.model.hf_path) / "config.json"
-    config = load_config(cfg.model.hf_path)
+    config = job_config(cfg)  # with model.router_aux_loss_coef applied
     text = text_config(config)
     if text is not config:
         raise HFError(f"{where}: {type(config).__name__} wraps a language model in a "

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._torch_compat import current_graph_task_id
 from ..models.moe import expert_ffn, routed_combine
 from . import HFError
 
@@ -87,9 +88,9 @@ def check_experts(model: nn.Module) -> None:
 
 class RoutedExperts(nn.Module):
     """The experts' forward (mixed into a transformers experts class). ``_sf_load``
-    accumulates this rank's routed slots per expert until :func:`take_loads` reads them
-    (under activation checkpointing the recompute counts them again: every layer's load
-    doubles, the max / mean ratio reported from it does not change)."""
+    accumulates this rank's routed slots per expert until :func:`take_loads` reads them,
+    once per forward: an activation-checkpointing recompute (it runs inside backward)
+    routes the same tokens again and is not counted."""
 
     _sf_num_experts: int
     _sf_load: torch.Tensor | None = None
@@ -100,9 +101,14 @@ class RoutedExperts(nn.Module):
         if counts.numel() != self._sf_num_experts:
             raise ValueError(f"the router chose expert {counts.numel() - 1} of "
                              f"{self._sf_num_experts}: placeholder experts are not supported")
-        load = counts.detach().float()
-        self._sf_load = load if self._sf_load is None else self._sf_load + load
+        self._sf_count(counts)
         return routed_combine(hidden_states, top_k_weights, top_k_index, counts, self._sf_run)
+
+    @torch.compiler.disable  # a Python-side tally; dynamo cannot trace the task id
+    def _sf_count(self, counts: torch.Tensor) -> None:
+        if current_graph_task_id() == -1:  # not an activation-checkpointing recompute
+            load = counts.detach().float()
+            self._sf_load = load if self._sf_load is None else self._sf_load + load
 
     def _sf_run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` grouped by expert, ``counts`` per expert -> through the experts (sent to

@@ -29,6 +29,10 @@ def validate_folder(cfg, folder: str) -> None:
 
     check_folder(folder)
     refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
+    if cfg.model.router_aux_loss_coef is not None:  # the folder must have a balance loss
+        from .model import job_config
+
+        job_config(cfg)
 
 
 # ---------------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ def build_hf(cfg, mesh, device):
     from .model import (
         build_on_meta,
         causal_lm_call,
-        load_config,
+        job_config,
         materialize,
         refuse_unsupported,
     )
@@ -86,7 +90,7 @@ def build_hf(cfg, mesh, device):
 
     refuse_unsupported(cfg.parallel.tp, cfg.parallel.pp)
     folder = Path(cfg.model.hf_path)
-    model = build_on_meta(load_config(folder))
+    model = build_on_meta(job_config(cfg))  # the balance loss as model.router_aux_loss_coef
     files = WeightFiles(folder)
     sources = conversion.sources(model, files)  # file names -> in-memory, as transformers
     check_sources(model, files, sources)  # names and shapes, before anything is allocated

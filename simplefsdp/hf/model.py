@@ -55,6 +55,25 @@ def load_config(path: str | Path):
         raise HFError(f"{folder / 'config.json'}: transformers cannot read it: {e}") from None
 
 
+def job_config(cfg):
+    """``model.hf_path``'s config as the job trains it: ``model.router_aux_loss_coef``, if
+    set, replaces the folder's balance loss (``output_router_logits`` on for a weight > 0,
+    off for 0; ``router_aux_loss_coef`` that weight). An HFError naming the key if the
+    folder's model has no such loss (no ``output_router_logits`` in its config)."""
+    config = load_config(cfg.model.hf_path)
+    coef = cfg.model.router_aux_loss_coef
+    if coef is None:
+        return config
+    text = text_config(config)
+    if not hasattr(text, "output_router_logits"):
+        raise HFError(f"model.router_aux_loss_coef = {coef}: "
+                      f"{Path(cfg.model.hf_path) / 'config.json'} ({type(text).__name__}) has "
+                      f"no output_router_logits, so no MoE balance loss to set; leave "
+                      f"model.router_aux_loss_coef out")
+    text.output_router_logits, text.router_aux_loss_coef = coef > 0, coef
+    return config
+
+
 @contextmanager
 def params_on_meta() -> Iterator[None]:
     """Within this block, modules keep their parameters on ``meta`` (buffers stay real).

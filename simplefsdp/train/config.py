@@ -34,7 +34,8 @@ CompileBackend = Literal["inductor", "aot_eager"]
 PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
 
-_NOT_MODEL_ARGS = ("family", "name", "hf_path", "init_from_hf", "load_weights")
+_NOT_MODEL_ARGS = ("family", "name", "hf_path", "init_from_hf", "load_weights",
+                   "router_aux_loss_coef")
 
 
 @dataclass
@@ -78,6 +79,10 @@ class ModelConfig:
     init_from_hf: str | None = None
     # How those weights are read: rank 0 reads and scatters, or each rank reads its rows.
     load_weights: Literal["broadcast", "all_ranks"] = "broadcast"
+    # A Hugging Face MoE's balance loss (hf_path), overriding its config.json: left out,
+    # the folder's output_router_logits / router_aux_loss_coef; 0: off (no router logits
+    # recorded); > 0: on, with this weight.
+    router_aux_loss_coef: float | None = None
 
     def family_entry(self) -> ModelFamily:
         """This model's entry in the model registry (a ConfigError if unknown)."""
@@ -287,6 +292,7 @@ class JobConfig:
         require(t.hang_watchdog_s >= 0, "training.hang_watchdog_s", t.hang_watchdog_s,
                 ">= 0 (0 turns the watchdog off)")
         hf_model = self.model.hf_path is not None  # its shapes are in its config.json
+        _check_hf_balance(self.model)
         if not hf_model:
             check_seq_len(t.seq_len, args)
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
@@ -322,6 +328,20 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         family.validate(self)
+
+
+def _check_hf_balance(m: ModelConfig) -> None:
+    """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
+    ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss
+    is ``hf.hooks.validate_folder``'s check (it reads config.json)."""
+    coef = m.router_aux_loss_coef
+    if coef is None:
+        return
+    if m.hf_path is None:
+        raise ConfigError(f"model.router_aux_loss_coef = {coef} overrides a Hugging Face MoE "
+                          f"folder's balance loss (model.hf_path), but model.hf_path is not "
+                          f"set; for our MoE presets use model.aux_loss_coef")
+    require(coef >= 0, "model.router_aux_loss_coef", coef, ">= 0 (0 turns the balance loss off)")
 
 
 def _check_data(cfg: JobConfig) -> None:
