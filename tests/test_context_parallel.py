@@ -8,7 +8,7 @@
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
   AC), ring 2 x Ulysses 2, replicate 2 x ring 2, hybrid_shard (2 x 1) x Ulysses 2 and
   TP 2 x ring 2 (with sequence parallel), PP 2 x ring 2 (2 microbatches), and the MoE
-  family as DP 2 x ring 2 with EP 2,
+  family as DP 2 x ring 2, replicate 2 x ring 2 and PP 2 x ring 2, each with EP 2,
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -192,6 +192,17 @@ OTHER_CELLS = {  # name: (flags, its reference's name)
     # same experts); the balance loss's statistics over the ring (whole sequences)
     "moe_ep2_dp2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.cp_ring", "2",
                            "--parallel.ep", "2"], "reference_moe"),
+    # MoE with replicate: DDP over dp_replicate 2 x ring 2, the experts' EP 2 groups cut
+    # out of the ring ranks (dp_shard 1), replicated over dp_replicate
+    "moe_ep2_replicate2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.dp_mode",
+                                  "replicate", "--parallel.dp_replicate", "2",
+                                  "--parallel.dp_shard", "1", "--parallel.cp_ring", "2",
+                                  "--parallel.ep", "2"], "reference_moe"),
+    # MoE with pipeline stages: PP 2 x ring 2 x EP 2 (the ring ranks), 2 microbatches of 2
+    # sequences: each microbatch a forward, so the balance loss's 2 sequences as above
+    "moe_ep2_pp2_ring2": ([*MOE, "--training.batch_size", "4", "--parallel.cp_ring", "2",
+                           "--parallel.pp", "2", "--parallel.pp_microbatches", "2",
+                           "--parallel.ep", "2"], "reference_moe"),
     # pipeline stages, each with ring attention (stage-to-stage: each rank's part)
     "pp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.pp",
                    "2", "--parallel.pp_microbatches", "2"], "reference"),
@@ -259,10 +270,11 @@ def test_trainer_cp_matches_one_process(tmp_path):
                                        msg=f"{name}: {key}")
     assert refs["reference_doc"][0][0] != refs["reference"][0][0]  # the mask masks
     # the step's balance loss (metrics.csv; coefficient applied, summed over layers)
-    aux, aux_want = (_column(tmp_path / n, "aux_loss") for n in ("moe_ep2_dp2_ring2",
-                                                                   "reference_moe"))
-    assert len(aux) == 3 and min(aux_want) > 0.1  # top_k 2 x 2 layers x 0.1 when balanced
-    torch.testing.assert_close(torch.tensor(aux), torch.tensor(aux_want), rtol=1e-6, atol=0)
+    aux_want = _column(tmp_path / "reference_moe", "aux_loss")
+    assert len(aux_want) == 3 and min(aux_want) > 0.1  # top_k 2 x 2 layers x 0.1 balanced
+    for name in ("moe_ep2_dp2_ring2", "moe_ep2_replicate2_ring2", "moe_ep2_pp2_ring2"):
+        torch.testing.assert_close(torch.tensor(_column(tmp_path / name, "aux_loss")),
+                                   torch.tensor(aux_want), rtol=1e-6, atol=0, msg=name)
     # compiled: the eager ops, so bitwise; the parameters likewise
     assert got["ring2_ulysses2_compiled"][0] == got["ring2_ulysses2"][0]
     compiled_params = _params(tmp_path / "ring2_ulysses2_compiled")
