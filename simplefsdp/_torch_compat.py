@@ -480,10 +480,8 @@ def around_sharding_propagation(ctx) -> Callable[[], None]:
     if saved is None:
         import warnings
 
-        warnings.warn("this torch's DTensor has no ShardingPropagator._fake_mode_lock: "
-                      "its sharding propagation cannot be told apart, so eager memory "
-                      "predictions may also count its fake global-shape tensors",
-                      stacklevel=2)
+        warnings.warn("no ShardingPropagator._fake_mode_lock in this torch: eager memory "
+                      "predictions also count DTensor's fake global-shape runs", stacklevel=2)
         return lambda: None
 
     class Around:
