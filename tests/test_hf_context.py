@@ -194,7 +194,9 @@ def test_unfit_hf_models_are_refused_at_load(tmp_path, kind, kw, flags, message)
     ({"scaling": 1.0}, "scale 1.0"),
     ({"s_aux": torch.zeros(4)}, "['s_aux']"),  # gpt-oss's attention sinks
     ({"is_causal": False}, "non-causal"),
-    ({"sliding_window": 8, "scaling": 0.25, "position_ids": None}, None),  # runs
+    # runs: a window as long as the sequence, the default scale, what Llama / Mixtral pass
+    ({"sliding_window": 8, "scaling": 0.25, "position_ids": None, "use_cache": False,
+      "output_router_logits": False}, None),
 ])
 def test_attention_refuses_what_it_does_not_compute(kwargs, message):
     """The backstop in the attention function itself, one call on (batch 1, 4 heads, 4 of

@@ -31,10 +31,12 @@ from torch import nn
 from . import HFError
 
 NAME = "simplefsdp_context"  # our entry in transformers' AttentionInterface
-# Arguments transformers' Llama-family attention modules pass that change nothing here.
-_HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+# Arguments transformers' Llama-family attention modules pass on that change nothing here
+# (``output_router_logits``: an MoE's, e.g. Mixtral's, asks for the routers' outputs).
+_HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
+                       "output_router_logits"})
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-_FIX = "or set parallel.cp_ring = parallel.cp_ulysses = 1"
+_FIX = "set parallel.cp_ring = parallel.cp_ulysses = 1"
 
 
 def _unfit(text, seq_len: int) -> str | None:
@@ -85,14 +87,14 @@ def check_config(cfg) -> None:
     if text is not config:
         raise HFError(f"{where}: {type(config).__name__} wraps a language model in a "
                       f"multimodal one (its masks are not causal); context parallelism runs "
-                      f"text-only causal LMs: {_FIX}")
+                      f"text-only causal LMs; {_FIX}")
     if cfg.parallel.ep > 1:
         raise HFError(f"parallel.ep = {cfg.parallel.ep} with context parallelism on a Hugging "
-                      f"Face model is not supported: set parallel.ep = 1, {_FIX}")
+                      f"Face model is not supported: set parallel.ep = 1 or {_FIX}")
     problem = _unfit(text, cfg.training.seq_len)
     if problem is not None:
         raise HFError(f"{where}: {problem}; context-parallel attention (parallel.cp_ring / "
-                      f"parallel.cp_ulysses) computes plain causal softmax attention: {_FIX}")
+                      f"parallel.cp_ulysses) computes plain causal softmax attention; {_FIX}")
     with config_errors():
         dims.check_cp(cfg.training.seq_len, text.num_attention_heads, "training.seq_len",
                       f"{where}: num_attention_heads")
@@ -149,7 +151,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                        sliding_window, softcap, kwargs)
     if problem is not None:
         raise HFError(f"model.hf_path: {type(module).__name__} asks context-parallel "
-                      f"attention for {problem}, which it does not compute: {_FIX}")
+                      f"attention for {problem}, which it does not compute; {_FIX}")
     out = setup.core(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     return out, None
 
@@ -166,7 +168,7 @@ def apply_cp(model: nn.Module, mesh, seq_len: int) -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise HFError(f"model.hf_path: {type(model).__name__} does not route its attention "
                       f"through transformers' AttentionInterface, so context-parallel "
-                      f"attention cannot replace it: {_FIX}")
+                      f"attention cannot replace it; {_FIX}")
     AttentionInterface.register(NAME, attention)
     setup = _Setup(ContextAttention(mesh), seq_len)
     for module in model.modules():  # the attention modules read it (they vary by class)
