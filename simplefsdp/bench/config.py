@@ -117,8 +117,8 @@ class BenchConfig:
 
         if self.bench.variants:
             return list(self.bench.variants)
-        moe = self.model.name in MOE_PRESETS  # the moe-* variants need an MoE preset
-        return [v for v in VARIANTS if moe or not v.startswith("moe-")]
+        moe = self.model.name in MOE_PRESETS  # the EP variants need an MoE preset
+        return [v for v in VARIANTS if moe or not VARIANTS[v].moe]
 
     def at_world(self, world_size: int, fake_pg: bool | None = None) -> BenchConfig:
         """A copy for ``world_size`` ranks (and, if given, with ``bench.fake_pg`` set)."""

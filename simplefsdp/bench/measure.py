@@ -102,6 +102,29 @@ def _blocks(name: str) -> bool:
         or name.endswith("::wait_tensor")
 
 
+def _is_all_to_all(name: str) -> bool:
+    """An all-to-all op: ``c10d::alltoall_base_`` (eager, and under the functional ones),
+    ``_c10d_functional::all_to_all_single`` and its autograd form."""
+    return "::" in name and "alltoall" in name.replace("_", "").lower()
+
+
+def _all_to_all_spans(events: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    """Spans the host spent in all-to-alls: each all-to-all op, and the first
+    ``wait_tensor`` after one (before any other collective starts), which completes it:
+    the MoE dispatch reads the exchanged tokens at once, so that wait is exposed."""
+    spans, pending = [], False
+    for name, start, end in sorted(events, key=lambda e: e[1]):
+        if _is_all_to_all(name):
+            spans.append((start, end))
+            pending = True
+        elif pending and name.endswith("::wait_tensor"):
+            spans.append((start, end))
+            pending = False
+        elif _collective_kind(name) is not None:
+            pending = False
+    return spans
+
+
 def _union_s(spans: list[tuple[int, int]]) -> float:
     """Seconds covered by the union of ``(start_ns, end_ns)`` spans: nested and
     overlapping events (a ``c10d::`` op inside its functional collective) count once."""
@@ -115,9 +138,11 @@ def _union_s(spans: list[tuple[int, int]]) -> float:
 
 
 def profiled_step(step: Callable[[], float], device: torch.device
-                  ) -> tuple[float, dict[str, int], int, float]:
+                  ) -> tuple[float, dict[str, int], int, float, float]:
     """Run ``step`` under the profiler: (its loss, collectives by kind, transient bytes,
-    seconds blocked in communication).
+    seconds blocked in communication, of which in all-to-alls: the union of
+    :func:`_all_to_all_spans`; the MoE dispatch runs eagerly and waits for each exchange
+    before computing, so none of it overlaps compute).
 
     Collectives are the ``c10d::`` dispatcher ops (one per collective the process group
     runs, eager or compiled, FSDP2 included); waits and barriers are not counted.
@@ -137,6 +162,7 @@ def profiled_step(step: Callable[[], float], device: torch.device
     counts: Counter[str] = Counter()
     memory: list[tuple[int, int]] = []
     blocked: list[tuple[int, int]] = []
+    comm: list[tuple[str, int, int]] = []
     for event in profiler_events(prof):
         name = event.name()
         if name == "[memory]":
@@ -145,6 +171,7 @@ def profiled_step(step: Callable[[], float], device: torch.device
             continue
         if _blocks(name):
             blocked.append((event.start_ns(), event.start_ns() + event.duration_ns()))
+            comm.append((name, *blocked[-1]))
         kind = _collective_kind(name)
         if kind is not None:
             counts[kind] += 1
@@ -155,7 +182,8 @@ def profiled_step(step: Callable[[], float], device: torch.device
         for _, nbytes in sorted(memory):
             running += nbytes
             transient = max(transient, running)
-    return loss, dict(sorted(counts.items())), max(0, transient), _union_s(blocked)
+    return (loss, dict(sorted(counts.items())), max(0, transient), _union_s(blocked),
+            _union_s(_all_to_all_spans(comm)))
 
 
 def least_transient(step: Callable[[], float], device: torch.device,

@@ -18,6 +18,9 @@ Derived columns (per variant):
   ``estimate_ratio``: it over ``exposed_graphs_s``, the same difference for the steps
   without their optimizer step (what the compiled graphs cover; 1.0: the model
   predicts the measurement). ``plan``: buckets per compiled graph (forward/backward).
+* ``all_to_alls_per_step``, ``all_to_all_s``: MoE variants: the profiled step's
+  all-to-alls and the host time spent in them and in the wait completing each (max over
+  ranks; ``measure.profiled_step``): exposed, the dispatch computes only once they end.
 * ``compile_s``: first step time minus the median step time (compiled variants).
 * ``max_loss_diff``: largest |loss - reference loss| over every step; ``loss_match``
   compares it with the tolerance.
@@ -113,6 +116,11 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
                    losses=m["losses"], final_loss=m["losses"][-1])
         row["compiles_in_measured_steps"] = m["compiles_in_measured_steps"]
         row["comm_blocked_s"] = m["comm_blocked_s"]
+        # the MoE exchange: all-to-alls per step and the host time spent in them (None
+        # for a variant without any)
+        a2a = m["collectives_per_step"].get("all_to_all", 0)
+        row["all_to_alls_per_step"] = a2a or None
+        row["all_to_all_s"] = m["all_to_all_s"] if a2a else None
         estimates = [p["estimated_exposed_s"] for p in m.get("passes") or []
                      if p.get("estimated_exposed_s") is not None]
         row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
@@ -166,8 +174,8 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
 # Rendering.
 # ---------------------------------------------------------------------------------------
 COLUMNS = ("variant", "step ms", "tokens/s", "vs FSDP2", "peak MiB", "pred. MiB", "colls/step",
-           "plan", "exposed ms", "w/o opt.", "est. ms", "est/meas", "blocked ms", "compile s",
-           "final loss", "loss ok")
+           "plan", "exposed ms", "w/o opt.", "est. ms", "est/meas", "blocked ms", "a2a/step",
+           "a2a ms", "compile s", "final loss", "loss ok")
 
 
 def _fmt(value, spec: str, empty: str = "-") -> str:
@@ -202,6 +210,9 @@ def table_rows(results: dict) -> list[list[str]]:
                           else r["estimated_exposed_comm_s"] * 1e3, ".1f"),
                      _fmt(r.get("estimate_ratio"), ".2f"),
                      _fmt(r["comm_blocked_s"] * 1e3, ".1f"),
+                     _fmt(r.get("all_to_alls_per_step"), "d"),
+                     _fmt(None if r.get("all_to_all_s") is None else r["all_to_all_s"] * 1e3,
+                          ".1f"),
                      _fmt(r["compile_s"], ".1f"), _fmt(r["final_loss"], ".5f"), ok])
     return rows
 
@@ -272,6 +283,10 @@ def legend(results: dict) -> list[str]:
         f"peak MiB (per rank, max over ranks): {m['memory_measure']}",
         "pred. MiB: the planner's predicted active peak per rank (python -m simplefsdp.plan;"
         " simplefsdp variants without auto wrapping)",
+        "a2a/step, a2a ms: MoE variants: all-to-alls one step issues (profiler) and the "
+        "profiled step's host time inside them and the wait_tensor completing each (union of "
+        "spans, max over ranks): the dispatch waits for every exchange before computing, so "
+        "none of it is hidden behind compute",
         "colls/step: collectives one training step issues (profiler, c10d ops; AG all-gather, "
         "RS reduce-scatter, AR all-reduce)",
         "compile s: first step minus median step (compiled variants); Inductor caches "

@@ -91,6 +91,7 @@ class _Live:
     held: int = 0
     transient: int | None = None  # bytes; the least over the profiled warm-up steps
     blocked_s: float = 0.0  # profiled step: time blocked in collectives and their waits
+    all_to_all_s: float = 0.0  # of which in all-to-alls (measure.profiled_step)
     late_compiles: int = 0  # graphs Dynamo compiled during measured steps (should be 0)
 
 
@@ -229,7 +230,7 @@ def _one_step(v: _Live, batch, profiled: bool, device: torch.device) -> None:
     inputs, targets = batch
     if profiled:
         v.held = measure.held_bytes(v.built.model, v.optimizer)
-        loss, v.collectives, transient, v.blocked_s = measure.profiled_step(
+        loss, v.collectives, transient, v.blocked_s, v.all_to_all_s = measure.profiled_step(
             lambda: _train_step(v, inputs, targets), device)
         # the least over the profiled steps: the CPU profiler's misses only add bytes
         v.transient = transient if v.transient is None else min(v.transient, transient)
@@ -245,7 +246,7 @@ def _record(v: _Live) -> dict:
     rec = {"times": v.times, "optimizer_times": v.optimizer_times, "losses": v.losses,
            "collectives": v.collectives,
            "held": v.held, "transient": v.transient or 0, "late_compiles": v.late_compiles,
-           "blocked_s": v.blocked_s}
+           "blocked_s": v.blocked_s, "all_to_all_s": v.all_to_all_s}
     backend = v.built.backend
     if backend is not None and getattr(backend, "reports", None) is not None:
         rec["passes"] = [{"graph": r.graph, "collectives_before": r.collectives_before,
@@ -287,6 +288,7 @@ def _merge(cfg: BenchConfig, names: list[str], everyone: list[dict]) -> dict[str
             "transient_bytes": max(r["transient"] for r in recs),
             "peak_bytes": max(r["held"] + r["transient"] for r in recs),
             "comm_blocked_s": max(r["blocked_s"] for r in recs),
+            "all_to_all_s": max(r["all_to_all_s"] for r in recs),
             "passes": recs[0].get("passes"),
             "calibration": recs[0].get("calibration"),
             "compiles_in_measured_steps": max(r["late_compiles"] for r in recs),

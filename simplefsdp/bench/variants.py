@@ -58,6 +58,7 @@ class VariantSpec:
     compiled: bool = False
     communicates: bool = True  # False: the compute-only reference
     rank0_only: bool = False  # True: only rank 0 trains (the others wait)
+    moe: bool = False  # True: needs an MoE preset (expert parallelism)
 
 
 def model_class(args: ModelArgs) -> type[Transformer]:
@@ -136,13 +137,7 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         from ..mesh import ParallelDims
         from ..parallel.expert import apply_ep, shard_experts
 
-        if not isinstance(ctx.args, MoEArgs):
-            raise VariantUnavailable("expert parallelism needs an MoE preset (model.name = "
-                                     "'debug_moe')")
-        world = ctx.fsdp_mesh.size()
-        if world % ep or ctx.args.num_experts % ep:
-            raise VariantUnavailable(f"ep {ep} must divide the world size {world} and the "
-                                     f"{ctx.args.num_experts} experts")
+        world = _check_ep(ctx, ep)
         backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
                                      reordering=True) if compiled else None
         mesh = sf.make_mesh(dp_shard=world, device_type=ctx.device.type)
@@ -163,6 +158,52 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         return Built(model, backend)
 
     return build
+
+
+def _fsdp2_expert_parallel(ep: int) -> Callable[[BuildContext], Built]:
+    """FSDP2 with our expert parallelism, eager: the experts split as in
+    :func:`_expert_parallel` (the same dispatch and all-to-alls), each rank's experts kept as
+    plain tensors and ``fully_shard`` over the experts' ``dp_shard`` ranks (the ones holding
+    the same experts), then each block and the root over all ranks."""
+
+    def build(ctx: BuildContext) -> Built:
+        from torch.distributed.fsdp import fully_shard
+
+        from ..mesh import ParallelDims
+        from ..models.moe import moe_layers
+        from ..parallel.expert import apply_ep
+
+        world = _check_ep(ctx, ep)
+        experts_mesh = ParallelDims.expert_mesh(sf.make_mesh(dp_shard=world,
+                                                             device_type=ctx.device.type), ep)
+        model = plain_model(ctx)
+        apply_ep(model, experts_mesh)
+        for layer in moe_layers(model):
+            experts = layer.experts
+            for name in ("gate_up_proj", "down_proj"):  # this rank's experts, plain
+                experts._parameters[name] = nn.Parameter(experts._parameters[name].to_local())
+            fully_shard(experts, mesh=experts_mesh["dp_shard"])
+            # averaged over the world / ep ranks holding them, then / ep (see
+            # _expert_parallel): the mean over all ranks, as every other gradient
+            experts.set_gradient_divide_factor(float(world))
+        for block in model.layers.values():
+            fully_shard(block, mesh=ctx.fsdp_mesh)
+        fully_shard(model, mesh=ctx.fsdp_mesh)
+        return Built(model)
+
+    return build
+
+
+def _check_ep(ctx: BuildContext, ep: int) -> int:
+    """The world size, once ``ep`` is known to fit it and the model (else unavailable)."""
+    if not isinstance(ctx.args, MoEArgs):
+        raise VariantUnavailable("expert parallelism needs an MoE preset (model.name = "
+                                 "'debug_moe')")
+    world = ctx.fsdp_mesh.size()
+    if world % ep or ctx.args.num_experts % ep:
+        raise VariantUnavailable(f"ep {ep} must divide the world size {world} and the "
+                                 f"{ctx.args.num_experts} experts")
+    return world
 
 
 def _divide_grad(factor: int, param: torch.Tensor) -> None:
@@ -287,10 +328,13 @@ _SPECS = [
                 "bucketing + reordering (world >= 4)", _hybrid_shard, compiled=True),
     VariantSpec("torch-ddp", "torch DistributedDataParallel, eager", _torch_ddp),
     VariantSpec("moe-ep2-eager", "MoE preset: EP 2 x FSDP (world / 2), eager",
-                _expert_parallel(2, False)),
+                _expert_parallel(2, False), moe=True),
     VariantSpec("moe-ep2-compiled", "MoE preset: EP 2 x FSDP, compiled (manual bucketing + "
                 "reordering; routed experts eager between graphs)", _expert_parallel(2, True),
-                compiled=True),
+                compiled=True, moe=True),
+    VariantSpec("fsdp2-ep2-eager", "MoE preset: torch FSDP2 (experts over world / 2, the "
+                "rest per block + root) with our EP 2 dispatch, eager",
+                _fsdp2_expert_parallel(2), moe=True),
     VariantSpec("compute-only", "one rank, same per-rank batch, no communication",
                 _compute_only(False), communicates=False, rank0_only=True),
     VariantSpec("compute-only-compiled", "compute-only, torch.compile'd (the limit of the "
