@@ -288,6 +288,10 @@ def test_ep_refusals_name_the_key():
     with pytest.raises(ConfigError, match=r"^parallel\.ep = 4 must divide parallel\.dp_shard "
                                           r"\* parallel\.tp = 2 "):
         load_config(None, [*moe, "--parallel.tp", "2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"^compile\.enable = true with parallel\.tp = 2 on "
+                                          r"an MoE model"):
+        load_config(None, [*moe, "--parallel.tp", "2", "--compile.enable", "true"],
+                    world_size=4)
 
 
 

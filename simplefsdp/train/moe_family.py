@@ -23,7 +23,8 @@ ep`` (``ParallelDims.expert_mesh``), also with ``ep = 1``. Pipeline stages hold 
 blocks; each stage's balance loss joins backward through its output (``pipeline.AuxLossStage``).
 
 Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
-ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
+ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, compile with TP
+(torch's vocabulary-parallel embedding fails to trace between the graph breaks), a dense preset,
 Hugging Face weights (another family's job), ``checkpoint.export_hf`` of a model Mixtral
 does not compute alike (``hf.convert.mixtral_refusal``: the export writes a Mixtral
 folder) or under PP.
@@ -65,6 +66,12 @@ def _validate(cfg: JobConfig) -> None:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "
                           f"change one of them")
+    if cfg.compile.enable and p.tp > 1:  # pytest tests/test_moe_trainer.py -k refusals
+        raise ConfigError(f"compile.enable = true with parallel.tp = {p.tp} on an MoE model "
+                          f"fails at step 1: with the graph breaks around the routed "
+                          f"experts, torch's vocabulary-parallel embedding cannot be traced "
+                          f"(a real mask in a fake graph); set compile.enable = false or "
+                          f"parallel.tp = 1")
     if cfg.checkpoint.export_hf:
         _validate_export(args, p.pp)
 
