@@ -172,6 +172,8 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
         try:
             built = spec.build(ctx)
             optimizer = make_optimizer(built.model, cfg.training.lr)
+            if built.before_step is not None:
+                optimizer.register_step_pre_hook(lambda *_, f=built.before_step: f())
         except Exception as e:  # noqa: BLE001 - recorded, the others go on
             error = _error_text(e)
             expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting

@@ -48,6 +48,7 @@ class Built:
 
     model: nn.Module
     backend: object | None = None
+    before_step: Callable[[], None] | None = None  # run before each optimizer step
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,15 @@ def _fsdp2_expert_parallel(ep: int) -> Callable[[BuildContext], Built]:
             for name in ("gate_up_proj", "down_proj"):  # this rank's experts, plain
                 experts._parameters[name] = nn.Parameter(experts._parameters[name].to_local())
             fully_shard(experts, mesh=experts_mesh["dp_shard"])
-            # averaged over the world / ep ranks holding them, then / ep (see
-            # _expert_parallel): the mean over all ranks, as every other gradient
-            experts.set_gradient_divide_factor(float(world))
         for block in model.layers.values():
             fully_shard(block, mesh=ctx.fsdp_mesh)
         fully_shard(model, mesh=ctx.fsdp_mesh)
-        return Built(model)
+        # FSDP2 averages the experts' gradients over the world / ep ranks holding them;
+        # then / ep (see _expert_parallel): the mean over all ranks, as every other
+        # gradient. Before the optimizer step: a gradient divide factor would make FSDP2
+        # reduce with PREMUL_SUM, which gloo lacks.
+        experts = [p for layer in moe_layers(model) for p in layer.experts.parameters()]
+        return Built(model, before_step=functools.partial(_divide_grads, experts, ep))
 
     return build
 
@@ -208,6 +211,12 @@ def _check_ep(ctx: BuildContext, ep: int) -> int:
 
 def _divide_grad(factor: int, param: torch.Tensor) -> None:
     param.grad.div_(factor)
+
+
+def _divide_grads(params: list[torch.Tensor], factor: int) -> None:
+    for param in params:
+        if param.grad is not None:
+            param.grad.div_(factor)
 
 
 # ---------------------------------------------------------------------------------------
