@@ -113,6 +113,11 @@ class Efficiency:
 
     matmul: float = 0.60  # large bf16 GEMMs
     attention: float = 0.40  # flash attention, forward and backward, causal half counted
+    # SDPA's memory-efficient kernel (xformers' CUTLASS kernel; what runs when query/key and
+    # value heads differ in size, e.g. MLA): half of flash's. FlashAttention-2 paper (Dao
+    # 2023, section 4.1, Figs. 4-6, A100 forward + backward): FlashAttention-2 is about
+    # 2x FlashAttention-1, and xformers' kernel runs at about FlashAttention-1's speed.
+    efficient_attention: float = 0.20
     memory: float = 0.70  # memory-bound kernels: fraction of HBM bandwidth
     kernel_floor_s: float = 6e-6  # per kernel launched eagerly
     compiled_kernel_floor_s: float = 3e-6  # per kernel of a compiled graph

@@ -105,10 +105,18 @@ def test_bias_steers_the_choice_not_the_weights():
 def test_presets_parameter_counts():
     """Counted by hand from the shapes (embedding + output V*d each, per block attention
     d*hd*(2h + 2kv), two norms 2d, router E*d, experts 3*E*d*I, shared 3*d*S, dense FFN
-    3*d*F; final norm d). Published totals for comparison: Qwen3-30B-A3B 30.5B (ours
-    attends with head_dim 64, see the preset), DeepSeek-V3 16B ~15.7B (MLA there)."""
+    3*d*F; final norm d; MLA: d*h*(nope + rope) + d*(rank + rope) + rank + rank*h*(nope +
+    v) + h*v*d). Published totals: Qwen3-30B-A3B 30.5B (ours attends with head_dim 64, see
+    the preset), DeepSeek-V3 16B (DeepSeek-V2-Lite's shapes, with MLA) 15.7B: ours
+    15,706,484,224."""
     def expected(a, dense_width=0):
         attention = a.dim * a.head_dim * (2 * a.n_heads + 2 * a.kv_heads)
+        if a.attention == "mla":  # wq, wkv_a, the latent's norm, wkv_b, wo
+            qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+            attention = (a.dim * a.n_heads * qk + a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)
+                         + a.kv_lora_rank
+                         + a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
+                         + a.n_heads * a.v_head_dim * a.dim)
         moe_block = (attention + 2 * a.dim + a.num_experts * a.dim
                      + 3 * a.num_experts * a.dim * a.moe_hidden_dim
                      + 3 * a.dim * a.shared_hidden_dim)
@@ -123,6 +131,88 @@ def test_presets_parameter_counts():
             model = moe.MoETransformer(presets[name])
         assert num_params(model) == expected(presets[name], dense_width), name
     assert num_params(moe.MoETransformer(presets["debug_moe"])) == 1_840_256
+    with torch.device("meta"):
+        assert num_params(moe.MoETransformer(presets["deepseek_v3_16b"])) == 15_706_484_224
+
+
+# A tiny MLA: 4 heads, latent 16, query/key heads of 8 + 4 (RoPE), value heads of 6
+MLA = dict(dim=32, n_layers=1, n_heads=4, attention="mla", kv_lora_rank=16,
+           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_theta=500.0,
+           max_seq_len=16)
+
+
+def _rotate(t: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE by hand on (batch, seq, heads, r): pair (2i, 2i+1) of position p turns by
+    p * theta ** (-2i / r)."""
+    r, seq = t.shape[-1], t.shape[1]
+    angle = torch.arange(seq)[:, None] * theta ** (-torch.arange(0, r, 2) / r)  # (seq, r/2)
+    cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+    even, odd = t[..., 0::2], t[..., 1::2]
+    out = torch.empty_like(t)
+    out[..., 0::2], out[..., 1::2] = even * cos - odd * sin, even * sin + odd * cos
+    return out
+
+
+def _mla_by_hand(x: torch.Tensor, w: dict, a) -> torch.Tensor:
+    """DeepSeek's MLA written out with einsums: queries (unrotated, rotated), a latent
+    RMS-normalized then expanded to each head's unrotated key and value, one rotated key
+    shared by every head, causal softmax at (nope + rope) ** -0.5, output projection."""
+    n, r, v, rank = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    b, s, _ = x.shape
+    q = torch.einsum("bsd,ed->bse", x, w["wq.weight"]).reshape(b, s, a.n_heads, n + r)
+    q = torch.cat([q[..., :n], _rotate(q[..., n:], a.rope_theta)], -1)
+    down = torch.einsum("bsd,ed->bse", x, w["wkv_a.weight"])
+    latent, k_rot = down[..., :rank], down[..., rank:]
+    latent = latent * (latent.pow(2).mean(-1, keepdim=True) + a.norm_eps).rsqrt() \
+        * w["kv_norm.weight"]
+    up = torch.einsum("bsc,ec->bse", latent, w["wkv_b.weight"]).reshape(b, s, a.n_heads, n + v)
+    k_rot = _rotate(k_rot[:, :, None], a.rope_theta).expand(b, s, a.n_heads, r)
+    k, values = torch.cat([up[..., :n], k_rot], -1), up[..., n:]
+    scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / (n + r) ** 0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("bhqk,bkhe->bqhe", scores.softmax(-1), values).reshape(b, s, -1)
+    return torch.einsum("bse,de->bsd", out, w["wo.weight"])
+
+
+def test_mla_matches_a_computation_by_hand():
+    """Our MLA module (models/mla.py) against the einsum computation above on the same
+    random weights (the latent's norm weight random too, so a lost norm shows), through a
+    whole MoE model's first block (its rope table, built with the rope part's 4 features).
+    float32, values ~0.1-1: SDPA and the einsums sum the same products in other orders,
+    within 1e-6 (a few ulps of ~16-term sums)."""
+    torch.manual_seed(0)
+    args = moe.MoEArgs(**MLA, num_experts=4, top_k=2, moe_hidden_dim=8)
+    model = moe.MoETransformer(args)
+    attention = model.layers["0"].attention
+    for param in attention.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(2, 7, args.dim)
+    got = attention(x, model.rope_cache)
+    expected = _mla_by_hand(x, dict(attention.named_parameters()), args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # the per-token FLOP and parameter arithmetic the planner uses, by hand
+    assert args.attention_dims == (12, 6)
+    assert args.attention_matmul_params() == 32 * 4 * 12 + 32 * 20 + 16 * 4 * 14 + 4 * 6 * 32
+
+
+def test_mla_refusals_name_the_key():
+    """MLA's sizes are checked; tensor / context parallelism and the Hugging Face export
+    are refused at config load, naming the key."""
+    from simplefsdp.train.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="qk_rope_head_dim=3 must be even"):
+        moe.MoEArgs(**{**MLA, "qk_rope_head_dim": 3})
+    with pytest.raises(ValueError, match="n_kv_heads=2: attention='mla'"):
+        moe.MoEArgs(**MLA, n_kv_heads=2)
+    with pytest.raises(ValueError, match="attention='mha'"):
+        moe.MoEArgs(attention="mha")
+    base = ["--model.name", "debug_moe", "--model.attention", "mla", "--model.n_kv_heads", "4"]
+    load_config(None, base)  # fine
+    for flags, key in ((["--parallel.tp", "2"], "parallel.tp"),
+                       (["--parallel.cp_ring", "2"], "parallel.cp_ring"),
+                       (["--checkpoint.export_hf", "true"], "checkpoint.export_hf")):
+        with pytest.raises(ConfigError, match=f"{key}.* model.attention = 'mla'"):
+            load_config(None, [*base, *flags])
 
 
 def test_bad_args_refused():

@@ -60,6 +60,30 @@ class ModelArgs:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that RoPE rotates (all of it here; MLA: its rope part)."""
+        return self.head_dim
+
+    @property
+    def attention_dims(self) -> tuple[int, int]:
+        """(query/key, value) features per head: what attention's score and value matmuls
+        contract over (equal here; MLA's differ)."""
+        return self.head_dim, self.head_dim
+
+    @property
+    def block_norm_params(self) -> int:
+        """Parameters of a block's norms (attention's and the FFN's; MLA adds its own)."""
+        return 2 * self.dim
+
+    def attention_matmul_params(self) -> int:
+        """Parameters of a block's attention matrices (q, k, v, o)."""
+        return self.dim * self.head_dim * (2 * self.n_heads + 2 * self.kv_heads)
+
+    def build_attention(self) -> nn.Module:
+        """A block's attention module (another attention's args override this)."""
+        return Attention(self)
+
     def ffn_matmul_params(self, layer: int | None = None, activated: bool = False) -> int:
         """Parameters of block ``layer``'s feed-forward matrices (the SwiGLU's three; a
         mixture of experts overrides this). ``activated``: only those one token runs
@@ -247,7 +271,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_layers = args.n_layers
-        self.attention = Attention(args)
+        self.attention = args.build_attention()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward or FeedForward(args.dim, ffn_hidden_dim(args))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -297,7 +321,7 @@ class Transformer(nn.Module):
 
     def _rope_cache(self, device: torch.device | None = None) -> torch.Tensor:
         a = self.args
-        return rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, device)
+        return rope_cache(a.rope_dim, a.max_seq_len, a.rope_theta, device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` (batch, seq) -> logits (batch, seq, vocab). A pipeline stage without
@@ -366,17 +390,15 @@ def block_matmul_params(args: ModelArgs, layer: int | None = None,
     ``args.ffn_matmul_params``), the ones that take part in matmuls; its two norms
     (``2 * dim``) are not. ``activated``: those one token runs through (a mixture of
     experts: its top-k experts, not all). ``layer=None``: a typical block."""
-    hd, kv = args.head_dim, args.kv_heads
-    return args.dim * hd * (2 * args.n_heads + 2 * kv) + args.ffn_matmul_params(layer,
-                                                                                activated)
+    return args.attention_matmul_params() + args.ffn_matmul_params(layer, activated)
 
 
 def attention_flops(heads: float, queries: int, keys: int, head_dim: int,
-                    causal: bool = False) -> float:
-    """Forward FLOPs of attention's score and value matmuls: ``4 * heads * queries * keys
-    * head_dim``, half of it under a causal mask (the scores above the diagonal are
-    skipped)."""
-    flops = 4 * heads * queries * keys * head_dim
+                    causal: bool = False, value_dim: int | None = None) -> float:
+    """Forward FLOPs of attention's score and value matmuls: ``2 * heads * queries * keys
+    * (head_dim + value_dim)`` (``value_dim``: the values' features, ``head_dim`` unless
+    given), half of it under a causal mask (the scores above the diagonal are skipped)."""
+    flops = 2 * heads * queries * keys * (head_dim + (value_dim or head_dim))
     return flops / 2 if causal else flops
 
 
@@ -388,9 +410,11 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     backward (4); the second term is attention's score and value matmuls over ``T``
     positions for ``L`` layers, ``H`` heads of size ``Q`` (not halved for causality),
     forward and backward (3x the forward). A mixture of experts counts the parameters a
-    token activates (router, top-k experts, shared expert).
+    token activates (router, top-k experts, shared expert). Where query/key and value heads
+    differ in size (MLA: 192 and 128), ``Q`` is their mean.
     """
-    n = sum(block_matmul_params(args, i, activated=True) + 2 * args.dim
+    n = sum(block_matmul_params(args, i, activated=True) + args.block_norm_params
             for i in range(args.n_layers)) + args.dim + args.dim * args.vocab_size
-    return 6 * n + 3 * args.n_layers * attention_flops(args.n_heads, 1, seq_len,
-                                                       args.head_dim)
+    qk, v = args.attention_dims
+    return 6 * n + 3 * args.n_layers * attention_flops(args.n_heads, 1, seq_len, qk,
+                                                       value_dim=v)

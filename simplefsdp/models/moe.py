@@ -1,6 +1,7 @@
 """A mixture-of-experts decoder: our Llama block with its FFN replaced by a routed MoE.
 
-Attention, norms and RoPE are ``models/llama.py``'s; only the FFN changes (the block's
+Norms and RoPE are ``models/llama.py``'s, attention Llama's or, with ``attention = "mla"``,
+DeepSeek's multi-head latent attention (``models/mla.py``); the FFN changes (the block's
 ``feed_forward`` slot, so parameter names stay ``layers.<i>.feed_forward...``). Inside it
 the layout is Hugging Face transformers 5's (Qwen3-MoE, Qwen2-MoE, Mixtral):
 
@@ -33,20 +34,21 @@ from torch import nn
 from .._torch_compat import all_gather_autograd, grouped_mm, grouped_mm_aligned
 from .llama import (
     FeedForward,
-    ModelArgs,
     Transformer,
     TransformerBlock,
     _trunc_normal,
 )
+from .mla import MLAArgs
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
 
 
 @dataclass
-class MoEArgs(ModelArgs):
-    """Llama's shape plus the routed FFN's. ``n_dense_layers`` first blocks keep the
-    dense SwiGLU (DeepSeek-V3); ``shared_hidden_dim = 0`` means no shared expert."""
+class MoEArgs(MLAArgs):
+    """Llama's shape (attention: Llama's or MLA, ``models/mla.py``) plus the routed FFN's.
+    ``n_dense_layers`` first blocks keep the dense SwiGLU (DeepSeek-V3);
+    ``shared_hidden_dim = 0`` means no shared expert."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -117,12 +119,15 @@ MOE_PRESETS: dict[str, MoEArgs] = {
     # DeepSeek-V3 16B (torchtitan's "16B" DeepSeek-V3 flavour; DeepSeek-MoE-16B shapes): the
     # first block dense (width 10944), then 64 experts of width 1408, top-6 softmax without
     # renormalization, 2 shared experts (one SwiGLU of width 2 * 1408), bias balancing.
-    # Attention is our GQA Llama's (16 heads of 128), not DeepSeek's MLA.
+    # Attention is DeepSeek's MLA (models/mla.py): 16 heads, no query compression, a key/value
+    # latent of 512, query/key heads of 128 + 64 (RoPE), value heads of 128.
     "deepseek_v3_16b": MoEArgs(dim=2048, n_layers=27, n_heads=16, vocab_size=102400,
                                multiple_of=64, ffn_dim_multiplier=2.004, rope_theta=10000.0,
                                max_seq_len=4096, num_experts=64, top_k=6, moe_hidden_dim=1408,
                                shared_hidden_dim=2816, norm_topk_prob=False,
-                               load_balance="bias", n_dense_layers=1),
+                               load_balance="bias", n_dense_layers=1, attention="mla",
+                               kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                               v_head_dim=128),
 }
 
 

@@ -200,7 +200,7 @@ def stage_params(args, role: str, layers: list[int], tp: int) -> float:
     ``ep``: expert parallelism splits the experts, FSDP the rest of ``dp_shard``), norms
     and embeddings whole."""
     total = sum((block_matmul_params(args, i) - args.routed_params(i)) / tp
-                + args.routed_params(i) + 2 * args.dim for i in layers)
+                + args.routed_params(i) + args.block_norm_params for i in layers)
     if role in ("full", "first"):
         total += args.vocab_size * args.dim
     if role in ("full", "last"):

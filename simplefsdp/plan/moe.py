@@ -2,7 +2,7 @@
 
 Routing is data-dependent (how many tokens each expert gets decides the shapes), which
 fake tensors cannot trace. So the planner traces a dense stand-in (``stand_in``): our
-Llama with the same attention and one SwiGLU of the activated width
+Llama with the same attention (Llama's or MLA) and one SwiGLU of the activated width
 (``MoEArgs.activated_hidden_dim``: ``top_k`` experts and the shared one), whose matmul
 FLOPs and FFN activations per token are the routed block's. What the stand-in lacks is
 added per routed block of the stage:
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..models.llama import ModelArgs, ffn_hidden_dim
+from ..models.mla import MLAArgs
 
 # all-to-alls of one routed block per step: dispatch + combine, forward and backward
 EXCHANGES = {"none": 4, "selective": 4, "full": 6}  # full AC: the forward's once more
@@ -39,13 +40,14 @@ def stand_in(args: ModelArgs) -> ModelArgs:
     width = getattr(args, "activated_hidden_dim", None)
     if width is None:
         return args
-    base = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)}
-    unrounded = ffn_hidden_dim(ModelArgs(**{**base, "multiple_of": 1,
-                                            "ffn_dim_multiplier": None}))
+    # the attention's fields (MLAArgs: Llama's or MLA) kept, the routing's dropped
+    base = {f.name: getattr(args, f.name) for f in dataclasses.fields(MLAArgs)}
+    unrounded = ffn_hidden_dim(MLAArgs(**{**base, "multiple_of": 1,
+                                          "ffn_dim_multiplier": None}))
     # one rounding step of ``width`` above an unrounded width of 1 (1.5 / unrounded keeps
     # it off the integer boundary)
-    dense = ModelArgs(**{**base, "multiple_of": width,
-                         "ffn_dim_multiplier": 1.5 / unrounded})
+    dense = MLAArgs(**{**base, "multiple_of": width,
+                       "ffn_dim_multiplier": 1.5 / unrounded})
     if ffn_hidden_dim(dense) != width:
         raise AssertionError(f"stand-in FFN width {ffn_hidden_dim(dense)} != {width}")
     return dense

@@ -110,19 +110,30 @@ def _arg(call: tuple[object, tuple, dict], name: str, default=None):
     return default
 
 
+def attention_kernel(name: str, qk_dim: int, v_dim: int) -> str:
+    """Which SDPA kernel a GPU runs for an attention op: "attention" (flash) or
+    "efficient_attention" (the memory-efficient one). Flash needs one head size for
+    queries, keys and values (torch's ``sdp_utils`` head-dim check), so MLA's 192 / 128
+    falls to the memory-efficient kernel (pytorch/torchtitan#1610), as does an op the
+    graph already names so; the CPU trace's own op name says nothing about the GPU's."""
+    return "efficient_attention" if "efficient" in name or qk_dim != v_dim else "attention"
+
+
 def _flops(node: fx.Node) -> tuple[str, float]:
-    """(class, FLOPs) of one node: "matmul", "attention" or "memory". Attention: its
-    queries against its keys (a ring's block of another rank's keys is a full
-    rectangle, its own block causal)."""
+    """(class, FLOPs) of one node: "matmul", "attention" / "efficient_attention" (the SDPA
+    kernel, ``attention_kernel``) or "memory". Attention: its queries against its keys (a
+    ring's block of another rank's keys is a full rectangle, its own block causal)."""
     call = _call(node)
     name = str(call[0])
     if any(a in name for a in _ATTENTION):
         q = _arg(call, "query").meta["val"]
         b, h, s, d = (int(x) for x in q.shape)
-        k = _arg(call, "key").meta["val"]
+        k, v = _arg(call, "key").meta["val"], _arg(call, "value").meta["val"]
+        dv = int(v.shape[-1])
         causal = bool(_arg(call, "is_causal", True))
-        flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal)
-        return "attention", flops * (ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
+        flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal, value_dim=dv)
+        return attention_kernel(name, d, dv), flops * (
+            ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
     if node.target in _MATMUL:
         packet = node.target.overloadpacket
         args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args]
@@ -147,7 +158,8 @@ def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 
     eff = dev.efficiency
     if kind == "memory" and compiled:
         nbytes *= eff.fused_memory
-    flop_eff = {"matmul": eff.matmul, "attention": eff.attention, "memory": 1.0}[kind]
+    flop_eff = {"matmul": eff.matmul, "attention": eff.attention,
+                "efficient_attention": eff.efficient_attention, "memory": 1.0}[kind]
     return roofline_seconds(flops, nbytes, peak, dev.spec.mem_bandwidth_Bps,
                             flop_efficiency=flop_eff, mem_efficiency=eff.memory,
                             overlap=True, floor_s=eff.floor_s(compiled))
@@ -214,10 +226,12 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     params = block_matmul_params(args, activated=True)
     passes = 4 if recompute else 3  # forward 1, backward 2 (grad input, grad weight)
     matmul = 2 * passes * params / tp * tokens
-    attention = attention_flops(args.n_heads / tp, tokens, seq, args.head_dim, causal=True) \
+    qk, v = args.attention_dims
+    attention = attention_flops(args.n_heads / tp, tokens, seq, qk, causal=True, value_dim=v) \
         * (1 + ATTENTION_BACKWARD_FLOPS + recompute)
     peak, eff = dev.spec.bf16_flops, dev.efficiency
-    return blocks * (matmul / (peak * eff.matmul) + attention / (peak * eff.attention))
+    attn_eff = getattr(eff, attention_kernel("", qk, v))
+    return blocks * (matmul / (peak * eff.matmul) + attention / (peak * attn_eff))
 
 
 def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..models.llama import Transformer
+from ..models.llama import ModelArgs, Transformer
 from ..train.config import JobConfig
 from ..train.parallelize import parallelize
 from ..train.pipeline import split_stage
@@ -46,7 +46,7 @@ class TraceKey:
     """
 
     model: str
-    args: tuple  # ModelArgs fields, n_layers = traced blocks
+    args: tuple  # fields of args_type, n_layers = traced blocks
     role: str
     dp_mode: str
     dp_replicate: int
@@ -64,6 +64,7 @@ class TraceKey:
     loss_parallel: bool  # parallel.loss_parallel: with tp > 1, vocabulary-sharded logits
     cp_ring: int  # context parallelism: each rank traces its part of the sequence
     cp_ulysses: int
+    args_type: type = ModelArgs  # the args' class (MLAArgs: the attention is a choice)
 
     @property
     def dims(self):
@@ -100,7 +101,7 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
                     t.mixed_precision_reduce, p.reshard, p.loss_parallel, p.cp_ring,
-                    p.cp_ulysses)
+                    p.cp_ulysses, type(args))
 
 
 @functools.lru_cache(maxsize=256)
@@ -180,9 +181,7 @@ def data_parallel_groups(mesh, key: TraceKey) -> dict[str, str]:
 def build_model(key: TraceKey):
     """``key``'s model (or pipeline stage) on ``meta``, parallelized as the trainer does;
     with its ``ModelArgs`` and compute dtype."""
-    from ..models.llama import ModelArgs
-
-    args = ModelArgs(*key.args)
+    args = key.args_type(*key.args)
     if key.role == "full":
         with torch.device("meta"):
             model = Transformer(args)

@@ -72,6 +72,13 @@ class ModelConfig:
     aux_loss_coef: float | None = None  # weight of the balance loss in the loss
     bias_update_rate: float | None = None  # bias balancing's step per optimizer step
     n_dense_layers: int | None = None  # first blocks that keep the dense FFN
+    # [mla] The MoE presets' attention: gqa (our Llama's) | mla (DeepSeek's multi-head
+    # latent attention, models/mla.py; deepseek_v3_16b's) with its sizes below.
+    attention: str | None = None
+    kv_lora_rank: int | None = None  # MLA: width of the compressed key/value latent
+    qk_nope_head_dim: int | None = None  # MLA: query/key features per head without RoPE
+    qk_rope_head_dim: int | None = None  # MLA: query/key features per head with RoPE
+    v_head_dim: int | None = None  # MLA: value features per head
     # [hf] A local Hugging Face causal LM folder, trained with transformers' own class
     # (``name`` and the shape keys above are then unused) ...
     hf_path: str | None = None

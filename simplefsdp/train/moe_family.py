@@ -22,7 +22,8 @@ and the routed experts stay whole, each TP rank routing its own part of the sequ
 ep`` (``ParallelDims.expert_mesh``), also with ``ep = 1``. Pipeline stages hold whole
 blocks; each stage's balance loss joins backward through its output (``pipeline.AuxLossStage``).
 
-Refused at config load, naming the key: ``ep`` not dividing ``model.num_experts`` (the
+Refused at config load, naming the key: MLA attention (``model.attention = "mla"``)
+with TP, CP or ``checkpoint.export_hf``; ``ep`` not dividing ``model.num_experts`` (the
 ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, compile with TP
 (torch's vocabulary-parallel embedding fails to trace between the graph breaks), a dense preset,
 Hugging Face weights (another family's job), ``checkpoint.export_hf`` of a model Mixtral
@@ -62,6 +63,8 @@ def _validate(cfg: JobConfig) -> None:
                           f"{m.name!r} is dense; choose one of {', '.join(moe.MOE_PRESETS)}")
     with config_errors():
         check_ep(p.ep, num_experts=args.num_experts, prefix="parallel.")
+    if args.mla:
+        _validate_mla(cfg)
     if args.shared_hidden_dim % p.tp:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "
@@ -74,6 +77,19 @@ def _validate(cfg: JobConfig) -> None:
                           f"parallel.tp = 1")
     if cfg.checkpoint.export_hf:
         _validate_export(args, p.pp)
+
+
+def _validate_mla(cfg: JobConfig) -> None:
+    """MLA (``model.attention = "mla"``) is not yet split by tensor or context parallelism
+    (their plans and ring/Ulysses cores are written for Llama's q/k/v of one head size) and
+    has no Hugging Face export: refused, naming the key."""
+    p, dims = cfg.parallel, cfg.parallel.dims()
+    for key, on in (("parallel.tp", p.tp > 1), ("parallel.cp_ring / parallel.cp_ulysses",
+                                                dims.cp > 1),
+                    ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
+        if on:
+            raise ConfigError(f"{key} is not supported with model.attention = 'mla' yet; "
+                              f"turn {key} off (1 / false) or set model.attention = 'gqa'")
 
 
 def _validate_export(args: moe.MoEArgs, pp: int) -> None:
