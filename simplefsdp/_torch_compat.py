@@ -446,10 +446,15 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel ``_scaled_dot_product_flash_attention`` (fp16/bf16 only; not run here)."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out, lse
-    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
-    return out, lse
+        return tuple(aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal))
+    return tuple(aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2])
+
+
+def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """SDPA's memory-efficient CUDA kernel by name (``(batch, heads, seq, dim)``, log-sum-exp
+    kept for backward); its meta function traces fake tensors of any device (checked: 2.13)."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                  causal)[0]
 
 
 def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

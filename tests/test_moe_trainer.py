@@ -54,6 +54,12 @@ LAYOUTS = {
     "pp2_ep2": ["--parallel.pp", "2", "--parallel.ep", "2", "--training.batch_size", "4",
                 "--parallel.pp_microbatches", "2"],
 }
+# The same tiny model with DeepSeek's MLA attention (models/mla.py: latent 16, query/key
+# heads 8 + 4 RoPE, value heads 8), without and with EP 2 x FSDP 2: name -> flags
+MLA = ["--model.attention", "mla", "--model.n_kv_heads", "4", "--model.kv_lora_rank", "16",
+       "--model.qk_nope_head_dim", "8", "--model.qk_rope_head_dim", "4",
+       "--model.v_head_dim", "8"]
+MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOUTS["ep2_fsdp"]]}
 # Every exported parameter within this of the reference (see the parity test). TP sums its
 # split matmuls in another order (attention's output projection, the shared expert), so
 # the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2, 1.72e-5
@@ -75,7 +81,7 @@ def _runs(rank: int, world: int, out: str) -> dict:
         batches.append((inputs.tolist(), targets.tolist()))
         return inputs, targets
 
-    for name, flags in LAYOUTS.items():
+    for name, flags in {**LAYOUTS, **MLA_LAYOUTS}.items():
         result = main([*TINY, *flags, "--metrics.output_dir", f"{out}/{name}"],
                       batch_transform=keep if name == "ep1" else None)
         results[name] = result.losses
@@ -171,12 +177,32 @@ def test_expert_parallel_matches_ep1(runs, layout):
     assert (got["layers.1.feed_forward.experts.down_proj"] - start).abs().max() > 1e-3
 
 
-def _initial_model():
+def test_mla_trains_under_fsdp_and_ep(runs):
+    """MLA in the trainer: EP 2 x FSDP 2 trains the same 3 steps as the same 4 ranks with
+    FSDP 4 alone (the parity test's reasoning and tolerances: routing identical, only
+    reduction orders differ); its latent path (wkv_a, the latent's norm, wkv_b) is in the
+    exported model and moved from its initial values, and the loss fell."""
+    out, results = runs
+    ref = results[0]["losses"]["mla_ep1"]
+    assert ref[-1] < ref[0]
+    for rank in range(4):
+        assert results[rank]["losses"]["mla_ep2_fsdp"] == pytest.approx(ref, rel=1e-6)
+    want, got = _params(out / "mla_ep1"), _params(out / "mla_ep2_fsdp")
+    assert set(got) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+    assert "layers.1.attention.wk.weight" not in got
+    assert (got["layers.1.attention.kv_norm.weight"] - 1).abs().max() > 1e-3  # init: ones
+    start = _initial_model(tuple(MLA)).state_dict()["layers.1.attention.wkv_b.weight"]
+    assert (got["layers.1.attention.wkv_b.weight"] - start).abs().max() > 1e-3
+
+
+def _initial_model(flags: tuple = ()):
     """The trainer's initial weights (seed 0, initialized on a meta-built model as
-    ``llama_family`` does)."""
+    ``llama_family`` does); ``flags``: model keys on top of ``TINY``."""
     from simplefsdp.models import moe
 
-    args = load_config(None, TINY).model.model_args()
+    args = load_config(None, [*TINY, *flags]).model.model_args()
     torch.manual_seed(0)
     with torch.device("meta"):
         model = moe.MoETransformer(args)

@@ -42,10 +42,11 @@ def test_stage_params_count_the_real_models_parameters(name):
 def test_routed_params_stay_whole_under_tp():
     """TP 2 splits attention and the shared expert, not the router and routed experts:
     deepseek_v3_16b, by hand, per routed block (dim 2048, 64 experts of width 1408,
-    shared width 2816, 16 heads of 128, 16 KV heads): attention 4 x 2048^2 = 16,777,216
-    and shared 3 x 2048 x 2816 = 17,301,504 halved; router 64 x 2048 = 131,072 and
-    experts 64 x 3 x 2048 x 1408 = 553,648,128 whole; norms 4,096 whole."""
-    args = MOE_PRESETS["deepseek_v3_16b"]
+    shared width 2816, 16 heads of 128, 16 KV heads: the GQA attention, as TP refuses
+    MLA): attention 4 x 2048^2 = 16,777,216 and shared 3 x 2048 x 2816 = 17,301,504
+    halved; router 64 x 2048 = 131,072 and experts 64 x 3 x 2048 x 1408 = 553,648,128
+    whole; norms 4,096 whole."""
+    args = dataclasses.replace(MOE_PRESETS["deepseek_v3_16b"], attention="gqa")
     per_block = (16_777_216 + 17_301_504) / 2 + 131_072 + 553_648_128 + 4_096
     # two stages holding the embedding and routed blocks 1-2, and block 1: one block apart
     two = memory.stage_params(args, "first", [1, 2], 2)
@@ -90,3 +91,70 @@ def test_all_to_all_seconds_by_hand():
     assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(16, 16, 8)) \
         == pytest.approx(26 * 4 * cross, rel=1e-12)
     assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(1, 8, 8)) == 0
+
+
+def _attention_node(qk_dim: int, v_dim: int):
+    """An SDPA node (the CPU trace's op) on bf16 (1, 16, 4096, qk / v) fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        values = {"q": torch.empty(1, 16, 4096, qk_dim, dtype=torch.bfloat16),
+                  "k": torch.empty(1, 16, 4096, qk_dim, dtype=torch.bfloat16),
+                  "v": torch.empty(1, 16, 4096, v_dim, dtype=torch.bfloat16)}
+    inputs = []
+    for name, value in values.items():
+        inputs.append(graph.placeholder(name))
+        inputs[-1].meta["val"] = value
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    return graph.call_function(op, tuple(inputs), {"is_causal": True})
+
+
+def test_mla_attention_costs_the_memory_efficient_kernel():
+    """DeepSeek-V3 16B's MLA attention (16 heads, 4096 tokens, query/key heads 192, value
+    heads 128) cannot run SDPA's flash kernel (one head size only): its forward, by hand,
+    2 x 16 x 4096^2 x (192 + 128) / 2 (causal) = 85,899,345,920 FLOPs at the memory-efficient
+    kernel's 20% of the bf16 peak (989 TFLOP/s) plus the compiled kernel floor (3 us); the
+    same shapes with value heads of 192 run flash (40%), 2 x 16 x 4096^2 x 384 / 2 FLOPs.
+    Both FLOP-bound: ~84 / ~100 MB of q/k/v/out at 70% of 2.4 TB/s take ~0.05 ms."""
+    dev = gpu_profile("h100-96gb")
+    mla, flash = _attention_node(192, 128), _attention_node(192, 192)
+    assert timing._flops(mla) == ("efficient_attention", 85_899_345_920)
+    assert timing._flops(flash) == ("attention", 103_079_215_104)
+    assert timing.node_seconds(mla, dev, compiled=True) \
+        == pytest.approx(85_899_345_920 / (989e12 * 0.20) + 3e-6, rel=1e-12)
+    assert timing.node_seconds(flash, dev, compiled=True) \
+        == pytest.approx(103_079_215_104 / (989e12 * 0.40) + 3e-6, rel=1e-12)
+
+
+def _mla_forward_attention():
+    from simplefsdp.plan.trace import trace, trace_key
+    from simplefsdp.train.config import load_config
+
+    cfg = load_config(None, [
+        "--model.name", "debug_moe", "--model.attention", "mla", "--model.n_kv_heads", "4",
+        "--model.kv_lora_rank", "16", "--model.qk_nope_head_dim", "8",
+        "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--training.seq_len", "64",
+        "--training.batch_size", "2", "--compile.enable", "true",
+        "--activation_checkpoint.mode", "none"])
+    tr = trace(trace_key(cfg, "full", 1, 2, 1, 2))
+    nodes = [n for n in tr.forward.graph.nodes if n.op == "call_function"]
+    kinds: dict[str, float] = {}
+    for node in nodes:
+        kind, flops = timing._flops(node)
+        kinds[kind] = kinds.get(kind, 0) + flops
+    return kinds, sorted({str(n.target) for n in nodes if "softmax" in str(n.target)})
+
+
+def test_mla_trace_runs_the_gpus_attention_kernel():
+    """The planner's trace of an MLA model (debug_moe with MLA: 4 heads, query/key heads
+    8 + 4, value heads 8; batch 2 x seq 64, one block) holds the memory-efficient kernel a
+    GPU runs, not the math path SDPA takes on CPU tensors (scores materialized, a softmax
+    node): forward attention by hand 2 x (2 x 4) x 64 x 64 x (12 + 8) / 2 = 655,360
+    FLOPs, all of them costed as that kernel."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
+        kinds, softmax = pool.apply(_mla_forward_attention)
+    assert kinds.get("efficient_attention") == 655_360, kinds
+    assert "attention" not in kinds and softmax == [], (kinds, softmax)

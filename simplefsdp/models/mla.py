@@ -14,9 +14,11 @@ Per token (``q_lora_rank = 0``: DeepSeek-V3 16B's plain query projection):
 
 Query/key heads (``nope + rope``, 192) and value heads (``v``, 128) differ in size, so on
 a GPU SDPA cannot use its flash kernel (it needs one head size) and runs the
-memory-efficient one; the planner costs it so (``plan/timing.py``). YaRN's frequency
-correction and softmax ``mscale`` only act beyond the original context (DeepSeek-V3 16B
-trains at 4096, its ``original_seq_len``) and are not modelled.
+memory-efficient one. On CPU tensors SDPA takes its math path instead (the scores
+materialized), so the planner's trace swaps in :func:`efficient_kernel_attention`, the
+GPU's kernel called by name, and costs it at that kernel's efficiency (``plan/timing.py``).
+YaRN's frequency correction and softmax ``mscale`` only act beyond the original context
+(DeepSeek-V3 16B trains at 4096, its ``original_seq_len``) and are not modelled.
 
 ``MLAArgs.attention`` picks ``"gqa"`` (our Llama's, the default) or ``"mla"``; the MoE
 family's ``deepseek_v3_16b`` preset uses MLA. Tensor and context parallelism, Hugging Face
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._torch_compat import efficient_attention
 from .llama import ModelArgs, RMSNorm, _trunc_normal, apply_rope, causal_attention
 
 ATTENTIONS = ("gqa", "mla")
@@ -128,3 +131,15 @@ class MultiHeadLatentAttention(nn.Module):
             _trunc_normal(linear.weight, 0.02)
         self.kv_norm.init_weights()
         _trunc_normal(self.wo.weight, init_std)
+
+
+def efficient_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``causal_attention`` (same layout and call) on SDPA's memory-efficient kernel called
+    by name: the kernel a GPU runs for MLA's head sizes, for the planner's fake-tensor
+    trace (that kernel has no CPU implementation). A document mask keeps SDPA."""
+    if mask is not None:
+        return causal_attention(q, k, v, mask)
+    out = efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              causal=True)
+    return out.transpose(1, 2)
