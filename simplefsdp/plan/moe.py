@@ -12,6 +12,9 @@ added per routed block of the stage:
   again when full AC recomputes the block), each moving this rank's ``tokens x top_k x
   dim`` activations, exposed whole (the experts wait for their tokens, and the split
   sizes are read on the host first);
+* the token permutations (``permute_seconds``): the memory-bound passes over the
+  dispatched activations that the dispatch and combine make (gather, regroup by expert,
+  weight, sum back), counted from the code, at the memory roofline;
 * the routed copies kept for backward (``saved_bytes``): the gathered tokens the experts
   multiply and the expert outputs the routing weights multiply, ``2 x tokens x top_k x
   dim`` (none when full AC recomputes the block).
@@ -72,6 +75,35 @@ def exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int,
         return 0.0
     one = fabric.seconds("all_to_all", "ep", dispatch_bytes(args, tokens, elem))
     return routed_blocks(args, layers) * EXCHANGES[ac] * one
+
+
+# Memory passes over one routed block's dispatched activations (``dispatch_bytes``, D) that
+# the stand-in lacks, counted from the code: a copy reads and writes D (2), an index's
+# backward also writes its zeros (3), a reduction or an index_add reads D (1).
+# In the graph (``models.moe.routed_combine``): forward the gather x[token] (2), the weight
+# multiply (2), the index_add (1); backward the index_add's gather (2), the multiply's two
+# gradients (the routed rows' a copy, 2; the weights' a product read twice and reduced, 2)
+# and the gather's index_add (1).
+GRAPH_PASSES = {"forward": 5, "backward": 7}
+# Outside any graph (``parallel.expert._dispatch``, expert parallelism only): forward the
+# regrouping by local expert and back (2 + 2), backward their index backwards (3 + 3).
+EAGER_PASSES = {"forward": 4, "backward": 6}
+
+
+def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
+                    dev, compiled: bool, ep: int) -> float:
+    """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
+    above over D at the memory roofline (``hardware.Efficiency.memory``), the graph's
+    shrunk by Inductor's fusion when compiled (``fused_memory``, as for every memory-bound
+    op of a compiled graph), the forward's counted again when full AC recomputes it."""
+    forwards = 2 if ac == "full" else 1
+    eff = dev.efficiency
+    graph = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
+    passes = graph * (eff.fused_memory if compiled else 1.0)
+    if ep > 1:
+        passes += forwards * EAGER_PASSES["forward"] + EAGER_PASSES["backward"]
+    nbytes = passes * dispatch_bytes(args, tokens, elem)
+    return routed_blocks(args, layers) * nbytes / (dev.spec.mem_bandwidth_Bps * eff.memory)
 
 
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:

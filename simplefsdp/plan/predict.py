@@ -160,7 +160,9 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         a2a = moe.exchange_seconds(args, f["layers"], tokens,
                                    memory.activation_elem_bytes(t),
                                    cfg.activation_checkpoint.mode, fabric)
-        step = f["seconds"] + a2a
+        step = f["seconds"] + a2a + moe.permute_seconds(
+            args, f["layers"], tokens, memory.activation_elem_bytes(t),
+            cfg.activation_checkpoint.mode, dev, cfg.compile.enable, p.ep)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         peaks, saved = _role_memory(cfg, role, f, mb)
