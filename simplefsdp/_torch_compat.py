@@ -5,10 +5,8 @@ simplefsdp supports torch 2.11-2.13. Each entry says what it was checked against
 checked on 2.11 or 2.12 yet (neither their wheels nor their sources were at hand); the
 version fallbacks below say which older behaviour they keep working. The rest of the
 package imports these names from here (``tests/test_architecture.py`` keeps it so);
-public torch APIs stay where they are used.
-
-Heavy modules (Inductor, Dynamo, the testing helpers) are imported inside functions, so
-``import simplefsdp`` does not load them.
+public torch APIs stay where they are used. Heavy modules (Inductor, Dynamo, the testing
+helpers) are imported inside functions, so ``import simplefsdp`` does not load them.
 """
 
 from __future__ import annotations
@@ -30,19 +28,17 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "FakeTensor", "FakeTensorMode", "OpOverload", "StridedShard", "TorchDispatchMode",
-    "aot_autograd", "all_gather_autograd", "all_to_all_single_autograd",
-    "attention_with_lse", "attention_with_lse_backward", "flatten_mesh", "grouped_mm",
-    "slice_flattened",
-    "grouped_mm_aligned",
-    "allgather_base", "backend_name", "c10d_functional", "checkpoint_wrapper", "compile_fx",
-    "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
-    "default_group", "default_store", "nccl_flight_recorder",
-    "destroy_library", "detect_fake_mode", "disable_compile_caches", "disable_current_modes",
-    "dynamo_counters", "dynamo_reset", "eager_backward_compile", "fake_store",
-    "missing_inductor_options", "profiler_events",
-    "raise_recompile_limits", "register_work", "resolve_process_group", "root_mesh",
-    "op_schema", "storage_key", "symint_hint", "tree_flatten", "tree_map",
+    "all_gather_autograd", "all_to_all_single_autograd", "allgather_base", "aot_autograd",
+    "attention_with_lse", "attention_with_lse_backward", "backend_name", "c10d_functional",
+    "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
+    "custom_partitioner_base", "default_group", "default_store", "destroy_library",
+    "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
+    "dynamo_reset", "eager_backward_compile", "efficient_attention", "fake_store", "FakeTensor",
+    "FakeTensorMode", "flatten_mesh", "grouped_mm", "grouped_mm_aligned",
+    "missing_inductor_options", "nccl_flight_recorder", "op_schema", "OpOverload",
+    "profiler_events", "raise_recompile_limits", "register_work", "resolve_process_group",
+    "root_mesh", "slice_flattened", "storage_key", "StridedShard", "symint_hint",
+    "TorchDispatchMode", "tree_flatten", "tree_map",
 ]
 
 
@@ -451,10 +447,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """SDPA's memory-efficient CUDA kernel by name (``(batch, heads, seq, dim)``, log-sum-exp
-    kept for backward); its meta function traces fake tensors of any device (checked: 2.13)."""
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
-                                                                  causal)[0]
+    """SDPA's memory-efficient CUDA kernel; its meta function traces fake CPU tensors: 2.13."""
+    op = torch.ops.aten._scaled_dot_product_efficient_attention
+    return op(q, k, v, None, True, 0.0, causal)[0]
 
 
 def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -470,8 +465,7 @@ def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
             grad, q, k, v, out, lse, 0.0, causal)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal,
-        empty, empty)
+        grad, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty)
 
 
 def around_sharding_propagation(ctx) -> Callable[[], None]:
