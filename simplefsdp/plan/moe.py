@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..compiler.cost.compute import roofline_seconds
 from ..models.llama import ModelArgs, ffn_hidden_dim
 from ..models.mla import MLAArgs
 
@@ -102,8 +103,9 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
     passes = graph * (eff.fused_memory if compiled else 1.0)
     if ep > 1:
         passes += forwards * EAGER_PASSES["forward"] + EAGER_PASSES["backward"]
-    nbytes = passes * dispatch_bytes(args, tokens, elem)
-    return routed_blocks(args, layers) * nbytes / (dev.spec.mem_bandwidth_Bps * eff.memory)
+    nbytes = routed_blocks(args, layers) * passes * dispatch_bytes(args, tokens, elem)
+    return roofline_seconds(0.0, nbytes, dev.spec.bf16_flops, dev.spec.mem_bandwidth_Bps,
+                            mem_efficiency=eff.memory)
 
 
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:
