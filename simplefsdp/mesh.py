@@ -340,15 +340,20 @@ class ParallelDims:
         return mesh.get_coordinate()
 
     @classmethod
-    def layouts(cls, world_size: int) -> Iterator[ParallelDims]:
+    def layouts(cls, world_size: int, cp: bool = False) -> Iterator[ParallelDims]:
         """Every resolved way to lay ``world_size`` ranks out as ``tp x pp x dp_replicate x
-        dp_shard`` (cp_ring = cp_ulysses = ep = 1), ordered by ``tp``, then ``pp``, then
-        ``dp_replicate``, each ascending (the planner's search filters these)."""
+        dp_shard`` (ep = 1), ordered by ``tp``, then ``pp``, then ``dp_replicate``, each
+        ascending (the planner's search filters these). ``cp``: the sharded ranks are also
+        split as ``dp_shard x cp_ring x cp_ulysses`` every way they divide (ascending
+        ``cp``, then ``cp_ulysses``); without it cp_ring = cp_ulysses = 1."""
         for tp in _divisors(world_size):
             for pp in _divisors(world_size // tp):
                 dp = world_size // (tp * pp)
                 for rep in _divisors(dp):
-                    yield cls(pp=pp, dp_replicate=rep, dp_shard=dp // rep, tp=tp)
+                    for c in _divisors(dp // rep) if cp else [1]:
+                        for uly in _divisors(c):
+                            yield cls(pp=pp, dp_replicate=rep, dp_shard=dp // rep // c, tp=tp,
+                                      cp_ring=c // uly, cp_ulysses=uly)
 
 
 def _divisors(n: int) -> list[int]:

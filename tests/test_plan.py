@@ -193,11 +193,23 @@ def test_layouts_cover_the_gpus():
 
     cfg = load_config(None, [])
     seen = set()
-    for c in layouts(cfg, 16, 8):
+    for c in [*layouts(cfg, 16, 8), *layouts(cfg, 16, 8, cp=True)]:
         p = c.parallel
-        assert p.dp_replicate * p.dp_shard * p.tp * p.pp == 16 and p.tp <= 8
-        seen.add((p.dp_replicate, p.dp_shard, p.tp, p.pp))
-    assert {(1, 16, 1, 1), (1, 2, 8, 1), (2, 8, 1, 1), (1, 1, 4, 4)} <= seen
+        assert p.dp_replicate * p.dp_shard * p.cp_ring * p.cp_ulysses * p.tp * p.pp == 16
+        assert p.tp <= 8
+        seen.add((p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp_ring, p.cp_ulysses))
+    assert {(1, 16, 1, 1, 1, 1), (1, 2, 8, 1, 1, 1), (2, 8, 1, 1, 1, 1), (1, 1, 4, 4, 1, 1),
+            (1, 2, 1, 1, 8, 1), (1, 1, 1, 1, 4, 4), (1, 1, 1, 1, 16, 1)} <= seen
+    # the debug model's 4 heads split over Ulysses 4 at most (by tp x Ulysses with tp)
+    assert max(u * tp for _, _, tp, _, _, u in seen if u > 1) == 4
+    assert max(r * u for *_, r, u in seen) == 16
+    # a 24-token sequence splits into 2 x cp chunks for cp 4 at most (not 8: 16 chunks)
+    short = load_config(None, ["--training.seq_len", "24"])
+    assert max(c.parallel.cp_ring * c.parallel.cp_ulysses
+               for c in layouts(short, 16, 8, cp=True)) == 4
+    # without cp the sequence is never split, with it always
+    assert all(c.parallel.dims().cp == 1 for c in layouts(cfg, 16, 8))
+    assert all(c.parallel.dims().cp > 1 for c in layouts(cfg, 16, 8, cp=True))
 
 
 def test_bench_variants_map_to_trainer_jobs():

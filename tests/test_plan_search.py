@@ -138,6 +138,8 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once():
                                                      + full_stats["predicted"])
     assert all(bound >= tps for bound, tps in bounds), bounds
     assert full_stats["memory"] + full_stats["fits_with_less_ac"] > 0
+    # whole sequences fit here: the search never splits them (no context-parallel pass)
+    assert all((r["cp_ring"], r["cp_ulysses"]) == (1, 1) for r in full + pruned), full
 
 
 def test_keep_bar_is_the_kth_best_fitting_speed():
@@ -175,3 +177,35 @@ def test_search_workers_split_by_tp():
     assert one[0] == two[0]
     assert stats_one["traces"] > 0 and stats_two["traces"] > 0
     assert stats_one["predicted"] == len(one) and stats_two["predicted"] == len(two)
+
+# The debug model (4 heads, bf16 compute) with a 131,072-token vocabulary at 65,536
+# tokens, 2 GPUs of 1 per node (tp 1): its loss alone, by hand, needs the bf16 logits,
+# their float32 copy and float32 log_softmax, 10 B x 65,536 x 131,072 = 80 GiB on a rank
+# holding the whole sequence, over an A100's 79.2 GiB; split over 2 context-parallel
+# ranks, 40 GiB, and the backward's 12 B per logit 48 GiB.
+LONG = ["--model.n_layers", "2", "--model.vocab_size", "131072", "--training.seq_len",
+        "65536", "--model.max_seq_len", "65536", "--compile.enable", "true",
+        "--compile.bucketing", "manual", "--training.mixed_precision_param", "bfloat16"]
+
+
+def _long_search():
+    from simplefsdp.plan.search import search
+
+    stats: dict = {}
+    rows = search(load_config(None, LONG), 2, "a100-80gb", 1, keep=1, stats=stats)
+    return [r.to_dict() for r in rows], stats
+
+
+def test_search_splits_a_sequence_that_fits_no_rank_whole():
+    """Nothing with cp = 1 fits (the loss by hand, above): the search runs again over the
+    CP layouts and picks cp 2 (ring or Ulysses); the cp = 1 layouts are refused untraced
+    by their model states + loss floor, so every row predicted has cp 2."""
+    rows, stats = _in_worker(_long_search)
+    gib = 2**30
+    assert 10 * 65536 * 131072 == 80 * gib > 79.2 * gib  # cp = 1: the loss alone
+    best = rows[0]
+    assert best["fits"] and best["cp_ring"] * best["cp_ulysses"] == 2, best
+    assert all(r["cp_ring"] * r["cp_ulysses"] == 2 for r in rows), rows
+    # the row holds at least its loss's backward, 12 B x 32,768 x 131,072 = 48 GiB
+    assert best["peak_memory_gib"] * gib >= 12 * 32768 * 131072, best
+    assert stats["memory"] > 0 and stats["predicted"] == len(rows)

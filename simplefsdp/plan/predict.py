@@ -54,6 +54,8 @@ class Prediction:
     exposed_comm_s: float = 0.0
     detail: dict = field(default_factory=dict)
     ep: int = 1
+    cp_ring: int = 1
+    cp_ulysses: int = 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,4 +190,5 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
         tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
-        reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep)
+        reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep,
+        p.cp_ring, p.cp_ulysses)

@@ -11,6 +11,12 @@ did not fit with the same AC mode; AC modes recomputing more than one that alrea
 not fit with the same tp, pp and AC mode; with ``keep``, layouts whose speed bound
 (compute FLOPs at the roofline, no communication) cannot reach the ``keep``-th best row
 found so far. Layouts are visited fastest bound first, so the bar rises early.
+
+Context parallelism: only when no layout above fits (a sequence no rank can hold whole),
+the search runs again over the layouts that split the sharded ranks as ``dp_shard x
+cp_ring x cp_ulysses``, where the model family has CP attention and the sequence and
+heads split. Where some layout holds whole sequences, splitting them is never faster: the
+same FLOPs per token, plus the K/V (ring) or heads (Ulysses) in transit.
 """
 
 from __future__ import annotations
@@ -41,21 +47,39 @@ def expert_degrees(args, dp_shard: int) -> list[int]:
     return [e for e in range(1, dp_shard + 1) if dp_shard % e == 0 and experts % e == 0]
 
 
-def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int) -> Iterator[JobConfig]:
-    """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set)."""
+def _cp_valid(cfg: JobConfig, args, dims: ParallelDims) -> bool:
+    """Whether a family with context-parallel attention can split ``cfg``'s sequence and
+    heads as ``dims`` does (``ParallelDims.check_cp``)."""
+    if not cfg.model.family_entry().context_parallel:
+        return False
+    try:
+        dims.check_cp(cfg.training.seq_len, args.n_heads)
+    except ValueError:
+        return False
+    return True
+
+
+def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int,
+            cp: bool = False) -> Iterator[JobConfig]:
+    """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set);
+    ``cp``: only those that split the sequence (cp_ring x cp_ulysses > 1, where the
+    family and the shapes allow it), else only those that do not."""
     args = cfg.model.model_args()
-    for dims in ParallelDims.layouts(gpus):
+    for dims in ParallelDims.layouts(gpus, cp=cp):
         tp, pp, rep, shard = dims.tp, dims.pp, dims.dp_replicate, dims.dp_shard
         if tp > gpus_per_node or tp & (tp - 1) or pp > args.n_layers:
             continue
-        if rep > 1 and shard < min(gpus_per_node, dims.dp):
+        if rep > 1 and dims.dp_shard_cp < min(gpus_per_node, rep * dims.dp_shard_cp):
             continue
-        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, shard)
+        if cp and (dims.cp == 1 or not _cp_valid(cfg, args, dims)):
+            continue
+        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, dims.dp_shard_cp)
                               for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
                               for a in AC_MODES):
             c = copy.deepcopy(cfg)
             c.parallel.tp, c.parallel.pp, c.parallel.ep = tp, pp, ep
             c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
+            c.parallel.cp_ring, c.parallel.cp_ulysses = dims.cp_ring, dims.cp_ulysses
             c.parallel.dp_mode = "fully_shard" if rep == 1 else "hybrid_shard"
             c.parallel.pp_microbatches = batch if pp > 1 else 1
             c.training.batch_size = batch
@@ -97,19 +121,21 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
     fabric = timing.MeshLinks(dev, p.dims(), p.tp)
+    # a rank's tokens: under context parallelism its part of each sequence (whose queries
+    # still meet the whole sequence's keys: seq_len stays the attention's length)
+    tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:
         blocks = list(range(args.n_layers)) if role == "full" else stage_layers(
             args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
         n = len(blocks)
-        step = timing.compute_floor_seconds(args, mb * t.seq_len, t.seq_len, p.tp, n,
+        step = timing.compute_floor_seconds(args, tokens, t.seq_len, p.tp, n,
                                             c.activation_checkpoint.mode == "full", dev) \
-            + timing.tp_comm_floor_seconds(args, mb * t.seq_len, n, role != "first"
+            + timing.tp_comm_floor_seconds(args, tokens, n, role != "first"
                                            and not p.vocab_sharded_loss, elem, fabric)
         if role != "first":
-            step += timing.loss_seconds(memory.rank_tokens(mb, t.seq_len, p.dims()),
-                                        memory.loss_vocab(args, p), dev) \
-                + timing.head_floor_seconds(args, mb * t.seq_len, p.tp, dev)
+            step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev) \
+                + timing.head_floor_seconds(args, tokens, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
         params = memory.stage_params(args, role, blocks, p.tp) / p.dims().dp_shard_cp
@@ -118,14 +144,15 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus
 
 
-def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev) -> list[list[JobConfig]]:
+def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev,
+            cp: bool = False) -> list[list[JobConfig]]:
     """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
     groups fastest bound first, so the layouts likely to win are traced first and set the
     bar the others' bounds must reach."""
     groups: dict[tuple, list[JobConfig]] = {}
-    for c in layouts(cfg, gpus, gpus_per_node):
+    for c in layouts(cfg, gpus, gpus_per_node, cp):
         p = c.parallel
-        groups.setdefault((p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep), []).append(c)
+        groups.setdefault(_layout(p), []).append(c)
 
     def best(group: list[JobConfig]) -> float:
         try:
@@ -133,6 +160,12 @@ def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev) -> list[list[Job
         except ConfigError:
             return 0.0
     return sorted(groups.values(), key=best, reverse=True)
+
+
+def _layout(p) -> tuple:
+    """A configuration's parallel layout: (tp, pp, dp_replicate, dp_shard, ep, cp_ring,
+    cp_ulysses)."""
+    return (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep, p.cp_ring, p.cp_ulysses)
 
 
 class _Bar:
@@ -173,20 +206,21 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
     stats = dict.fromkeys(STATS, 0)
     failures: list[str] = []
     results: list[Prediction] = []
-    too_big: list[tuple] = []  # (tp, pp, ac, batch, dp_shard) that did not fit
+    too_big: list[tuple] = []  # (tp, pp, ac, batch, dp_shard x cp, cp) that did not fit
     fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
     broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
     for c in (c for group in groups for c in group):
         p = c.parallel
-        layout = (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep)
+        layout = _layout(p)
         ac, batch = c.activation_checkpoint.mode, c.training.batch_size
         if p.tp in broken_tp:
             stats["broken_tp"] += 1
             continue
         # a larger batch, or smaller shards (more replication), than a layout that did
         # not fit with the same tp, pp and AC holds more: it does not fit either
-        if any(k[:3] == (p.tp, p.pp, ac) and batch >= k[3] and p.dp_shard <= k[4]
-               for k in too_big):
+        # (and with the sequence split no more ways)
+        if any(k[:3] == (p.tp, p.pp, ac) and batch >= k[3]
+               and p.dims().dp_shard_cp <= k[4] and p.dims().cp <= k[5] for k in too_big):
             stats["memory"] += 1
             continue
         if layout + (batch,) in fitted:
@@ -214,7 +248,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         if progress is not None:
             progress(r)
         if not r.fits:
-            too_big.append((p.tp, p.pp, ac, batch, p.dp_shard))
+            too_big.append((p.tp, p.pp, ac, batch, p.dims().dp_shard_cp, p.dims().cp))
         else:  # more recomputation only costs time: never faster, not worth tracing
             fitted.add(layout + (batch,))
             bar.add(r.tokens_per_s_per_gpu)
@@ -267,13 +301,25 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
-    groups = _groups(cfg, gpus, gpus_per_node, dev)
+    results = _run(_groups(cfg, gpus, gpus_per_node, dev), gpus, gpu, gpus_per_node,
+                   progress, failures, keep, stats, workers)
+    if not any(r.fits for r in results):
+        # Context parallelism only where no layout holds whole sequences: a CP layout does
+        # a layout's FLOPs per token plus the sequence's K/V or heads in transit.
+        results += _run(_groups(cfg, gpus, gpus_per_node, dev, cp=True), gpus, gpu,
+                        gpus_per_node, progress, failures, keep, stats, workers)
+    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+
+
+def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int, progress,
+         failures: list[str], keep: int, stats: dict, workers: int) -> list[Prediction]:
+    """``search``'s predictions of ``groups`` (``failures`` and ``stats`` added to)."""
     # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
     # roles: "full" vs "first"/"last"), so no graph is traced by two workers
     by_task: dict[tuple, list[list[JobConfig]]] = {}
     for g in groups:
         by_task.setdefault((g[0].parallel.tp, g[0].parallel.pp > 1), []).append(g)
-    if workers <= 1 or len(by_task) == 1:
+    if workers <= 1 or len(by_task) <= 1:
         before = _cache_counts()
         results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node, _Bar(keep),
                                             progress)
@@ -297,4 +343,4 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
         failures += fails
         for k, v in st.items():
             stats[k] = stats.get(k, 0) + v
-    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
+    return results
