@@ -189,18 +189,28 @@ LONG = ["--model.n_layers", "2", "--model.vocab_size", "131072", "--training.seq
 
 
 def _long_search():
-    from simplefsdp.plan.search import search
+    from simplefsdp.hardware import gpu_profile
+    from simplefsdp.plan.search import layouts, search, speed_bound
 
     stats: dict = {}
-    rows = search(load_config(None, LONG), 2, "a100-80gb", 1, keep=1, stats=stats)
-    return [r.to_dict() for r in rows], stats
+    cfg = load_config(None, LONG)
+    rows = search(cfg, 2, "a100-80gb", 1, keep=1, stats=stats)
+    # each row's speed bound (which ``keep`` prunes by) must hold over its prediction
+    by_layout = {(c.parallel.dp_shard, c.parallel.cp_ring, c.parallel.cp_ulysses,
+                  c.activation_checkpoint.mode, c.training.batch_size): c
+                 for c in layouts(cfg, 2, 1, cp=True)}
+    bounds = [(speed_bound(by_layout[(r.dp_shard, r.cp_ring, r.cp_ulysses, r.ac,
+                                      r.batch_size)], 2, gpu_profile("a100-80gb")),
+               r.tokens_per_s_per_gpu) for r in rows]
+    return [r.to_dict() for r in rows], stats, bounds
 
 
 def test_search_splits_a_sequence_that_fits_no_rank_whole():
     """Nothing with cp = 1 fits (the loss by hand, above): the search runs again over the
     CP layouts and picks cp 2 (ring or Ulysses); the cp = 1 layouts are refused untraced
     by their model states + loss floor, so every row predicted has cp 2."""
-    rows, stats = _in_worker(_long_search)
+    rows, stats, bounds = _in_worker(_long_search)
+    assert all(bound >= tps for bound, tps in bounds), bounds
     gib = 2**30
     assert 10 * 65536 * 131072 == 80 * gib > 79.2 * gib  # cp = 1: the loss alone
     best = rows[0]
