@@ -15,8 +15,10 @@ found so far. Layouts are visited fastest bound first, so the bar rises early.
 Context parallelism: only when no layout above fits (a sequence no rank can hold whole),
 the search runs again over the layouts that split the sharded ranks as ``dp_shard x
 cp_ring x cp_ulysses``, where the model family has CP attention and the sequence and
-heads split. Where some layout holds whole sequences, splitting them is never faster: the
-same FLOPs per token, plus the K/V (ring) or heads (Ulysses) in transit.
+heads split. Where some layout holds whole sequences, CP layouts are not traced: with the
+same AC mode they do the same FLOPs per token plus the K/V (ring) or heads (Ulysses) in
+transit. Not weighed: a CP layout that would fit with less recomputation than the best
+whole-sequence one (activations split by cp).
 """
 
 from __future__ import annotations
@@ -304,8 +306,7 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     results = _run(_groups(cfg, gpus, gpus_per_node, dev), gpus, gpu, gpus_per_node,
                    progress, failures, keep, stats, workers)
     if not any(r.fits for r in results):
-        # Context parallelism only where no layout holds whole sequences: a CP layout does
-        # a layout's FLOPs per token plus the sequence's K/V or heads in transit.
+        # Context parallelism only where no layout holds whole sequences (module doc)
         results += _run(_groups(cfg, gpus, gpus_per_node, dev, cp=True), gpus, gpu,
                         gpus_per_node, progress, failures, keep, stats, workers)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
