@@ -130,30 +130,6 @@ def test_replicate_compiles_into_size_capped_all_reduce_buckets():
     assert counts[:2] == [1, 1] and counts[2] >= nbytes // 500, counts
 
 
-def _trainer(rank, world, argv):
-    from simplefsdp.train.trainer import main
-
-    return main(argv).losses
-
-
-def test_trainer_tp_compiled_with_manual_bucketing(tmp_path):
-    """The issue's command, shrunk: TP 2 x FSDP 2 on 4 ranks, compiled with manual
-    bucketing (sequence parallel included); it must train exactly like eager."""
-    base = ["--config", "configs/debug.toml", "--parallel.tp", "2", "--training.steps", "2",
-            "--training.batch_size", "2", "--training.seq_len", "16", "--model.dim", "32",
-            "--model.n_layers", "2", "--metrics.log_every", "1",
-            "--checkpoint.enable", "false"]
-    root = Path(__file__).resolve().parents[1]
-    runs = {}
-    for name, extra in (("eager", []), ("compiled", [
-            "--compile.enable", "true", "--compile.backend", "aot_eager",
-            "--compile.bucketing", "manual"])):
-        argv = base + extra + ["--metrics.output_dir", str(tmp_path / name)]
-        argv[1] = str(root / argv[1])
-        runs[name] = run_ranks(_trainer, 4, argv)[0]
-    assert runs["compiled"] == runs["eager"], runs
-
-
 # ---------------------------------------------------------------------------------------
 # The pairwise composition subset.
 # ---------------------------------------------------------------------------------------

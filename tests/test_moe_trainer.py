@@ -32,13 +32,11 @@ LAYOUTS = {
                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
     "ep2_ddp": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
                 "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
-    # TP 2 x FSDP 2 with EP 2: 2 data-parallel ranks, each with 2 microsteps of the same 2
+    # TP 2 x FSDP 2 without EP: 2 data-parallel ranks, each with 2 microsteps of the same 2
     # sequences per microstep that the reference's 4 ranks read in one (the loader splits
-    # the global batch into contiguous runs), so each balance loss is over the same tokens
-    "tp2_ep2": ["--parallel.tp", "2", "--parallel.ep", "2",
-                "--training.grad_accum_steps", "2"],
-    # the same without EP: the experts are still sharded over dp_shard x tp (each TP rank
-    # routes other tokens: the experts' gradients are summed over TP too)
+    # the global batch into contiguous runs), so each balance loss is over the same tokens;
+    # the experts are still sharded over dp_shard x tp (each TP rank routes other tokens:
+    # the experts' gradients are summed over TP too). EP on the TP pairs: cp2_tp2_ep2.
     "tp2_ep1": ["--parallel.tp", "2", "--training.grad_accum_steps", "2"],
     # the same with EP 4: each all-to-all spans both TP ranks and both data-parallel ranks
     # (the experts' mesh folds tp in: dp_shard 2 x tp 2 = ep 4, one expert per rank)
@@ -62,11 +60,11 @@ MLA = ["--model.attention", "mla", "--model.n_kv_heads", "4", "--model.kv_lora_r
 MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOUTS["ep2_fsdp"]]}
 # Every exported parameter within this of the reference (see the parity test). TP sums its
 # split matmuls in another order (attention's output projection, the shared expert), so
-# the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2, 1.72e-5
+# the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2 when it ran, 1.72e-5
 # tp2_ep1, 1.25e-5 tp2_ep4, 7.8e-6 cp2_tp2_ep2) is one element of 4096 (an expert weight
 # whose gradient is near AdamW's eps, where lr * g / (|g| + eps) swings): about twice
 # that (was 5e-5).
-PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep2", "tp2_ep1", "tp2_ep4", "cp2_tp2_ep2")}
+PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2")}
 
 
 def _runs(rank: int, world: int, out: str) -> dict:
@@ -255,7 +253,7 @@ def test_metrics_by_hand(runs):
     # slice's, statistics gathered over tp, or cp x tp) counts TP rank 0's share once;
     # under PP each stage adds its own blocks' (torch's metadata-inference forward counts
     # nothing).
-    for layout in ("tp2_ep2", "tp2_ep4", "cp2_tp2_ep2", "pp2_ep2"):
+    for layout in ("tp2_ep4", "cp2_tp2_ep2", "pp2_ep2"):
         with open(out / layout / "metrics.csv") as f:
             other = list(csv.DictReader(f))
         for mine, theirs in zip(rows, other, strict=True):
