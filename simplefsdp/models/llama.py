@@ -337,10 +337,20 @@ class Transformer(nn.Module):
         if self.document_eos is not None:  # positions restart per document
             positions, mask = self.documents(tokens, self.document_eos)
             rope = self.rope_cache[positions]
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
+        h = self.run_blocks(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def run_blocks(self, h: torch.Tensor, rope: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """The blocks in order. A method of its own so that a graph break inside a block
+        (the MoE's routed experts) falls on this call, outside any loop of ``forward``:
+        torch.compile then keeps the embedding (with its tensor-parallel output hooks) in
+        one graph and the norm and output in another, instead of giving up on ``forward``
+        and tracing every module, and every module hook, as a frame of its own."""
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        return h
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -24,8 +24,7 @@ blocks; each stage's balance loss joins backward through its output (``pipeline.
 
 Refused at config load, naming the key: MLA attention (``model.attention = "mla"``)
 with TP, CP or ``checkpoint.export_hf``; ``ep`` not dividing ``model.num_experts`` (the
-ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, compile with TP
-(torch's vocabulary-parallel embedding fails to trace between the graph breaks), a dense preset,
+ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
 Hugging Face weights (another family's job), ``checkpoint.export_hf`` of a model Mixtral
 does not compute alike (``hf.convert.mixtral_refusal``: the export writes a Mixtral
 folder) or under PP.
@@ -69,12 +68,6 @@ def _validate(cfg: JobConfig) -> None:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "
                           f"change one of them")
-    if cfg.compile.enable and p.tp > 1:  # pytest tests/test_moe_trainer.py -k refusals
-        raise ConfigError(f"compile.enable = true with parallel.tp = {p.tp} on an MoE model "
-                          f"fails at step 1: with the graph breaks around the routed "
-                          f"experts, torch's vocabulary-parallel embedding cannot be traced "
-                          f"(a real mask in a fake graph); set compile.enable = false or "
-                          f"parallel.tp = 1")
     if cfg.checkpoint.export_hf:
         _validate_export(args, p.pp)
 
@@ -130,11 +123,12 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
 
 COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its routed "
                 "experts (the tokens per expert, hence the all-to-all splits and the "
-                "per-expert matmuls, are known only at run time) and runs them eagerly; a "
-                "break inside the layers loop makes torch.compile trace the model module by "
-                "module (embedding, each block's attention, router, shared expert and "
-                "combine, norm, output: each in a graph, with its data-parallel "
-                "collectives, the experts' all-gathers and reduce-scatters included)")
+                "per-expert matmuls, are known only at run time) and runs them eagerly; the "
+                "break falls on the call of the blocks (Transformer.run_blocks): the "
+                "embedding is one graph, the norm and output another, and the blocks are "
+                "traced module by module (each block's attention, router, shared expert "
+                "and combine: each in a graph, with its data-parallel collectives, the "
+                "experts' all-gathers and reduce-scatters included)")
 
 
 def _parallelize(model, mesh, cfg: JobConfig):
