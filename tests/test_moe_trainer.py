@@ -28,10 +28,18 @@ LAYOUTS = {
     "ep1": ["--parallel.ep", "1"],
     "ep2_fsdp": ["--parallel.ep", "2"],
     "ep4_fsdp": ["--parallel.ep", "4"],
-    "ep2_hsdp": ["--parallel.ep", "2", "--parallel.dp_mode", "hybrid_shard",
-                 "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"],
-    "ep2_ddp": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
-                "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
+    # HSDP and replicate, each 2 replicas x TP 2 with EP 2 (pairs: HSDP-TP, HSDP-EP,
+    # replicate-TP, replicate-EP, TP-EP; they replace HSDP 2 x 2 x EP 2 and replicate 4 x
+    # EP 2 cells, whose pairs they keep: HSDP with a real shard dim x EP is
+    # test_hf_moe's ep2_hsdp, on the same dispatch): 2 data-parallel ranks, 2 microsteps
+    # each as in tp2_ep1; EP pairs are the TP pairs, the experts (dp_replicate 2,
+    # dp_shard 1, ep 2) replicated over the 2 pairs. Under HSDP dp_shard is 1 (4 ranks).
+    "hsdp_tp2_ep2": ["--parallel.ep", "2", "--parallel.dp_mode", "hybrid_shard",
+                     "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                     "--parallel.tp", "2", "--training.grad_accum_steps", "2"],
+    "ddp_tp2_ep2": ["--parallel.ep", "2", "--parallel.dp_mode", "replicate",
+                    "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                    "--parallel.tp", "2", "--training.grad_accum_steps", "2"],
     # TP 2 x FSDP 2 without EP: 2 data-parallel ranks, each with 2 microsteps of the same 2
     # sequences per microstep that the reference's 4 ranks read in one (the loader splits
     # the global batch into contiguous runs), so each balance loss is over the same tokens;
@@ -64,7 +72,8 @@ MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOU
 # tp2_ep1, 1.25e-5 tp2_ep4, 7.8e-6 cp2_tp2_ep2) is one element of 4096 (an expert weight
 # whose gradient is near AdamW's eps, where lr * g / (|g| + eps) swings): about twice
 # that (was 5e-5).
-PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2")}
+PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2", "hsdp_tp2_ep2",
+                                        "ddp_tp2_ep2")}
 
 
 def _runs(rank: int, world: int, out: str) -> dict:
@@ -87,9 +96,10 @@ def _runs(rank: int, world: int, out: str) -> dict:
             **_compiled(out)}
 
 
-# compiled run name -> (LAYOUTS entry, bucketing); each is compared with that layout's eager run
-COMPILED = {"manual": ("ep2_fsdp", "manual"), "auto": ("ep2_fsdp", "auto"),
-            "tp2_ep4_compiled": ("tp2_ep4", "manual")}
+# compiled run (aot_eager) -> (the LAYOUTS entry it is compared with, bucketing): auto
+# bucketing on EP 2 x FSDP 2 (the experts' own data-parallel collectives in graphs), manual
+# on TP 2 x EP 4 x FSDP 2 (compiled TP on an MoE model)
+COMPILED = {"auto": ("ep2_fsdp", "auto"), "tp2_ep4_manual": ("tp2_ep4", "manual")}
 
 
 def _compiled(out: str) -> dict:
@@ -153,9 +163,9 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "ep1"])
 def test_expert_parallel_matches_ep1(runs, layout):
-    """EP 2 x FSDP 2, EP 4 (one expert per rank), EP 2 with HSDP (2 replicas x 2 shards),
-    EP 2 with replicate (4 replicas, experts in 2 groups of 2), TP 2 x FSDP 2 with EP 2,
-    1 and 4 (attention and shared expert split, each TP rank routing its own part of the
+    """EP 2 x FSDP 2, EP 4 (one expert per rank), TP 2 x EP 2 with HSDP and with replicate
+    (2 replicas each; the experts replicated over the 2 EP groups), TP 2 x FSDP 2 with EP 1
+    and 4 (attention and shared expert split, each TP rank routing its own part of the
     sequence; the EP groups take the TP ranks), ring 2 x TP 2 with EP 2 and PP 2 x
     FSDP 2 with EP 2 (2 blocks per stage, 2 microbatches) train the same 3
     AdamW steps as the same 4 ranks without EP, TP or PP: the same global batch, each
@@ -317,70 +327,59 @@ def test_ep_refusals_name_the_key():
     with pytest.raises(ConfigError, match=r"^parallel\.ep = 4 must divide parallel\.dp_shard "
                                           r"\* parallel\.tp = 2 "):
         load_config(None, [*moe, "--parallel.tp", "2"], world_size=2)
-    # compiled TP on an MoE model trains (test_compiled_tp_ep_equals_eager), no refusal
+    # compiled TP on an MoE model trains (test_compiled_equals_eager), no refusal
     load_config(None, [*moe, "--parallel.tp", "2", "--compile.enable", "true"], world_size=4)
 
 
 
-@pytest.mark.parametrize("bucketing", ["manual", "auto"])
-def test_compiled_ep_equals_eager(runs, bucketing):
-    """Compiled EP 2 x FSDP 2 (aot_eager, our passes; the routed experts run eagerly
-    between graphs) against eager. Step 1's loss is bitwise equal (the forward runs eager's
-    ops; bucketing only concatenates and slices; each bucket reduces over the same ranks
-    in the same order). The graph does not allow bitwise gradients: the gradient of a
-    block's normed input sums three branches (router, routed experts, shared expert), and
-    the joint graph adds them in another order than eager autograd (float addition of
-    three terms is not associative); AdamW divides each gradient element by its running
-    RMS, so on a near-cancelling element those ulps become a visible part of a step (lr
-    1e-2; measured worst 2.4e-6). So: later losses within 1e-6 relative, every exported
-    parameter within 1e-5 absolute. The experts' data-parallel collectives are in
-    graphs (the all-to-alls are not), in buckets of their own."""
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_equals_eager(runs, name):
+    """Compiled (aot_eager, our passes; the routed experts run eagerly between graphs)
+    against the same layout eager: EP 2 x FSDP 2 with auto bucketing, and TP 2 x EP 4 x
+    FSDP 2 with manual bucketing. Step 1's loss is bitwise equal (the forward runs eager's
+    ops; bucketing only concatenates and slices; each bucket reduces over the same ranks in
+    the same order). The graph does not allow bitwise gradients: the gradient of a block's
+    normed input sums three branches (router, routed experts, shared expert), and the
+    joint graph adds them in another order than eager autograd (float addition of three
+    terms is not associative); AdamW divides each gradient element by its running RMS, so
+    on a near-cancelling element those ulps become a visible part of a step (lr 1e-2;
+    measured worst 2.4e-6). So: later losses within 1e-6 relative, every exported parameter
+    within 1e-5 absolute.
+
+    Compiled TP used to fail at step 1: the graph break around the routed experts fell
+    inside ``Transformer.forward``'s loop over blocks, so torch.compile gave up on the whole
+    ``forward`` and traced each module and each module hook as a frame of its own; the
+    vocabulary-parallel embedding's output hook then met an eager DTensor whose
+    ``_MaskPartial`` placement holds a real mask, applied to fake tensors. The blocks now
+    run in ``Transformer.run_blocks``: the break falls on that call and the embedding stays
+    in one graph with its hooks."""
     out, results = runs
+    layout = COMPILED[name][0]
     for rank in range(4):
-        eager, compiled = results[rank]["losses"]["ep2_fsdp"], results[rank][bucketing]
+        eager, compiled = results[rank]["losses"][layout], results[rank][name]
         assert compiled[0] == eager[0]
         assert compiled == pytest.approx(eager, rel=1e-6)
-    want, got = _params(out / "ep2_fsdp"), _params(out / bucketing)
+    want, got = _params(out / layout), _params(out / name)
+    assert set(got) == set(want)
     worst = max((got[n] - v).abs().max().item() for n, v in want.items())
     assert worst <= 1e-5, worst
+    graphs = results[0][f"{name}_graphs"]
+    if layout == "tp2_ep4":
+        # the non-expert weights' FSDP gathers (dp_shard 2) ran in compiled graphs, e.g. the
+        # embedding's and the output's (128 TP rows of 32, float32: 16384 B); the experts
+        # (one whole expert per rank: ep 4 = dp_shard 2 x tp 2) have no data parallel
+        forward = [b for g, b in graphs if g == "forward"]
+        assert any(("all_gather", 16384) in b for b in forward), forward
+        return
     # The experts' frame compiles to graphs of their own: the forward gathers this rank's
     # 2 experts' gate_up_proj (2 x 64 x 32 float32: 16384 B) and down_proj (2 x 32 x 32:
     # 8192 B) over the experts' dp_shard, the backward reduce-scatters their gradients,
     # in one or two buckets (auto may merge them) and nothing else.
-    graphs = results[0][f"{bucketing}_graphs"]
     for graph, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
         experts = [b for g, b in graphs if g == graph and sum(n for _, n in b) == 24576
                    and {k for k, _ in b} == {kind}]
         assert experts and experts[0] in ([(kind, 8192), (kind, 16384)], [(kind, 24576)]), \
             graphs
-
-
-def test_compiled_tp_ep_equals_eager(runs):
-    """Compiled TP 2 x EP 4 x FSDP 2 (aot_eager, manual bucketing) against the same layout
-    eager. It used to fail at step 1: the graph break around the routed experts fell
-    inside ``Transformer.forward``'s loop over blocks, so torch.compile gave up on the
-    whole ``forward`` and traced each module and each module hook as a frame of its own;
-    the vocabulary-parallel embedding's output hook then met an eager DTensor whose
-    ``_MaskPartial`` placement holds a real mask, applied to fake tensors. The blocks now
-    run in ``Transformer.run_blocks``, so the break falls on that call and the embedding
-    with its hooks stays in one graph. Tolerances and their reason as in
-    :func:`test_compiled_ep_equals_eager` (step 1's loss bitwise; the three-branch gradient
-    sum of a block's normed input ordered differently by the joint graph: later losses
-    within 1e-6 relative, every exported parameter within 1e-5 absolute)."""
-    out, results = runs
-    for rank in range(4):
-        eager = results[rank]["losses"]["tp2_ep4"]
-        compiled = results[rank]["tp2_ep4_compiled"]
-        assert compiled[0] == eager[0]
-        assert compiled == pytest.approx(eager, rel=1e-6)
-    want, got = _params(out / "tp2_ep4"), _params(out / "tp2_ep4_compiled")
-    assert set(got) == set(want)
-    worst = max((got[n] - v).abs().max().item() for n, v in want.items())
-    assert worst <= 1e-5, worst
-    # the non-expert weights' FSDP gathers (dp_shard 2) ran inside compiled graphs: the
-    # embedding's (its 128 TP rows of 32, float32: 16384 B) among the forward's
-    forward = [b for g, b in results[0]["tp2_ep4_compiled_graphs"] if g == "forward"]
-    assert any(("all_gather", 16384) in b for b in forward), forward
 
 
 def test_grouped_mm_probe_under_no_grad(monkeypatch):
