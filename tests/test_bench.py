@@ -338,3 +338,95 @@ def test_moe_ep_variants_two_ranks(tmp_path):
         assert rows[name]["all_to_alls_per_step"] == 5, rows[name]["collectives_per_step"]
         assert 0 < rows[name]["all_to_all_s"] <= rows[name]["comm_blocked_s"], name
     assert rows["simplefsdp-eager"]["all_to_alls_per_step"] is None
+
+
+# The EP variants' model: debug_moe shrunk to 1 MoE block of width 32, 4 experts of width 32
+EP_MODEL = ["--model.name", "debug_moe", "--model.n_layers", "1", "--model.dim", "32",
+            "--model.num_experts", "4", "--model.moe_hidden_dim", "32"]
+EP_GRAD_PARAMS = ("layers.0.feed_forward.experts.gate_up_proj",
+                  "layers.0.feed_forward.experts.down_proj", "layers.0.feed_forward.gate.weight")
+
+
+def _ep_tokens(vocab: int, world: int):
+    """Every rank's (inputs, targets): 2 sequences of 16 tokens each, seeded."""
+    import torch
+
+    tokens = torch.randint(0, vocab, (world, 2, 17), generator=torch.Generator().manual_seed(0))
+    return tokens[..., :-1], tokens[..., 1:]
+
+
+def _ep_gradients(rank: int, world: int) -> dict:
+    """Each EP variant built as the benchmark builds it, one forward and backward on this
+    rank's sequences (the benchmark's per-rank mean loss), its pre-optimizer hook run: the
+    gradients of the MoE block's experts (this rank's EP slice of experts, whole) and
+    router (whole), with the slice's first expert."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import simplefsdp as sf
+    from simplefsdp.bench.variants import VARIANTS, BuildContext, model_class
+
+    args = parse_args([*EP_MODEL, "--world-size", str(world)]).model_args()
+    torch.manual_seed(0)
+    init = model_class(args)(args)
+    init.init_weights()
+    ctx = BuildContext(args, {k: v.detach().clone() for k, v in init.state_dict().items()},
+                       sf.make_mesh(dp_shard=world, device_type="cpu")["dp_shard"],
+                       sf.make_mesh(dp_replicate=world, dp_shard=1, device_type="cpu"),
+                       torch.device("cpu"), "aot_eager")
+    inputs, targets = (t[rank] for t in _ep_tokens(args.vocab_size, world))
+    found = {}
+    for name in ("moe-ep2-eager", "fsdp2-ep2-eager"):
+        built = VARIANTS[name].build(ctx)
+        F.cross_entropy(built.model(inputs).flatten(0, 1), targets.flatten()).backward()
+        if built.before_step is not None:
+            built.before_step()
+        params = dict(built.model.named_parameters())
+        experts = built.model.layers["0"].feed_forward.experts
+        ep_rank, ep = dist.get_rank(experts._sf_ep_group), 2
+        grads = {}
+        for key in EP_GRAD_PARAMS:
+            grad = params[key].grad
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            if "experts" in key and grad.shape[0] == args.num_experts:  # ours: all experts
+                grad = grad.chunk(ep)[ep_rank]
+            grads[key] = grad
+        found[name] = (ep_rank * args.num_experts // ep, grads)
+    return found
+
+
+def test_ep_variants_gradients_are_the_global_mean():
+    """On 4 gloo ranks (EP 2: each EP group's experts also sharded over 2 ranks, so FSDP2
+    reduce-scatters them), ours and FSDP2's EP variants, after one backward and the
+    optimizer pre-hook, hold for the experts and the router the gradient of the mean loss
+    over all 4 ranks' tokens, computed here by one process on the plain model. This is
+    what the experts' divide by ep makes of the sum over the EP group (the exchange's
+    backward) averaged over the ranks holding the same experts; AdamW's step hides a
+    constant gradient scale, so the benchmark's loss check cannot see it. Within 1e-5 of
+    the largest |gradient| (float32 sums in other orders; a missing or doubled divide is a
+    factor 2 on every expert element)."""
+    import torch
+    import torch.nn.functional as F
+    from rank_runner import run_ranks
+
+    from simplefsdp.bench.variants import model_class
+
+    world = 4
+    results = run_ranks(_ep_gradients, world)
+    args = parse_args([*EP_MODEL, "--world-size", str(world)]).model_args()
+    torch.manual_seed(0)
+    model = model_class(args)(args)
+    model.init_weights()
+    inputs, targets = _ep_tokens(args.vocab_size, world)
+    F.cross_entropy(model(inputs.flatten(0, 1)).flatten(0, 1), targets.flatten()).backward()
+    params = dict(model.named_parameters())
+    for rank, found in enumerate(results):
+        for name, (first, grads) in found.items():
+            for key, grad in grads.items():
+                want = params[key].grad
+                if "experts" in key:
+                    want = want[first:first + grad.shape[0]]
+                atol = 1e-5 * want.abs().max().item()
+                torch.testing.assert_close(grad, want, rtol=0, atol=atol,
+                                           msg=f"{name} rank {rank} {key}")
