@@ -191,6 +191,15 @@ class ParallelDims:
         are carved out of these (:meth:`expert_mesh`)."""
         return self._shard() * self.cp * self.tp
 
+    def expert_shard(self, mode: str = "fully_shard") -> int:
+        """Ranks one expert-parallel rank's experts are sharded over (the experts' mesh's
+        ``dp_shard``, :meth:`expert_mesh`): ``expert_ranks / ep``, or 1 where the experts
+        are replicated (``mode = "replicate"``, or ``expert_ranks = 1``: the ``ep`` groups
+        come out of ``dp_replicate``)."""
+        if mode == "replicate" or self.expert_ranks == 1:
+            return 1
+        return self.expert_ranks // self.ep
+
     def _expert_names(self) -> str:
         """``expert_ranks``' factors as the caller spells them (the cp dims and tp when used)."""
         used = ["dp_shard"] + [d for d in (*CP_DIMS, "tp") if getattr(self, d) > 1]
@@ -208,7 +217,12 @@ class ParallelDims:
 
     def stride(self, dim: str) -> int:
         """How many ranks apart neighbours in ``dim``'s groups are: the mesh lays ranks
-        out row-major, so the product of the sizes of the dims inside ``dim``."""
+        out row-major, so the product of the sizes of the dims inside ``dim``. ``"ep"``:
+        1, the experts' mesh puts ``ep`` innermost over the flattened ranks below
+        ``dp_shard`` (or ``dp_replicate``), consecutive in the job mesh (:meth:`expert_mesh`:
+        with TP, an EP group takes the TP ranks first)."""
+        if dim == "ep":
+            return 1
         sizes, stride = self.sizes, 1
         for d in reversed(MESH_DIMS):
             if d == dim:

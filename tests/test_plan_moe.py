@@ -28,30 +28,40 @@ def test_activated_flops_per_token_by_hand():
 
 
 @pytest.mark.parametrize("name", ["debug_moe", "deepseek_v3_16b", "qwen3_30b_a3b"])
-def test_stage_params_count_the_real_models_parameters(name):
-    """The planner's parameter count of the whole model (tp 1) equals the parameters of
-    the model itself, built on meta: every expert, the router, the shared expert and
+def test_rank_params_count_the_real_models_parameters(name):
+    """The planner's parameter count of the whole model on one rank equals the parameters
+    of the model itself, built on meta: every expert, the router, the shared expert and
     DeepSeek's dense first block."""
     args = MOE_PRESETS[name]
     with torch.device("meta"):
         model = MoETransformer(args)
-    assert memory.stage_params(args, "full", list(range(args.n_layers)), 1) \
+    one = ParallelDims(dp_shard=1)
+    assert memory.rank_params(args, "full", list(range(args.n_layers)), one, "fully_shard") \
         == num_params(model)
 
 
-def test_routed_params_stay_whole_under_tp():
-    """TP 2 splits attention and the shared expert, not the router and routed experts:
-    deepseek_v3_16b, by hand, per routed block (dim 2048, 64 experts of width 1408,
-    shared width 2816, 16 heads of 128, 16 KV heads: the GQA attention, as TP refuses
-    MLA): attention 4 x 2048^2 = 16,777,216 and shared 3 x 2048 x 2816 = 17,301,504
-    halved; router 64 x 2048 = 131,072 and experts 64 x 3 x 2048 x 1408 = 553,648,128
-    whole; norms 4,096 whole."""
-    args = dataclasses.replace(MOE_PRESETS["deepseek_v3_16b"], attention="gqa")
-    per_block = (16_777_216 + 17_301_504) / 2 + 131_072 + 553_648_128 + 4_096
-    # two stages holding the embedding and routed blocks 1-2, and block 1: one block apart
-    two = memory.stage_params(args, "first", [1, 2], 2)
-    one = memory.stage_params(args, "first", [1], 2)
-    assert two - one == per_block
+def test_rank_params_split_experts_over_the_experts_mesh_under_tp():
+    """debug_moe on 4 GPUs as tp 2 x dp_shard 2 with ep 2 (the trainer's layout since
+    c5772e1: experts split by ep, sharded over dp_shard x tp / ep), by hand. Per block:
+    attention 128 x 32 x (2 x 4 + 2 x 2) = 49,152 split by TP (24,576), router 8 x 128 =
+    1,024 and norms 256 whole per TP rank; embedding and output 256 x 128 = 32,768 each,
+    final norm 128: 4 x 25,856 + 65,664 = 169,088 per TP rank, sharded over dp_shard 2:
+    84,544. Experts 4 blocks x 8 x 3 x 128 x 128 = 1,572,864: 4 experts per EP rank, each
+    shared by 4 / 2 = 2 ranks: / 4 = 393,216. Total 477,760 per rank (before, the experts
+    were whole on each TP rank: 786,432 of them). ``replicate`` as dp_replicate 2 x tp 2
+    with ep 2: the non-expert 169,088 whole, the experts split by ep only (786,432):
+    955,520; hybrid_shard on the same degrees the same (the experts' dp_shard is
+    1 x 2 / 2 = 1). hybrid_shard 2 x 2 without TP, ep 2: non-expert 4 x 50,432 + 65,664 =
+    267,392 / 2 = 133,696, experts split by ep alone (dp_shard 2 / ep 2 = 1): 786,432;
+    920,128."""
+    args, layers = MOE_PRESETS["debug_moe"], list(range(4))
+    tp = ParallelDims(dp_shard=2, tp=2, ep=2)
+    assert memory.rank_params(args, "full", layers, tp, "fully_shard") == 477_760
+    rep = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, ep=2)
+    assert memory.rank_params(args, "full", layers, rep, "replicate") == 955_520
+    assert memory.rank_params(args, "full", layers, rep, "hybrid_shard") == 955_520
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, ep=2)
+    assert memory.rank_params(args, "full", layers, hsdp, "hybrid_shard") == 920_128
 
 
 def test_dense_stand_in_has_the_activated_width():
@@ -91,6 +101,51 @@ def test_all_to_all_seconds_by_hand():
     assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(16, 16, 8)) \
         == pytest.approx(26 * 4 * cross, rel=1e-12)
     assert moe.exchange_seconds(args, layers, 16_384, 2, "none", links(1, 8, 8)) == 0
+
+
+def _tp_ep_links(ep: int) -> timing.MeshLinks:
+    """4 H100 SXM, 2 per node, as tp 2 x dp_shard 2 with ``ep``."""
+    return timing.MeshLinks(gpu_profile("h100-sxm"), ParallelDims(dp_shard=2, tp=2, ep=ep), 2)
+
+
+def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
+    """debug_moe as tp 2 x dp_shard 2 with ep 2 on 2 nodes of 2 GPUs (batch 2 x seq 64,
+    float32 activations), by hand: the EP groups are the TP pairs (the experts' mesh puts
+    ep innermost), so they ride NVLink while the dp_shard group spans both nodes (ranks
+    0 and 2); ep 4 spans the nodes too. Each TP rank routes its own 128 / 2 = 64 tokens:
+    64 x top-2 x dim 128 x 4 B = 65,536 B per all-to-all, 15 us + 1 step x 1 us + 1/2 of
+    the bytes at 360 GB/s each, 4 per routed block without AC, 4 blocks; saved for
+    backward under selective AC 4 blocks x 2 x 65,536 = 524,288 B."""
+    args, layers = MOE_PRESETS["debug_moe"], list(range(4))
+    links = _tp_ep_links(2)
+    assert (links.size("ep"), links.link("ep"), links.link("dp_shard")) == (2, "nvlink", "ib")
+    assert _tp_ep_links(4).link("ep") == "ib"
+    tokens = moe.routed_tokens(memory.rank_tokens(2, 64, links.dims), links.dims)
+    assert tokens == 64
+    one = 15e-6 + 1e-6 + 65_536 / 2 / 360e9
+    assert moe.exchange_seconds(args, layers, tokens, 4, "none", links) \
+        == pytest.approx(16 * one, rel=1e-12)
+    assert moe.saved_bytes(args, layers, tokens, 4, "selective") == 524_288
+
+
+def test_prediction_holds_the_tp_ep_layout():
+    """The whole prediction (eager: the trainer refuses MoE + TP compiled) of the layout
+    above carries those figures: model states 16 B x 477,760 parameters per rank
+    (test_rank_params_split_experts_over_the_experts_mesh_under_tp) and the all-to-alls
+    16 x 16.091 us and the routed copies kept for backward, 4 x 2 x 65,536 B
+    (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
+    selective AC)."""
+    from simplefsdp.hardware import GiB
+    from simplefsdp.plan import predict_isolated
+    from simplefsdp.train.config import load_config
+
+    cfg = load_config("configs/debug_moe.toml", [
+        "--parallel.tp", "2", "--parallel.ep", "2", "--training.batch_size", "2",
+        "--training.seq_len", "64", "--activation_checkpoint.mode", "none"])
+    row = predict_isolated(cfg, 4, "h100-sxm", 2).detail["full"]
+    assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
+    assert row["all_to_all_s"] == pytest.approx(16 * (16e-6 + 65_536 / 2 / 360e9), rel=1e-12)
+    assert row["routed_saved_gib"] * GiB == 524_288
 
 
 def _attention_node(qk_dim: int, v_dim: int):

@@ -95,6 +95,11 @@ class ModelArgs:
         rank (a router and routed experts; none in a dense block)."""
         return 0
 
+    def expert_params(self, layer: int | None = None) -> int:
+        """Of ``routed_params``, the routed experts' (split by expert parallelism, the
+        router not; none in a dense block)."""
+        return 0
+
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
     """Llama's rule: 2/3 of 4*dim (SwiGLU has three matrices, not two), scaled by

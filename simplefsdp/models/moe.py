@@ -93,7 +93,12 @@ class MoEArgs(MLAArgs):
         """The router and every routed expert (tensor parallelism splits neither)."""
         if not self.is_moe(layer):
             return 0
-        return self.dim * self.num_experts * (1 + 3 * self.moe_hidden_dim)
+        return self.dim * self.num_experts + self.expert_params(layer)
+
+    def expert_params(self, layer: int | None = None) -> int:
+        """Every routed expert's three ``I x dim`` matrices (``E x 3 x I x dim``)."""
+        return 3 * self.dim * self.num_experts * self.moe_hidden_dim if self.is_moe(layer) \
+            else 0
 
     @property
     def activated_hidden_dim(self) -> int:

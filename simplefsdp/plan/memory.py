@@ -193,20 +193,32 @@ def loss_vocab(args, parallel) -> int:
 
 
 def stage_params(args, role: str, layers: list[int], tp: int) -> float:
-    """Parameters one tensor-parallel rank of a stage holds (before data-parallel
-    sharding; ``layers``: the stage's block indices): the blocks' matrices split ``tp``
-    ways, but for a mixture of experts' router and routed experts (``routed_params``:
-    whole on every TP rank, sharded over the data-parallel ranks like the rest, whatever
-    ``ep``: expert parallelism splits the experts, FSDP the rest of ``dp_shard``), norms
-    and embeddings whole."""
+    """Parameters other than the routed experts one tensor-parallel rank of a stage
+    holds before data-parallel sharding (``layers``: the stage's block indices): the
+    blocks' matrices split ``tp`` ways, but a mixture of experts' router whole on every TP
+    rank (each routes its own tokens), norms and embeddings whole. The routed experts are
+    :func:`rank_params`' second term."""
     total = sum((block_matmul_params(args, i) - args.routed_params(i)) / tp
-                + args.routed_params(i) + args.block_norm_params for i in layers)
+                + args.routed_params(i) - args.expert_params(i) + args.block_norm_params
+                for i in layers)
     if role in ("full", "first"):
         total += args.vocab_size * args.dim
     if role in ("full", "last"):
         total += args.dim + (0 if args.tie_embeddings and role == "full"
                              else args.vocab_size * args.dim)
     return total
+
+
+def rank_params(args, role: str, layers: list[int], dims, mode: str) -> float:
+    """Parameters one rank of a stage holds (``dims``: resolved ``ParallelDims``, ``mode``:
+    the data-parallel mode): :func:`stage_params` sharded over ``dp_shard x cp``, plus the
+    routed experts (``expert_params``: not split by TP) split ``ep`` ways and each part
+    sharded over the ranks holding the same experts (``ParallelDims.expert_shard``: the
+    experts' mesh puts TP ranks among them, so in ``fully_shard`` a rank holds
+    ``1 / (dp_shard x cp x tp)`` of them)."""
+    experts = sum(args.expert_params(i) for i in layers)
+    return stage_params(args, role, layers, dims.tp) / dims.dp_shard_cp \
+        + experts / (dims.ep * dims.expert_shard(mode))
 
 
 def rank_tokens(batch: int, seq_len: int, dims) -> int:

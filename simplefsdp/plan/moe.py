@@ -11,7 +11,8 @@ added per routed block of the stage:
   one ``all_to_all`` each on the EP group in forward and in backward (and the forward's
   again when full AC recomputes the block), each moving this rank's ``tokens x top_k x
   dim`` activations, exposed whole (the experts wait for their tokens, and the split
-  sizes are read on the host first);
+  sizes are read on the host first). A rank routes its own tokens (``routed_tokens``:
+  under TP its part of the sequence, ``parallel.expert.moe_tp_plan``);
 * the token permutations (``permute_seconds``): the memory-bound passes over the
   dispatched activations that the dispatch and combine make (gather, regroup by expert,
   weight, sum back), counted from the code, at the memory roofline;
@@ -19,10 +20,13 @@ added per routed block of the stage:
   multiply and the expert outputs the routing weights multiply, ``2 x tokens x top_k x
   dim`` (none when full AC recomputes the block).
 
-Model states come from the real shapes (``memory.stage_params``: every expert), and the
-stand-in's FSDP collectives stand for the experts' (with ``ep`` = ``dp_shard`` each rank
-gathers nothing for its experts, the stand-in gathers its width: a few percent of the
-step on the published case, README).
+Model states come from the real shapes (``memory.rank_params``: the experts split by
+``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
+the experts' (with ``ep`` = ``dp_shard`` each rank gathers nothing for its experts, the
+stand-in gathers its width: a few percent of the step on the published case, README).
+Under TP the stand-in's FFN is a sequence-parallel SwiGLU (gathered and reduce-scattered
+over TP), as the shared expert is; the routed experts are not (``moe_tp_plan``): without
+a shared expert its TP collectives are the stand-in's own, not counted away.
 """
 
 from __future__ import annotations
@@ -33,8 +37,15 @@ from ..compiler.cost.compute import roofline_seconds
 from ..models.llama import ModelArgs, ffn_hidden_dim
 from ..models.mla import MLAArgs
 
-# all-to-alls of one routed block per step: dispatch + combine, forward and backward
-EXCHANGES = {"none": 4, "selective": 4, "full": 6}  # full AC: the forward's once more
+# Times a step runs a routed block's forward: full AC runs it again in backward. The one
+# owner of that rule for the exchanges and the permutations below.
+FORWARDS = {"none": 1, "selective": 1, "full": 2}
+
+
+def exchanges(ac: str) -> int:
+    """All-to-alls of one routed block per step: dispatch and combine in each forward run
+    (``FORWARDS``) and in backward."""
+    return 2 * (FORWARDS[ac] + 1)
 
 
 def stand_in(args: ModelArgs) -> ModelArgs:
@@ -62,6 +73,13 @@ def routed_blocks(args: ModelArgs, layers: list[int]) -> int:
     return sum(1 for i in layers if args.routed_params(i))
 
 
+def routed_tokens(tokens: int, dims) -> int:
+    """Tokens one rank routes to the experts, of the ``tokens`` it computes
+    (``memory.rank_tokens``): under TP each rank routes its own ``1 / tp`` of the sequence
+    (``parallel.expert.moe_tp_plan``: no gather before the router)."""
+    return tokens // dims.tp
+
+
 def dispatch_bytes(args: ModelArgs, tokens: int, elem: int) -> int:
     """Bytes of one routed block's dispatched activations on one rank: each of its
     ``tokens`` goes to ``top_k`` experts."""
@@ -71,11 +89,12 @@ def dispatch_bytes(args: ModelArgs, tokens: int, elem: int) -> int:
 def exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
                      fabric) -> float:
     """Exposed all-to-all seconds of the stage's routed blocks per microbatch, on the EP
-    group of ``fabric`` (``timing.MeshLinks``); 0 without expert parallelism."""
+    group of ``fabric`` (``timing.MeshLinks``), ``tokens`` the rank's routed ones
+    (``routed_tokens``); 0 without expert parallelism."""
     if fabric.size("ep") <= 1:
         return 0.0
     one = fabric.seconds("all_to_all", "ep", dispatch_bytes(args, tokens, elem))
-    return routed_blocks(args, layers) * EXCHANGES[ac] * one
+    return routed_blocks(args, layers) * exchanges(ac) * one
 
 
 # Memory passes over one routed block's dispatched activations (``dispatch_bytes``, D) that
@@ -97,7 +116,7 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
     above over D at the memory roofline (``hardware.Efficiency.memory``), the graph's
     shrunk by Inductor's fusion when compiled (``fused_memory``, as for every memory-bound
     op of a compiled graph), the forward's counted again when full AC recomputes it."""
-    forwards = 2 if ac == "full" else 1
+    forwards = FORWARDS[ac]
     eff = dev.efficiency
     graph = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
     passes = graph * (eff.fused_memory if compiled else 1.0)
@@ -109,7 +128,8 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
 
 
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:
-    """Bytes the stage's routed blocks keep for backward beyond the stand-in's."""
+    """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
+    the rank's routed ones, ``routed_tokens``)."""
     if ac == "full":
         return 0
     return routed_blocks(args, layers) * 2 * dispatch_bytes(args, tokens, elem)

@@ -116,15 +116,16 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
     return out
 
 
-def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int) -> tuple[list[float], float]:
+def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int,
+                 routed: int) -> tuple[list[float], float]:
     """(peaks, bytes saved for backward per microbatch) of one stage role on top of its
     model states: compiled, the graphs' liveness + the eager loss on the logits (the
     vocabulary-sharded ones under loss parallel); eager, the replayed step's own
-    allocations, loss included; a mixture of experts' routed copies on top of either."""
+    allocations, loss included; a mixture of experts' routed copies (``routed`` bytes,
+    ``moe.saved_bytes``) on top of either."""
     t, args = cfg.training, cfg.model.model_args()
     tokens = memory.rank_tokens(mb, t.seq_len, cfg.parallel.dims())
     elem = memory.activation_elem_bytes(t)
-    routed = moe.saved_bytes(args, f["layers"], tokens, elem, cfg.activation_checkpoint.mode)
     if cfg.compile.enable:
         peaks, saved = [f["forward_peak"], f["backward_peak"]], f["saved"]
         if role in ("full", "last"):
@@ -155,19 +156,19 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.stage_params(args, role, f["layers"], p.tp) / p.dims().dp_shard_cp
+        params = memory.rank_params(args, role, f["layers"], p.dims(), p.dp_mode)
         states = memory.states_bytes(params)
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
         tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
-        a2a = moe.exchange_seconds(args, f["layers"], tokens,
-                                   memory.activation_elem_bytes(t),
-                                   cfg.activation_checkpoint.mode, fabric)
+        routed, elem = moe.routed_tokens(tokens, p.dims()), memory.activation_elem_bytes(t)
+        ac = cfg.activation_checkpoint.mode
+        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, ac, fabric)
         step = f["seconds"] + a2a + moe.permute_seconds(
-            args, f["layers"], tokens, memory.activation_elem_bytes(t),
-            cfg.activation_checkpoint.mode, dev, cfg.compile.enable, p.ep)
+            args, f["layers"], routed, elem, ac, dev, cfg.compile.enable, p.ep)
+        kept = moe.saved_bytes(args, f["layers"], routed, elem, ac)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
-        peaks, saved = _role_memory(cfg, role, f, mb)
+        peaks, saved = _role_memory(cfg, role, f, mb, kept)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
         role_active = states + max(peaks) + (in_flight - 1) * saved
@@ -182,7 +183,8 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         detail[role] = {"layers": len(f["layers"]), "states_gib": states / GiB,
                         "activations_gib": (role_active - states) / GiB,
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
-                        "all_to_all_s": a2a * micro * t.grad_accum_steps}
+                        "all_to_all_s": a2a * micro * t.grad_accum_steps,
+                        "routed_saved_gib": kept / GiB}
     reserved = active * (1 + ALLOC_OVERHEAD)
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
     tps = tokens / seconds / gpus

@@ -42,11 +42,12 @@ def _cause(e: Exception) -> str:
     return (lines[-1] if lines else f"{type(e).__name__}: {e}")[:160]
 
 
-def expert_degrees(args, dp_shard: int) -> list[int]:
-    """The ``ep`` sizes to try: 1, and for a mixture of experts every divisor of
-    ``dp_shard`` that also divides the experts (each EP rank holds whole experts)."""
+def expert_degrees(args, ranks: int) -> list[int]:
+    """The ``ep`` sizes to try: 1, and for a mixture of experts every divisor of ``ranks``
+    (``ParallelDims.expert_ranks``: the EP groups are carved out of them) that also divides
+    the experts (each EP rank holds whole experts)."""
     experts = getattr(args, "num_experts", 1)
-    return [e for e in range(1, dp_shard + 1) if dp_shard % e == 0 and experts % e == 0]
+    return [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
 
 
 def _cp_valid(cfg: JobConfig, args, dims: ParallelDims) -> bool:
@@ -75,7 +76,7 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int,
             continue
         if cp and (dims.cp == 1 or not _cp_valid(cfg, args, dims)):
             continue
-        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, dims.dp_shard_cp)
+        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, dims.expert_ranks)
                               for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
                               for a in AC_MODES):
             c = copy.deepcopy(cfg)
@@ -100,8 +101,8 @@ def _lower_bound(c: JobConfig) -> float:
     bound = 0.0
     for role in roles:
         layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
-        need = memory.states_bytes(memory.stage_params(args, role, layers, p.tp)
-                                    / p.dims().dp_shard_cp)
+        need = memory.states_bytes(memory.rank_params(args, role, layers, p.dims(),
+                                                      p.dp_mode))
         if role != "first":
             need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, p.dims()),
                                       memory.loss_vocab(args, p), elem,
@@ -140,7 +141,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
                 + timing.head_floor_seconds(args, tokens, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.stage_params(args, role, blocks, p.tp) / p.dims().dp_shard_cp
+        params = memory.rank_params(args, role, blocks, p.dims(), p.dp_mode)
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
     return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus

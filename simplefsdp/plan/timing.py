@@ -43,8 +43,8 @@ class MeshLinks:
 
     A dim's group spans ``dims.stride(dim) * size`` consecutive ranks (the mesh's
     layout is ``ParallelDims``'): inside a node if that fits in ``gpus_per_node``. The
-    expert-parallel groups (``"ep"``) are the innermost ranks of ``dp_shard``
-    (``ParallelDims.expert_mesh``): ``ep`` of them, ``dp_shard``'s stride apart."""
+    expert-parallel groups (``"ep"``) are ``ep`` consecutive ranks (``ParallelDims.stride``:
+    innermost on the experts' mesh, so with TP they ride TP's links first)."""
 
     def __init__(self, dev: GpuProfile, dims: ParallelDims, gpus_per_node: int):
         self.dev, self.dims, self.gpn = dev, dims, gpus_per_node
@@ -60,11 +60,8 @@ class MeshLinks:
 
     def link(self, dim: str) -> str:
         """NVLink when the group's consecutive span of ranks fits a node (``dp_shard``'s
-        span covers the cp ranks inside it; ``ep``'s groups lie inside ``dp_shard``)."""
-        if dim == "ep":
-            span = self.dims.stride("dp_shard") * self.dims.ep
-        else:
-            span = self.dims.stride(dim) * self.sizes[dim]
+        span covers the cp and tp ranks inside it)."""
+        span = self.dims.stride(dim) * (self.dims.ep if dim == "ep" else self.sizes[dim])
         return "nvlink" if span <= self.gpn else "ib"
 
     def seconds(self, kind: str, dim: str, nbytes: float) -> float:
