@@ -53,13 +53,17 @@ def test_rank_params_split_experts_over_the_experts_mesh_under_tp():
     955,520; hybrid_shard on the same degrees the same (the experts' dp_shard is
     1 x 2 / 2 = 1). hybrid_shard 2 x 2 without TP, ep 2: non-expert 4 x 50,432 + 65,664 =
     267,392 / 2 = 133,696, experts split by ep alone (dp_shard 2 / ep 2 = 1): 786,432;
-    920,128."""
+    920,128. ``replicate`` 2 x tp 2 without EP: the TP ranks replicate the experts too
+    (they are the experts' replicas there), every expert on every rank: 169,088 +
+    1,572,864 = 1,741,952."""
     args, layers = MOE_PRESETS["debug_moe"], list(range(4))
     tp = ParallelDims(dp_shard=2, tp=2, ep=2)
     assert memory.rank_params(args, "full", layers, tp, "fully_shard") == 477_760
     rep = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, ep=2)
     assert memory.rank_params(args, "full", layers, rep, "replicate") == 955_520
     assert memory.rank_params(args, "full", layers, rep, "hybrid_shard") == 955_520
+    rep1 = ParallelDims(dp_replicate=2, dp_shard=1, tp=2)
+    assert memory.rank_params(args, "full", layers, rep1, "replicate") == 1_741_952
     hsdp = ParallelDims(dp_replicate=2, dp_shard=2, ep=2)
     assert memory.rank_params(args, "full", layers, hsdp, "hybrid_shard") == 920_128
 
