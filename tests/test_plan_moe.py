@@ -133,8 +133,8 @@ def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
 
 
 def test_prediction_holds_the_tp_ep_layout():
-    """The whole prediction (eager: the trainer refuses MoE + TP compiled) of the layout
-    above carries those figures: model states 16 B x 477,760 parameters per rank
+    """The whole prediction (eager, the cheaper to plan) of the layout above carries
+    those figures: model states 16 B x 477,760 parameters per rank
     (test_rank_params_split_experts_over_the_experts_mesh_under_tp) and the all-to-alls
     16 x 16.091 us and the routed copies kept for backward, 4 x 2 x 65,536 B
     (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
