@@ -7,6 +7,8 @@ Spawned rank processes inherit that path, so they import the same modules.
 
 import os
 
+import pytest
+
 # Tests never reach the network: Hugging Face libraries, if a test uses them, stay offline.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
@@ -16,3 +18,37 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 # Measured on the debug model's first Inductor step, one process, load 8-13: 92-97 s
 # in-process against 118-210 s with the pool.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+def _planner_call(fn, args):
+    """``fn(*args)`` in the planner's process, its trace caches emptied first: each call
+    traces what it needs itself (as in a fresh process), so its counts of traces are its
+    own; the fake process group, the meshes and Dynamo's warm imports are kept."""
+    from simplefsdp.plan.eager import eager_memory
+    from simplefsdp.plan.trace import trace
+
+    trace.cache_clear()
+    eager_memory.cache_clear()
+    return fn(*args)
+
+
+@pytest.fixture(scope="session")
+def planner():
+    """``planner(fn, *args)``: ``fn(*args)`` in one spawned process for the whole session,
+    with the planner's own fake process group (it must never meet a test's gloo group).
+    One process, not one per call: each spawn re-imports torch and warms Dynamo up
+    (measured: ~4 CPU-seconds of imports alone, over 20 planner calls in the suite). Not
+    a daemon: a search with ``workers`` starts its own processes from it. Killed at the
+    end: its interpreter's orderly exit (tearing down every trace it holds) took minutes
+    on a loaded machine, and nothing in it needs saving."""
+    import multiprocessing
+    import signal
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    worker = pool.submit(os.getpid).result()
+    try:
+        yield lambda fn, *args: pool.submit(_planner_call, fn, args).result()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        pool.shutdown(wait=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
-from simplefsdp.plan import predict_isolated
+from simplefsdp.plan import predict
 from simplefsdp.train.config import load_config
 
 DEBUG = ["--compile.enable", "true", "--compile.backend", "aot_eager",
@@ -53,7 +53,7 @@ def _measured_peak(rank, world, overrides):
 
 @pytest.mark.parametrize("ac,compiled", [("none", "true"), ("selective", "true"),
                                          ("none", "false"), ("full", "false")])
-def test_debug_model_memory_matches_a_measured_two_rank_run(ac, compiled):
+def test_debug_model_memory_matches_a_measured_two_rank_run(planner, ac, compiled):
     # Compiled runs use Inductor, whose code frees each saved activation after its last
     # use in backward, as the planner's liveness does; aot_eager's boxed backward keeps
     # its whole argument list (every saved activation) alive until it returns.
@@ -61,7 +61,7 @@ def test_debug_model_memory_matches_a_measured_two_rank_run(ac, compiled):
     overrides = DEBUG + ["--activation_checkpoint.mode", ac, "--compile.enable", compiled] \
         + backend
     measured = max(run_ranks(_measured_peak, 2, overrides))
-    predicted = predict_isolated(load_config(None, overrides), 2, "h100-sxm")
+    predicted = planner(predict, load_config(None, overrides), 2, "h100-sxm")
     active = predicted.peak_memory_gib * 2**30
     # 10%: the issue's goal. The profiler sees torch's CPU allocations only (the least
     # of 3 profiled steps: a missed free only adds); the prediction is liveness over the
@@ -110,13 +110,13 @@ GRAPH_TRAINER_FULL = ("full", 2, True, 7006, 32.07)
 # which our prediction (53.33 GiB reserved) holds and the published run does not.
 
 
-def test_published_runs():
+def test_published_runs(planner):
     rows = []
     for ac, batch, compiled, _, _ in PUBLISHED:
         cfg = load_config("configs/llama3_8b.toml", [
             "--activation_checkpoint.mode", ac, "--training.batch_size", str(batch),
             "--compile.enable", str(compiled).lower(), "--compile.bucketing", "manual"])
-        rows.append(predict_isolated(cfg, 8, "h100-96gb"))
+        rows.append(planner(predict, cfg, 8, "h100-96gb"))
     for (ac, _, compiled, tps, gib), r in zip(PUBLISHED, rows, strict=True):
         assert abs(r.tokens_per_s_per_gpu - tps) / tps < TOKENS_TOL, (ac, compiled, r)
         assert abs(r.reserved_memory_gib - gib) / gib < MEMORY_TOL, (ac, compiled, r)
@@ -136,7 +136,7 @@ def test_published_runs():
     # compiled selective row's, as published
     # (32.07 < 77.0 GiB; predicted 53.33 < 81.15); not its GiB (see GRAPH_TRAINER_FULL).
     ac, batch, compiled, tps, _ = GRAPH_TRAINER_FULL
-    full = predict_isolated(load_config("configs/llama3_8b.toml", [
+    full = planner(predict, load_config("configs/llama3_8b.toml", [
         "--activation_checkpoint.mode", ac, "--training.batch_size", str(batch),
         "--compile.enable", str(compiled).lower(), "--compile.bucketing", "manual"]),
         8, "h100-96gb")
@@ -178,13 +178,10 @@ def _rescaled_vs_traced(overrides):
 
 
 @pytest.mark.parametrize("compiled", ["false", "true"])
-def test_shard_rescaling_matches_a_trace_at_that_size(compiled):
-    import multiprocessing
-
+def test_shard_rescaling_matches_a_trace_at_that_size(planner, compiled):
     overrides = ["--compile.enable", compiled, "--compile.bucketing", "manual",
                  "--training.seq_len", "64", "--training.batch_size", "4"]
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        rescaled, traced = pool.apply(_rescaled_vs_traced, (overrides,))
+    rescaled, traced = planner(_rescaled_vs_traced, overrides)
     assert rescaled == traced  # exact: shard sizes divide evenly here
 
 
@@ -271,15 +268,12 @@ def _tp_pp_last_stage():
         cfg.model.model_args().dim, eager.peak
 
 
-def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states():
+def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states(planner):
     """Under TP + sequence parallel a pipeline stage receives its TP rank's piece of the
     sequence: the last stage of tp 2 x pp 2 is traced on (batch, seq / 2, dim) (traced
     on the whole sequence, its all-gather doubled it: "could not trace" in the search)
     and returns logits for the whole sequence."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        inputs, logits, dim, eager_peak = pool.apply(_tp_pp_last_stage)
+    inputs, logits, dim, eager_peak = planner(_tp_pp_last_stage)
     hidden = [shape for shape in inputs if shape[-1] == dim]  # not the RoPE table
     assert hidden == [(2, 16, dim)], inputs
     assert logits[:2] == (2, 32), logits
@@ -319,15 +313,12 @@ def _full_ac_saved() -> list[int]:
     return [graph_memory(trace(trace_key(cfg, "full", k, 4, 1, 2)), 2).saved for k in (1, 2)]
 
 
-def test_compiled_full_ac_saves_only_block_inputs():
+def test_compiled_full_ac_saves_only_block_inputs(planner):
     """Issue 27: the planner's compiled full-AC trace recomputes. Per block, its forward
     saves for backward exactly the block's input: batch 4 x seq 64 x dim 128 x 4 B
     (float32) = 131,072 B, by hand (without AC the same trace saves 2,136,064 B per
     block). The saved bytes grow by that from the 1- to the 2-block trace."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        saved = pool.apply(_full_ac_saved)
+    saved = planner(_full_ac_saved)
     assert saved[1] - saved[0] == 4 * 64 * 128 * 4, saved
 
 
@@ -370,7 +361,7 @@ def _loss_time_bytes() -> dict:
     return out
 
 
-def test_loss_time_peak_by_hand():
+def test_loss_time_peak_by_hand(planner):
     """Issue 27's compiled transient is the eager cross-entropy on bf16 logits; its bytes
     per logit, counted by hand from the ops torch runs (``aten`` kernels without loss
     parallel; torch's DTensor handlers in ``tensor/parallel/loss.py`` with it):
@@ -383,10 +374,7 @@ def test_loss_time_peak_by_hand():
     its sight) and the compiled prediction's ``loss_peaks`` (12 before) must give them.
     Tolerance: the per-token vectors (targets, aranges, masks, maxima, sums) sit on top of
     the logit terms, under 64 B per token (4 KiB here; one logit term is 32 or 64 KB)."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        got = pool.apply(_loss_time_bytes)
+    got = planner(_loss_time_bytes)
     for sharded, (forward, backward) in {True: (14, 16), False: (10, 12)}.items():
         measured_fw, measured, planned, n = got[sharded]
         assert planned == (forward * n, backward * n), (sharded, planned, n)
