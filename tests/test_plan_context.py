@@ -55,7 +55,7 @@ def test_loss_counts_each_cp_ranks_part_of_the_sequence():
         "262144", "--model.max_seq_len", "262144", "--training.batch_size", "1",
         "--activation_checkpoint.mode", "full", "--compile.enable", "true"])
     zero = {"forward_peak": 0, "backward_peak": 0, "saved": 0, "layers": []}
-    peaks, saved = _role_memory(cfg, "full", zero, 1)
+    peaks, saved = _role_memory(cfg, "full", zero, 1, 0)  # a dense model: no routed copies
     assert saved == 0 and max(peaks) == 12 * 32_768 * 128_256, peaks
 
 
