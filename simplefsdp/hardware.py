@@ -112,7 +112,14 @@ class Efficiency:
     case; one table per device profile."""
 
     matmul: float = 0.60  # large bf16 GEMMs
-    attention: float = 0.40  # flash attention, forward and backward, causal half counted
+    # Flash attention (FlashAttention-2, SDPA's flash kernel), head size 128, from the
+    # FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608, Figs. 5-7: FA2 on H100
+    # SXM5 at 8k-16k tokens) over the 989 TFLOP/s peak: forward 335 TFLOP/s causal (half
+    # the scores counted), 370 without a mask; backward 320 TFLOP/s counting its FLOPs as
+    # 2.5x the forward's (as ``models.llama.ATTENTION_BACKWARD_FLOPS`` does).
+    attention: float = 335 / 989  # forward, causal
+    attention_unmasked: float = 370 / 989  # forward, no mask (a ring's block of others' keys)
+    attention_backward: float = 320 / 989
     # SDPA's memory-efficient kernel (xformers' CUTLASS kernel; what runs when query/key and
     # value heads differ in size, e.g. MLA): half of flash's. FlashAttention-2 paper (Dao
     # 2023, section 4.1, Figs. 4-6, A100 forward + backward): FlashAttention-2 is about

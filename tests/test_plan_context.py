@@ -24,7 +24,8 @@ def _ring_rank0():
     ids = [tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)
            and v.dtype == torch.long and v.dim() == 2]
     flops = [timing._flops(n) for n in tr.forward.graph.nodes if n.op == "call_function"]
-    return ids, sum(f for kind, f in flops if kind == "attention")
+    return ids, {k: sum(f for kind, f in flops if kind == k)
+                 for k in ("attention", "attention_unmasked")}
 
 
 def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
@@ -33,11 +34,15 @@ def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
     forward attention by hand: chunk 0 causal over itself (16 x 16 / 2), chunk 3 over
     chunks 0-2 in full (16 x 48) and causal over itself (16 x 16 / 2): 1,024 query-key
     pairs x 4 x (2 x 4 heads) x 32 = 1,048,576 FLOPs per block, half the whole
-    sequence's causal attention (4 x 8 x 64 x 64 / 2 x 32 = 2,097,152): balanced."""
+    sequence's causal attention (4 x 8 x 64 x 64 / 2 x 32 = 2,097,152): balanced. The
+    causal blocks are costed at flash's causal forward efficiency, the 16 x 48 block at
+    its unmasked one (``hardware.Efficiency``): 262,144 and 786,432 FLOPs."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
         ids, attention = pool.apply(_ring_rank0)
     assert ids == [(2, 32)], ids
-    assert attention == 4 * 8 * 32 * (16 * 16 // 2 + 16 * 48 + 16 * 16 // 2) == 1_048_576
+    assert attention == {"attention": 4 * 8 * 32 * (16 * 16 // 2 + 16 * 16 // 2),
+                         "attention_unmasked": 4 * 8 * 32 * 16 * 48}, attention
+    assert sum(attention.values()) == 1_048_576
 
 
 def test_loss_counts_each_cp_ranks_part_of_the_sequence():
@@ -90,3 +95,44 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     dev = GPU_PROFILES["h100-96gb"]
     seconds = [node_seconds(n, dev, compiled=True) for n in (plain, saved, replayed)]
     assert seconds[0] > 0 and seconds[1] == seconds[2] == seconds[0], seconds
+
+
+def test_flash_attention_is_costed_at_the_published_kernel_rates():
+    """FlashAttention-2 on an H100 SXM5, head size 128, 8k-16k tokens (FlashAttention-3
+    paper, Shah et al. 2024, arXiv 2407.08608): forward 335 TFLOP/s causal, 370 without a
+    mask, backward 320 TFLOP/s counting 2.5x the forward's FLOPs. One layer of Llama 3 8B
+    at 8,192 tokens (32 heads of 128, bf16), by hand: causal forward 2 x 32 x 8192^2 x 256 / 2
+    = 5.498e11 FLOPs -> 1.641 ms at 335 TFLOP/s; unmasked twice the FLOPs at 370 ->
+    2.972 ms; causal backward 2.5x -> 4.295 ms at 320. Each plus the compiled kernel floor
+    (3 us). FLOP-bound: their tensors (64 MiB each, 4-8 of them) take 0.16-0.32 ms at 70%
+    of 2.4 TB/s. Relative tolerance 1e-9: float rounding of the same arithmetic."""
+    import pytest
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp.hardware import GPU_PROFILES
+    from simplefsdp.plan.timing import _flops, node_seconds
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        t = torch.empty(1, 32, 8192, 128, dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, 8192)
+    nodes = {}
+    for name in ("q", "k", "v", "out", "grad", "lse"):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = lse if name == "lse" else t
+    qkv = (nodes["q"], nodes["k"], nodes["v"])
+    forward = aten._scaled_dot_product_flash_attention_for_cpu.default
+    causal = graph.call_function(forward, qkv, {"is_causal": True})
+    unmasked = graph.call_function(forward, qkv, {"is_causal": False})
+    backward = graph.call_function(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        (nodes["grad"], *qkv, nodes["out"], nodes["lse"], 0.0, True))
+    flops = 2 * 32 * 8192**2 * 256 // 2
+    assert [_flops(n) for n in (causal, unmasked, backward)] == [
+        ("attention", flops), ("attention_unmasked", 2 * flops),
+        ("attention_backward", 2.5 * flops)]
+    dev = GPU_PROFILES["h100-96gb"]
+    seconds = [node_seconds(n, dev, compiled=True) for n in (causal, unmasked, backward)]
+    expected = [flops / 335e12 + 3e-6, 2 * flops / 370e12 + 3e-6, 2.5 * flops / 320e12 + 3e-6]
+    assert seconds == pytest.approx(expected, rel=1e-9), (seconds, expected)

@@ -117,9 +117,12 @@ def attention_kernel(name: str, qk_dim: int, v_dim: int) -> str:
 
 
 def _flops(node: fx.Node) -> tuple[str, float]:
-    """(class, FLOPs) of one node: "matmul", "attention" / "efficient_attention" (the SDPA
-    kernel, ``attention_kernel``) or "memory". Attention: its queries against its keys (a
-    ring's block of another rank's keys is a full rectangle, its own block causal)."""
+    """(class, FLOPs) of one node: "matmul", "memory", or an attention kernel's class,
+    named as its ``hardware.Efficiency`` field: "efficient_attention" (the memory-efficient
+    SDPA kernel, ``attention_kernel``, forward and backward), else flash's "attention"
+    (forward, causal), "attention_unmasked" (forward, no mask) or "attention_backward".
+    Attention: its queries against its keys (a ring's block of another rank's keys is a
+    full rectangle, its own block causal)."""
     call = _call(node)
     name = str(call[0])
     if any(a in name for a in _ATTENTION):
@@ -128,9 +131,12 @@ def _flops(node: fx.Node) -> tuple[str, float]:
         k, v = _arg(call, "key").meta["val"], _arg(call, "value").meta["val"]
         dv = int(v.shape[-1])
         causal = bool(_arg(call, "is_causal", True))
+        backward = "backward" in name
         flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal, value_dim=dv)
-        return attention_kernel(name, d, dv), flops * (
-            ATTENTION_BACKWARD_FLOPS if "backward" in name else 1.0)
+        kind = attention_kernel(name, d, dv)
+        if kind == "attention" and (backward or not causal):
+            kind = "attention_backward" if backward else "attention_unmasked"
+        return kind, flops * (ATTENTION_BACKWARD_FLOPS if backward else 1.0)
     if node.target in _MATMUL:
         packet = node.target.overloadpacket
         args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args]
@@ -155,8 +161,7 @@ def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 
     eff = dev.efficiency
     if kind == "memory" and compiled:
         nbytes *= eff.fused_memory
-    flop_eff = {"matmul": eff.matmul, "attention": eff.attention,
-                "efficient_attention": eff.efficient_attention, "memory": 1.0}[kind]
+    flop_eff = 1.0 if kind == "memory" else getattr(eff, kind)
     return roofline_seconds(flops, nbytes, peak, dev.spec.mem_bandwidth_Bps,
                             flop_efficiency=flop_eff, mem_efficiency=eff.memory,
                             overlap=True, floor_s=eff.floor_s(compiled))
@@ -224,11 +229,15 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     passes = 4 if recompute else 3  # forward 1, backward 2 (grad input, grad weight)
     matmul = 2 * passes * params / tp * tokens
     qk, v = args.attention_dims
-    attention = attention_flops(args.n_heads / tp, tokens, seq, qk, causal=True, value_dim=v) \
-        * (1 + ATTENTION_BACKWARD_FLOPS + recompute)
+    forward = attention_flops(args.n_heads / tp, tokens, seq, qk, causal=True, value_dim=v)
     peak, eff = dev.spec.bf16_flops, dev.efficiency
-    attn_eff = getattr(eff, attention_kernel("", qk, v))
-    return blocks * (matmul / (peak * eff.matmul) + attention / (peak * attn_eff))
+    if attention_kernel("", qk, v) == "attention":  # a ring's blocks may run unmasked
+        fwd_eff = max(eff.attention, eff.attention_unmasked)
+        bwd_eff = eff.attention_backward
+    else:
+        fwd_eff = bwd_eff = eff.efficient_attention
+    attention = forward * (1 + recompute) / fwd_eff + forward * ATTENTION_BACKWARD_FLOPS / bwd_eff
+    return blocks * (matmul / (peak * eff.matmul) + attention / peak)
 
 
 def head_floor_seconds(args, tokens: int, tp: int, dev: GpuProfile) -> float:
