@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from rank_runner import run_ranks
 
 from simplefsdp._torch_compat import TorchDispatchMode
-from simplefsdp.parallel.context import RingCore, natural_order, positions
+from simplefsdp.parallel.context import positions
+from simplefsdp.parallel.ring import RingCore, natural_order
 from simplefsdp.train.config import ConfigError, load_config
 from simplefsdp.train.data import ByteTokenizer
 

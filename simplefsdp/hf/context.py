@@ -156,10 +156,11 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return out, None
 
 
-def apply_cp(model: nn.Module, mesh, seq_len: int) -> None:
+def apply_cp(model: nn.Module, mesh, seq_len: int, rotate: str = "allgather") -> None:
     """Context parallelism on a transformers causal LM, in place: :func:`attention`
     registered and selected, every module given the ring / Ulysses core, and
-    ``model._sf_positions`` this rank's global positions (the forward's ``position_ids``).
+    ``model._sf_positions`` this rank's global positions (the forward's ``position_ids``);
+    ``rotate``: the ring's K/V exchange (``parallel.cp_rotate``).
     The inputs must then be this rank's tokens (``parallel.context.cp_batches``)."""
     from transformers import AttentionInterface
 
@@ -170,7 +171,7 @@ def apply_cp(model: nn.Module, mesh, seq_len: int) -> None:
                       f"through transformers' AttentionInterface, so context-parallel "
                       f"attention cannot replace it; {_FIX}")
     AttentionInterface.register(NAME, attention)
-    setup = _Setup(ContextAttention(mesh), seq_len)
+    setup = _Setup(ContextAttention(mesh, rotate), seq_len)
     for module in model.modules():  # the attention modules read it (they vary by class)
         module._sf_context = setup
     model.set_attn_implementation(NAME)

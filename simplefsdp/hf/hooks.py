@@ -121,7 +121,7 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
         from .context import apply_cp
 
-        apply_cp(model, mesh, cfg.training.seq_len)
+        apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if adapt_experts(model):
         cfg = with_fp32_modules(cfg, router_globs(model))
         _record_router_logits_first(model)

@@ -14,20 +14,15 @@ Attention (:class:`ContextAttention`, swapped into each block's ``attention.core
   sequence shard of q/k/v for a head shard (whole ring part, ``heads / cp_ulysses``
   heads), and the output back. Key/value heads that ``cp_ulysses`` does not divide are
   repeated to the smallest count it does (the query-to-KV head map is kept).
-* Ring (``cp_ring``): K/V are **all-gathered** over the ring (not passed point to point):
-  the rank then holds the whole sequence's K/V for its heads, ``2 * seq * kv_heads *
-  head_dim`` values per layer, kept for backward (a point-to-point ring would keep the
-  same for backward unless it re-sent them). Each local query chunk attends to the key
-  chunks before it (one full block) and to its own (one causal block); the partial
-  results are merged exactly with their log-sum-exps. Backward is written out: each
-  block's kernel backward is called with the *merged* output and log-sum-exp, which gives
-  its exact share of dq/dk/dv; the all-gather's backward reduce-scatters dk/dv.
+* Ring (``cp_ring``, ``parallel/ring.py``): each local query chunk attends to the key
+  chunks before it and causally to its own, partial results merged exactly with their
+  log-sum-exps. K/V reach the queries all-gathered over the ring or passed point to point
+  around it (``rotate``, ``parallel.cp_rotate``; the memory each holds is there).
 
-Kernels: ``_torch_compat.attention_with_lse`` (CPU: the flash kernel for CPU; CUDA: the
-flash kernel, not run here). The document mask (``data.document_mask``): every rank learns
-each position's document over the whole sequence (:class:`ContextDocuments`); the ring
-masks each (query chunk, key block) pair by it and skips the pairs no query can see
-(:class:`RingCore`); Ulysses alone masks its whole sequence as without CP.
+The document mask (``data.document_mask``): every rank learns each position's document
+over the whole sequence (:class:`ContextDocuments`); the ring masks each (query chunk,
+key block) pair by it and skips the pairs no query can see; Ulysses alone masks its
+whole sequence as without CP.
 """
 
 from __future__ import annotations
@@ -39,25 +34,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._torch_compat import (
-    all_gather_autograd,
-    all_to_all_single_autograd,
-    attention_with_lse,
-    attention_with_lse_backward,
-    flatten_mesh,
-)
+from .._torch_compat import all_gather_autograd, all_to_all_single_autograd, flatten_mesh
 from ..mesh import CP_DIMS, ParallelDims
 from ..models.llama import causal_attention, document_index
+from .ring import ring_attention, ring_chunks
 
 
 # ---------------------------------------------------------------------------------------
 # Layout.
 # ---------------------------------------------------------------------------------------
-def ring_chunks(rank: int, size: int) -> tuple[int, int]:
-    """The two chunks (of ``2 * size``) ring rank ``rank`` holds: head and tail."""
-    return rank, 2 * size - 1 - rank
-
-
 def positions(seq_len: int, ring: tuple[int, int], ulysses: tuple[int, int] = (0, 1)
               ) -> torch.Tensor:
     """Global positions of the tokens a rank holds, in its order: ``ring`` and ``ulysses``
@@ -72,148 +57,6 @@ def positions(seq_len: int, ring: tuple[int, int], ulysses: tuple[int, int] = (0
 def shard_sequence(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x``'s tokens (dim 1) at ``index`` (from :func:`positions`)."""
     return x.index_select(1, index.to(x.device))
-
-
-# ---------------------------------------------------------------------------------------
-# Ring attention: the exact merge and its backward.
-# ---------------------------------------------------------------------------------------
-def _blocks(chunk: int, length: int) -> list[tuple[int, int, bool]]:
-    """Key ranges (start, end, causal) that query chunk ``chunk`` (of ``length`` tokens)
-    attends to, in the naturally ordered sequence: all earlier chunks, then its own."""
-    start = chunk * length
-    full = [(0, start, False)] if chunk else []
-    return full + [(start, start + length, True)]
-
-
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two attention results over disjoint key sets of the same queries as one: weights
-    ``exp(lse_i - lse)`` with ``lse = logaddexp(lse_a, lse_b)``, in float32 at least."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    acc = torch.promote_types(out_a.dtype, torch.float32)
-    out = (out_a.to(acc) * (lse_a - lse).exp().unsqueeze(-1)
-           + out_b.to(acc) * (lse_b - lse).exp().unsqueeze(-1))
-    return out.to(out_a.dtype), lse
-
-
-def _masked_block(q, k, v, allowed):
-    """(output, log-sum-exp) of attention under a boolean mask, by the formula (float32
-    at least). A row with no visible key gets output 0 and log-sum-exp -inf, which the
-    merge weighs by exp(-inf) = 0."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # no key: -inf - -inf
-    return (probs @ v.to(acc)).to(q.dtype), lse
-
-
-def _masked_block_backward(grad, q, k, v, out, lse, allowed):
-    """(dq, dk, dv) of one masked block given the *merged* output and log-sum-exp (so the
-    probabilities are this block's share of the whole row's softmax)."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    q, k, v, grad, out = (x.to(acc) for x in (q, k, v, grad, out))
-    scale = q.shape[-1] ** -0.5
-    scores = (q @ k.transpose(-1, -2)) * scale
-    probs = torch.exp(scores.masked_fill(~allowed, float("-inf")) - lse.unsqueeze(-1))
-    dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
-    return dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, \
-        probs.transpose(-1, -2) @ grad
-
-
-class RingCore(torch.autograd.Function):
-    """Causal attention of a rank's two query chunks over the whole (naturally ordered)
-    key/value sequence, ``(batch, heads, seq, head_dim)`` each. With ``doc`` (each
-    position's document index, ``(batch, seq)``, natural order) a query sees only keys of
-    its own document: each block is masked (``_masked_block``), and a block no query of the
-    chunk can see is skipped (eager only: the test is data-dependent)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, rank: int, size: int, doc=None):
-        length = q.shape[2] // 2
-        outs, lses = [], []
-        for i, chunk in enumerate(ring_chunks(rank, size)):
-            qi = q[:, :, i * length:(i + 1) * length]
-            out = lse = None
-            for start, end, causal, allowed in _visible(chunk, length, doc):
-                if allowed is None:
-                    o, s = attention_with_lse(qi, k[:, :, start:end], v[:, :, start:end],
-                                              causal)
-                else:
-                    o, s = _masked_block(qi, k[:, :, start:end], v[:, :, start:end], allowed)
-                out, lse = (o, s) if out is None else merge(out, lse, o, s)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse, doc)
-        ctx.rank, ctx.size = rank, size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, doc = ctx.saved_tensors
-        length = q.shape[2] // 2
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for i, chunk in enumerate(ring_chunks(ctx.rank, ctx.size)):
-            rows = slice(i * length, (i + 1) * length)
-            gi, qi = grad[:, :, rows].contiguous(), q[:, :, rows]
-            oi, si = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
-            for start, end, causal, allowed in _visible(chunk, length, doc):
-                kv = k[:, :, start:end], v[:, :, start:end]
-                if allowed is None:
-                    g = attention_with_lse_backward(gi, qi, *kv, oi, si, causal)
-                else:
-                    g = _masked_block_backward(gi, qi, *kv, oi, si, allowed)
-                dq[:, :, rows] += g[0]
-                dk[:, :, start:end] += g[1]
-                dv[:, :, start:end] += g[2]
-        return dq, dk, dv, None, None, None
-
-
-def _visible(chunk: int, length: int, doc: torch.Tensor | None):
-    """:func:`_blocks` with each block's document mask (None without ``doc``); blocks no
-    query can see left out (not while compiling: a data-dependent test)."""
-    for start, end, causal in _blocks(chunk, length):
-        if doc is None:
-            yield start, end, causal, None
-            continue
-        q_doc = doc[:, None, chunk * length:(chunk + 1) * length, None]
-        allowed = q_doc == doc[:, None, None, start:end]
-        if causal:
-            allowed = allowed & torch.ones(length, length, dtype=torch.bool,
-                                           device=doc.device).tril()
-        if torch.compiler.is_compiling() or bool(allowed.any()):
-            yield start, end, causal, allowed
-
-
-def natural_order(size: int, length: int) -> torch.Tensor:
-    """Token index into the ring's all-gather (rank 0's two chunks, rank 1's, ...) for
-    each position of the sequence in order."""
-    gathered = [c for r in range(size) for c in ring_chunks(r, size)]
-    slot = {c: i for i, c in enumerate(gathered)}
-    return torch.cat([torch.arange(slot[c] * length, (slot[c] + 1) * length)
-                      for c in range(2 * size)])
-
-
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: dist.ProcessGroup, rank: int, size: int,
-                   doc: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact causal attention of this ring rank's tokens (its two chunks, ``(batch, seq,
-    heads, head_dim)``; k/v may have fewer heads) over the whole ring's sequence; within
-    documents with ``doc`` (:class:`RingCore`)."""
-    length = q.shape[1] // 2
-    order = natural_order(size, length).to(q.device)
-
-    def gather(x):  # (b, s, h, d) -> whole sequence in order, (b, h, S, d)
-        whole = all_gather_autograd(x.transpose(0, 1).contiguous(), group)
-        return whole.index_select(0, order).permute(1, 2, 0, 3)
-
-    k, v = gather(k), gather(v)
-    n_rep = q.shape[2] // k.shape[1]
-    if n_rep > 1:  # grouped-query attention: each K/V head serves n_rep query heads
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    out = RingCore.apply(q.transpose(1, 2), k, v, rank, size, doc)
-    return out.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,9 +86,10 @@ def kv_repeats(kv_heads: int, size: int) -> int:
 
 class ContextAttention:
     """A block's attention core (``Attention.core``) over the cp ranks: Ulysses inside
-    (heads for sequence), ring across (K/V all-gathered)."""
+    (heads for sequence), ring across (K/V all-gathered or passed around: ``rotate``)."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, rotate: str = "allgather"):
+        self.rotate = rotate
         self.ring_size, self.uly_size = mesh["cp_ring"].size(), mesh["cp_ulysses"].size()
         self.ring_rank = ParallelDims.local_rank(mesh, "cp_ring")
         self.ring_group = mesh["cp_ring"].get_group()
@@ -261,7 +105,8 @@ class ContextAttention:
                 k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
             q, k, v = (seq_to_heads(x, self.uly_group, self.uly_size) for x in (q, k, v))
         if self.ring_size > 1:
-            out = ring_attention(q, k, v, self.ring_group, self.ring_rank, self.ring_size, doc)
+            out = ring_attention(q, k, v, self.ring_group, self.ring_rank, self.ring_size, doc,
+                                 self.rotate)
         else:  # Ulysses alone: the whole sequence, in order
             out = causal_attention(q, k, v, None if doc is None else document_mask(doc))
         if self.uly_size > 1:
@@ -304,12 +149,14 @@ def rank_positions(mesh: DeviceMesh, seq_len: int) -> torch.Tensor:
                      (ParallelDims.local_rank(mesh, "cp_ulysses"), mesh["cp_ulysses"].size()))
 
 
-def apply_cp(model: nn.Module, mesh: DeviceMesh, seq_len: int) -> None:
+def apply_cp(model: nn.Module, mesh: DeviceMesh, seq_len: int, rotate: str = "allgather"
+             ) -> None:
     """Context parallelism on a Llama ``Transformer``, in place: each block's attention
-    core becomes :class:`ContextAttention`, RoPE takes this rank's global positions. The
-    inputs must then be this rank's tokens (``shard_sequence(x, rank_positions(...))``).
-    Modules with a ``token_group`` (``models/moe.MoE``) get the context-parallel group."""
-    core = ContextAttention(mesh)
+    core becomes :class:`ContextAttention` (``rotate``: the ring's K/V exchange), RoPE
+    takes this rank's global positions. The inputs must then be this rank's tokens
+    (``shard_sequence(x, rank_positions(...))``). Modules with a ``token_group``
+    (``models/moe.MoE``) get the context-parallel group."""
+    core = ContextAttention(mesh, rotate)
     for block in model.layers.values():
         block.attention.core = core
     model.positions = rank_positions(mesh, seq_len)

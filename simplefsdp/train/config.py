@@ -150,8 +150,13 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages, outermost
     # Context parallelism (long sequences): each sequence split over cp_ring * cp_ulysses
     # ranks of one data-parallel slice, which also shard the parameters with dp_shard.
-    cp_ring: int = 1  # ring attention ranks: K/V all-gathered, load-balanced chunks
+    cp_ring: int = 1  # ring attention ranks: load-balanced chunks
     cp_ulysses: int = 1  # Ulysses ranks: heads traded for sequence (all-to-all), inside ring
+    # How the ring's K/V reach every rank (parallel/ring.py): "allgather" (the whole ring's
+    # K/V held per layer, kept for backward; the least communication) or "ring" (passed
+    # point to point, overlapping attention: two blocks held, its own kept for backward;
+    # backward passes them around again with their dK/dV). Only with cp_ring > 1.
+    cp_rotate: Literal["allgather", "ring"] = "allgather"
     # expert-parallel ranks (MoE models), dividing dp_shard and model.num_experts; with
     # dp_shard = 1 (replicate), dividing dp_replicate
     ep: int = 1
@@ -370,6 +375,10 @@ def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
     sequence and heads must split (``ParallelDims.check_cp``), named by their keys."""
     p = cfg.parallel
     dims = p.dims()
+    if p.cp_rotate != "allgather" and p.cp_ring == 1:
+        raise ConfigError(f"parallel.cp_rotate = {p.cp_rotate!r} passes K/V around a ring, but "
+                          f"parallel.cp_ring = 1 has none: set parallel.cp_ring > 1 or "
+                          f"parallel.cp_rotate = 'allgather'")
     if dims.cp == 1:
         return
     family = cfg.model.family_entry()

@@ -288,7 +288,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
     is ``apply_compile``'s."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
     if cfg.parallel.dims().cp > 1:
-        apply_cp(model, mesh, cfg.training.seq_len)
+        apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len, cfg.parallel.vocab_sharded_loss)
     apply_ac(model, cfg.activation_checkpoint.mode)
