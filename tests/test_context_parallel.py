@@ -24,14 +24,25 @@
   sequences; the step's balance loss (metrics.csv) within 1e-6 relative as the loss.
   The document mask (each newline ends a document) with ring x Ulysses and Ulysses alone,
   against one process with the mask.
-* One compiled cell (aot_eager, manual bucketing): bitwise equal to the eager CP run
-  (the same ops), the data-parallel collectives bucketed, the CP ones left alone.
+* The ring with K/V passed point to point (``parallel.cp_rotate = "ring"``), in the same
+  spawn: on a ring of 4 (float64, GQA) each rank's output and gradients against SDPA
+  over the whole sequence (1e-12), causal and with documents; the bytes each rotation
+  saves for backward against a count by hand (the ring: its own K/V block; the
+  all-gather: the whole ring's, repeated for GQA) and the ring's peak of live bytes
+  below the all-gather's. In the trainer: ring 2 x Ulysses 2 with the document mask
+  against the masked one-process reference (the bounds above).
+* Two compiled cells (aot_eager, manual bucketing), each bitwise equal to its eager
+  twin (the same ops), the data-parallel collectives bucketed, the CP ones left alone:
+  ring 2 x Ulysses 2 (K/V all-gathered), and the same with K/V passed around the ring
+  and the document mask (compiled graphs compute the pairs eager skips, weighed
+  exactly 0), also within the bounds above of the masked reference.
 * Bad input is refused when the config is read, naming the keys.
 """
 
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import pytest
@@ -212,7 +223,14 @@ OTHER_CELLS = {  # name: (flags, its reference's name)
                             "--parallel.cp_ulysses", "2", *DOC], "reference_doc"),
     "dp2_ulysses2_doc": (["--training.batch_size", "2", "--parallel.cp_ulysses", "2", *DOC],
                          "reference_doc"),
+    # K/V passed point to point around the ring (parallel.cp_rotate), with Ulysses and the
+    # document mask; also compiled (COMPILED below)
+    "ring2_ulysses2_doc_pass": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
+                                 "--parallel.cp_ulysses", "2", "--parallel.cp_rotate", "ring",
+                                 *DOC], "reference_doc"),
 }
+COMPILED = ["--compile.enable", "true", "--compile.backend", "aot_eager",
+            "--compile.bucketing", "manual"]
 REFERENCES = {  # one process, the same global batch of 4 sequences
     "reference": ["--training.batch_size", "4"],
     "reference_kv2": ["--training.batch_size", "4", *KV2],
@@ -224,18 +242,88 @@ REFERENCES = {  # one process, the same global batch of 4 sequences
 }
 
 
+def _ring_pass_checks(rank, world):
+    """The ring with K/V passed point to point (``RingPass``) on a ring of all ``world``
+    ranks, float64, GQA (4 query heads, 2 KV heads), checked in the rank (a failure stops
+    the spawn before the trainer cells): this rank's output and its q/k/v gradients
+    (summed over the ranks by the ring's own backward) against SDPA over the whole
+    sequence, causal and with documents (1e-12 as the one-process ring above). Then,
+    without documents, both rotations' bytes saved for backward, by hand (batch 2, 12
+    tokens a rank, head_dim 8, 8-byte floats; a K/V block: 2 KV heads, 2 * 2 * 12 * 8 * 8
+    bytes): the ring keeps its own K and V (2 blocks), the all-gather the whole ring's
+    repeated to the 4 query heads (4 ranks x 2 repeats, each of K and V); both keep q and
+    the output (2 * 4 * 12 * 8 * 8 bytes each) and the log-sum-exp (2 * 4 * 12 * 8), the
+    all-gather also its two index_select indices (48 tokens x 8 bytes). The peak of live
+    bytes (storages ops return, forward and backward): the ring's below the all-gather's.
+    Returns the peaks (allgather, ring)."""
+    import torch.distributed as dist
+
+    from simplefsdp.parallel.ring import ring_attention
+    from simplefsdp.plan.eager import _Tracker, peak_of
+
+    seq, gen = 4 * world * 3, torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, seq, heads, 8, generator=gen, dtype=torch.float64)
+               for heads in (4, 2, 2))
+    weight = torch.randn(2, seq, 4, 8, generator=gen, dtype=torch.float64)
+    doc = torch.zeros(2, seq, dtype=torch.long)
+    doc[0, 5:] += 1  # documents: a start inside a chunk, one at a chunk start (row 0),
+    doc[0, 18:] += 1  # one whose queries see only part of the block before (row 1)
+    doc[1, 23:] += 1
+    index = positions(seq, (rank, world))
+    block, query, lse, ids = 2 * 2 * 12 * 8 * 8, 2 * 4 * 12 * 8 * 8, 2 * 4 * 12 * 8, 48 * 8
+    saved_by_hand = {"ring": [lse, block, block, query, query],
+                     "allgather": [ids, ids, lse, query, query, 4 * 2 * block, 4 * 2 * block]}
+    peaks = {}
+    for masked in (False, True):
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+        if masked:
+            mask = ((doc[:, :, None] == doc[:, None, :]) & mask)[:, None]
+        whole = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in whole),
+                                             attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        (ref * weight).sum().backward()
+        for rotate in ("allgather", "ring"):
+            mine = [x[:, index].clone().requires_grad_() for x in (q, k, v)]
+            saved = []
+
+            def pack(t, saved=saved):
+                saved.append(t.untyped_storage().nbytes())
+                return t
+
+            with _Tracker(set(), set()) as tracker:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = ring_attention(*mine, dist.group.WORLD, rank, world,
+                                         doc if masked else None, rotate)
+                (out * weight[:, index]).sum().backward()
+            torch.testing.assert_close(out, ref[:, index], rtol=0, atol=1e-12)
+            for x, w in zip(mine, whole, strict=True):
+                torch.testing.assert_close(x.grad, w.grad[:, index], rtol=0, atol=1e-12)
+            if not masked:
+                assert sorted(saved) == sorted(saved_by_hand[rotate]), (rotate, saved)
+                peaks[rotate] = peak_of(tracker.events, set())[0]
+    assert peaks["ring"] < peaks["allgather"], peaks
+    return peaks["allgather"], peaks["ring"]
+
+
+def _spawned(rank, world, cells, out):
+    """The ring-pass checks, then the trainer cells, in one spawn."""
+    return _ring_pass_checks(rank, world), _runs(rank, world, cells, out)
+
+
 def _runs(rank, world, cells, out):
     from simplefsdp.train.console import CompileReports
     from simplefsdp.train.trainer import main
 
     results = {}
     for name, argv in cells.items():
+        start = time.perf_counter()
         with CompileReports() as reports:
             run = main(BASE + argv + ["--metrics.output_dir", str(Path(out) / name)],
                        tokenizer=_NewlineEnds() if DOC[0] in argv else None)
         graphs = [(r.graph, dict(r.collectives_before), r.other_collectives, len(r.buckets))
                   for r in reports.reports]
         results[name] = ((run.losses, run.grad_norms), graphs)
+        print(f"rank {rank} {name}: {time.perf_counter() - start:.1f} s", flush=True)
     return results
 
 
@@ -251,13 +339,16 @@ def _column(path, name):
 
 
 def test_trainer_cp_matches_one_process(tmp_path):
-    compiled = ["--compile.enable", "true", "--compile.backend", "aot_eager",
-                "--compile.bucketing", "manual"]
+    pass_compiled = "ring2_ulysses2_doc_pass_compiled"
     reference_of = dict({name: "reference" for name in CELLS},
-                        **{name: ref for name, (_, ref) in OTHER_CELLS.items()})
-    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + compiled,
-                 **{name: flags for name, (flags, _) in OTHER_CELLS.items()})
-    got = run_ranks(_runs, 4, cells, str(tmp_path))[0]
+                        **{name: ref for name, (_, ref) in OTHER_CELLS.items()},
+                        **{pass_compiled: "reference_doc"})
+    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + COMPILED,
+                 **{name: flags for name, (flags, _) in OTHER_CELLS.items()},
+                 **{pass_compiled: OTHER_CELLS["ring2_ulysses2_doc_pass"][0] + COMPILED})
+    peaks, got = zip(*run_ranks(_spawned, 4, cells, str(tmp_path)), strict=True)
+    print("ring pass, peak live bytes per rank (allgather, ring):", peaks)
+    got = got[0]
     refs = run_ranks(_runs, 1, REFERENCES, str(tmp_path))[0]
     for name, ref_name in reference_of.items():
         reference, want = _params(tmp_path / ref_name), refs[ref_name][0]
@@ -291,6 +382,20 @@ def test_trainer_cp_matches_one_process(tmp_path):
     # and 21 reduce-scattered as 4.
     assert graphs["forward"] == ({"all_gather": 21}, 4, 4), graphs
     assert graphs["backward"] == ({"all_gather": 20, "reduce_scatter": 21}, 4, 7), graphs
+    # the ring pass with the document mask, compiled: pairs that eager skips (no query
+    # sees a key) are computed there, masked, and the merge weighs them exp(-inf) = 0, an
+    # exact 0: measured bitwise equal to its eager twin, so asserted so (beyond the bounds
+    # against the masked one-process reference above)
+    twin = "ring2_ulysses2_doc_pass"
+    assert got[pass_compiled][0] == got[twin][0]
+    compiled_params, eager_params = _params(tmp_path / pass_compiled), _params(tmp_path / twin)
+    assert all(torch.equal(compiled_params[k], eager_params[k]) for k in eager_params)
+    # the ring's shifts and Ulysses' exchanges are all-to-alls (no kind our passes know);
+    # the one other collective: the token ids' all-gather for the document mask (forward)
+    graphs = {graph: (before, other, buckets)
+              for graph, before, other, buckets in got[pass_compiled][1]}
+    assert graphs["forward"] == ({"all_gather": 21}, 1, 4), graphs
+    assert graphs["backward"] == ({"all_gather": 20, "reduce_scatter": 21}, 0, 7), graphs
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,6 +412,9 @@ def test_trainer_cp_matches_one_process(tmp_path):
      "tokens, not divisible by parallel.tp = 4"),
     (["--parallel.cp_ulysses", "0"],
      "parallel.cp_ulysses = 0 is out of range: it must be a positive integer"),
+    (["--parallel.cp_ulysses", "2", "--parallel.cp_rotate", "ring"],
+     "parallel.cp_rotate = 'ring' passes K/V around a ring, but parallel.cp_ring = 1 has "
+     "none: set parallel.cp_ring > 1 or parallel.cp_rotate = 'allgather'"),
     (["--parallel.cp_ring", "2"], None),  # world 2: dp_shard = 1
 ])
 def test_bad_cp_input_is_refused_at_load(flags, message):

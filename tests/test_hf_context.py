@@ -16,7 +16,8 @@
   equal the whole-sequence model's (1e-5 absolute, gradients ~1e-1).
 * Refused at config load, naming the config.json key: sliding windows shorter than the
   sequence, attention softcapping (Gemma 2), non-causal attention, heads that Ulysses
-  cannot split.
+  cannot split, attention dropout (``attention_dropout``, GPT-2's ``attn_pdrop``, DBRX's
+  nested ``attn_config.attn_pdrop``, BERT-style ``attention_probs_dropout_prob``).
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ def test_hf_llama_cp_matches_one_process(tmp_path):
      "layer_types has ['linear_attention']"),
     ("Llama", {}, ["--parallel.cp_ulysses", "8"],
      "num_attention_heads = 4 is not divisible by parallel.cp_ulysses = 8"),
+    # attention dropout under each key transformers' causal LMs use
+    ("Llama", {"attention_dropout": 0.1}, [], "attention_dropout = 0.1 (attention dropout"),
+    ("GPT2", {}, [], "attn_pdrop = 0.1 (attention dropout"),  # GPT-2's default
+    ("Dbrx", {"attn_config": {"attn_pdrop": 0.2}}, [], "attn_config.attn_pdrop = 0.2"),
+    ("BertGeneration", {}, [], "attention_probs_dropout_prob = 0.1"),  # its default
 ])
 def test_unfit_hf_models_are_refused_at_load(tmp_path, kind, kw, flags, message):
     import transformers

@@ -36,6 +36,11 @@ NAME = "simplefsdp_context"  # our entry in transformers' AttentionInterface
 _HARMLESS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
                        "output_router_logits"})
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# config.json keys of attention-probability dropout in transformers' causal LMs:
+# attention_dropout (Llama family and most others), attn_pdrop (GPT-2, GPT-J, CodeGen,
+# GPTBigCode, OpenAI GPT; DBRX and MPT inside attn_config), attention_probs_dropout_prob
+# (BERT-style models used as decoders)
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 _FIX = "set parallel.cp_ring = parallel.cp_ulysses = 1"
 
 
@@ -62,11 +67,25 @@ def _unfit(text, seq_len: int) -> str | None:
     if scalar is not None and scalar != head_dim:
         return f"query_pre_attn_scalar = {scalar} != head_dim = {head_dim} (the kernels " \
                f"scale by head_dim ** -0.5)"
-    if getattr(text, "attention_dropout", 0.0):
-        return f"attention_dropout = {text.attention_dropout} (no dropout in CP attention)"
+    dropout = _attention_dropout(text)
+    if dropout is not None:
+        return f"{dropout[0]} = {dropout[1]} (attention dropout, which CP attention does not " \
+               f"compute: set it to 0)"
     if getattr(text, "output_router_logits", False):
         return "output_router_logits = true (the balance loss's statistics are per " \
                "forward, here part of each sequence; model.router_aux_loss_coef = 0 turns it off)"
+    return None
+
+
+def _attention_dropout(text) -> tuple[str, float] | None:
+    """(config.json key, value) of the first attention dropout above 0 in ``text``, also
+    inside a nested ``attn_config`` (DBRX, MPT: an object or a dict); None without one."""
+    nested = getattr(text, "attn_config", None)
+    for prefix, where in (("", text), ("attn_config.", nested)):
+        for key in _DROPOUT_KEYS:
+            value = where.get(key) if isinstance(where, dict) else getattr(where, key, None)
+            if value:
+                return prefix + key, value
     return None
 
 
