@@ -28,8 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
-    "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd", "allgather_base",
-    "aot_autograd",
+    "all_gather_autograd", "all_to_all_single_autograd", "allgather_base", "aot_autograd",
     "attention_with_lse", "attention_with_lse_backward", "backend_name", "c10d_functional",
     "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
     "custom_partitioner_base", "default_group", "default_store", "destroy_library",
@@ -403,17 +402,6 @@ def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
-
-
-def all_to_all_single(inp: torch.Tensor, output_split_sizes: list[int],
-                      input_split_sizes: list[int], group: dist.ProcessGroup | str
-                      ) -> torch.Tensor:
-    """``all_to_all_single`` as a functional collective, without autograd (the ring's
-    K/V shifts inside ``parallel/ring.RingPass``, whose backward is written out); in eager
-    mode waited for on first use. checked: 2.13 (``_functional_collectives``, on gloo)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.all_to_all_single(inp, output_split_sizes, input_split_sizes, group)
 
 
 # --------------------------------------------------------------------------------------

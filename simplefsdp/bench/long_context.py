@@ -1,8 +1,9 @@
 """Long sequences: one sequence per step without context parallelism (1 process) and
-with ring 2 or Ulysses 2 (2 processes), the trainer's own step on each.
+with ring 2 or Ulysses 2 (2 processes), the trainer's own step on each; the ring's two
+K/V exchanges (``parallel.cp_rotate``) side by side with ring 2 and 4 on request.
 
     python -m simplefsdp.bench.long_context [--seq-len 16384] [--steps 3] [--profiled 3]
-        [--variants cp1,ring2,ulysses2]
+        [--variants cp1,ring2,ulysses2 | ring2,ring2_pass,ring4,ring4_pass]
 
 Per variant: the median step time (ms) and the peak memory per rank (MiB): the state a
 rank holds (``measure.held_bytes``) plus the transient peak of a step over it
@@ -30,11 +31,16 @@ import torch.distributed as dist
 from ..net import free_port
 
 # name: (processes, trainer flags); every variant trains one sequence per step
+PASS = ["--parallel.cp_rotate", "ring"]  # K/V passed around the ring, not all-gathered
 VARIANTS = {
     "cp1": (1, []),
     "ring2": (2, ["--parallel.cp_ring", "2"]),
     "ulysses2": (2, ["--parallel.cp_ulysses", "2"]),
+    "ring2_pass": (2, ["--parallel.cp_ring", "2", *PASS]),
+    "ring4": (4, ["--parallel.cp_ring", "4"]),
+    "ring4_pass": (4, ["--parallel.cp_ring", "4", *PASS]),
 }
+DEFAULT = "cp1,ring2,ulysses2"  # the others: --variants ring2,ring2_pass,ring4,ring4_pass
 
 
 def _flags(name: str, seq_len: int, steps: int) -> list[str]:
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     parser.add_argument("--profiled", type=int, default=3,
                         help="profiled steps per variant, the least transient peak is kept")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=DEFAULT, help=f"of {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
     rows = [run_variant(v, args.seq_len, args.steps, args.profiled)
             for v in args.variants.split(",")]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .._torch_compat import (
     all_gather_autograd,
-    all_to_all_single,
+    all_to_all_single_autograd,
     attention_with_lse,
     attention_with_lse_backward,
 )
@@ -209,12 +209,14 @@ def _allgather_attention(q, k, v, group, rank, size, doc):
 # ---------------------------------------------------------------------------------------
 def _shift(x: torch.Tensor, group: str, rank: int, size: int) -> torch.Tensor:
     """``x`` sent to the next ring rank, the previous rank's ``x`` received (same shape):
-    ``all_to_all_single`` with only the neighbours' splits non-zero. In eager mode the
-    result is waited for when first used, so work issued in between overlaps it."""
+    ``all_to_all_single`` with only the neighbours' splits non-zero (the functional
+    collective; :class:`RingPass` records no autograd graph inside, its backward is
+    written out). In eager mode the result is waited for when first used, so work issued
+    in between overlaps it."""
     n = x.shape[0]
     send, recv = [0] * size, [0] * size
     send[(rank + 1) % size], recv[(rank - 1) % size] = n, n
-    return all_to_all_single(x.contiguous(), recv, send, group)
+    return all_to_all_single_autograd(x.contiguous(), recv, send, group)
 
 
 def _pairs(rank: int, holder: int, size: int, length: int, doc):
