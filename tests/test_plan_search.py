@@ -157,6 +157,9 @@ def test_keep_bar_is_the_kth_best_fitting_speed():
     bar.add(9.0)  # the 3rd best is now 8
     assert (bar.beaten(7.9), bar.beaten(8.0)) == (True, False)
     assert not _Bar(0).beaten(0.0)  # keep 0: exhaustive, nothing pruned
+    # seeded with rows found before (the CP pass starts from the whole-sequence rows')
+    seeded = _Bar(2, seed=(5.0, 7.0, 1.0))
+    assert (seeded.beaten(4.9), seeded.beaten(5.0)) == (True, False)
 
 
 def _workers_vs_one(path, overrides):
@@ -219,3 +222,76 @@ def test_search_splits_a_sequence_that_fits_no_rank_whole():
     # the row holds at least its loss's backward, 12 B x 32,768 x 131,072 = 48 GiB
     assert best["peak_memory_gib"] * gib >= 12 * 32768 * 131072, best
     assert stats["memory"] > 0 and stats["predicted"] == len(rows)
+
+
+# The debug model (dim 128, 4 heads of 32, 2 KV heads, FFN 352) 256 blocks deep with a
+# 65,536-token vocabulary at 65,536 tokens, bf16 compute, compiled, on A100s of 1 per
+# node. By hand, per rank holding the whole sequence: the loss's backward holds 12 B per
+# logit, 12 x 65,536 x 65,536 = 48 GiB; selective AC saves wq, wv, w1, w2 outputs and
+# attention's (128 + 64 + 352 + 128 + 128 = 800 bf16 values a token a block: 25 GiB), no AC
+# at least that plus wk, w3 (+ 64 + 352 values: 38 GiB), full AC each block's input (128
+# values: 4 GiB). Reserved (active x 1.2) + 1 GiB against 79.2 GiB: no AC and selective
+# AC do not fit ((48 + 25) x 1.2 = 88 GiB), full AC does ((48 + 4) x 1.2 = 62 GiB, plus a
+# block's recompute). Ring or Ulysses 2 halve the tokens per rank: the loss 24 GiB, no AC
+# at least 19 GiB: it fits without recomputing anything.
+DEEP = ["--model.n_layers", "256", "--model.vocab_size", "65536", "--training.seq_len",
+        "65536", "--model.max_seq_len", "65536", "--compile.enable", "true",
+        "--compile.bucketing", "manual", "--training.mixed_precision_param", "bfloat16"]
+
+
+def _deep_search():
+    from simplefsdp.plan.search import search
+
+    stats: dict = {}
+    rows = search(load_config(None, DEEP), 2, "a100-80gb", 1, keep=1, stats=stats)
+    return [r.to_dict() for r in rows], stats
+
+
+def test_search_weighs_cp_layouts_that_fit_with_less_recomputation():
+    """Whole sequences fit only with recomputation (above, by hand), so the search's
+    context-parallel pass runs with the AC modes that recompute less than every fitting
+    whole-sequence row: cp 2 without AC does the forward once (full AC runs it twice:
+    matmuls 4 passes instead of 3, attention's forward again) for the ring's K/V in
+    transit (16 MiB a block over InfiniBand), and is the best row. CP rows recompute
+    less than any fitting whole-sequence row (the same AC would only add communication)."""
+    rows, stats = _in_worker(_deep_search)
+    order = {"none": 0, "selective": 1, "full": 2}
+    whole = [r for r in rows if r["fits"] and r["cp_ring"] * r["cp_ulysses"] == 1]
+    split = [r for r in rows if r["cp_ring"] * r["cp_ulysses"] > 1]
+    assert whole and all(r["ac"] != "none" for r in whole), whole
+    assert split and all(order[r["ac"]] < min(order[w["ac"]] for w in whole)
+                         for r in split), split
+    best = rows[0]
+    assert best["fits"] and best["cp_ring"] * best["cp_ulysses"] == 2 and best["ac"] == "none"
+    assert best["tokens_per_s_per_gpu"] > max(r["tokens_per_s_per_gpu"] for r in whole)
+    # the loss alone by hand: whole sequence 48 GiB, half of it at cp 2
+    gib = 2**30
+    assert all(r["peak_memory_gib"] * gib >= 12 * 65536**2 for r in whole), whole
+    assert best["peak_memory_gib"] * gib >= 12 * 32768 * 65536, best
+    assert stats["predicted"] == len(rows)
+
+
+def _cp2_then_cp4():
+    from simplefsdp.plan.search import _Bar, _search_groups, layouts
+
+    cfg = load_config(None, [*DEEP[:4], "--training.seq_len", "131072",
+                             "--model.max_seq_len", "131072", *DEEP[8:]])
+    pick = {(c.parallel.dp_shard, c.parallel.cp_ring): c for c in layouts(
+        cfg, 4, 1, cp=True, ac_modes=("none",)) if c.training.batch_size == 1
+        and c.parallel.pp == 1 and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1}
+    rows, _, stats = _search_groups([[pick[(2, 2)]], [pick[(1, 4)]]], 4, "a100-80gb", 1,
+                                    _Bar(0))
+    return [r.to_dict() for r in rows], stats
+
+
+def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways():
+    """DEEP at 131,072 tokens on 4 GPUs without AC: dp_shard 2 x ring 2 gives each rank
+    65,536 tokens (as the whole sequence above: the loss 48 GiB + at least 38 GiB of
+    activations, does not fit); ring 4 has the same 4 sharded ranks but 32,768 tokens a
+    rank (24 + 19 GiB, fits). The too-big skip (same tp, pp, AC, no smaller batch, no more
+    sharded ranks) must not skip ring 4 after dp_shard 2 x ring 2 failed: it splits the
+    sequence more ways."""
+    rows, stats = _in_worker(_cp2_then_cp4)
+    assert [(r["dp_shard"], r["cp_ring"], r["fits"]) for r in rows] == [
+        (2, 2, False), (1, 4, True)], rows
+    assert stats["memory"] == 0 and stats["predicted"] == 2

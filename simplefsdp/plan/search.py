@@ -12,13 +12,14 @@ not fit with the same tp, pp and AC mode; with ``keep``, layouts whose speed bou
 (compute FLOPs at the roofline, no communication) cannot reach the ``keep``-th best row
 found so far. Layouts are visited fastest bound first, so the bar rises early.
 
-Context parallelism: only when no layout above fits (a sequence no rank can hold whole),
-the search runs again over the layouts that split the sharded ranks as ``dp_shard x
-cp_ring x cp_ulysses``, where the model family has CP attention and the sequence and
-heads split. Where some layout holds whole sequences, CP layouts are not traced: with the
-same AC mode they do the same FLOPs per token plus the K/V (ring) or heads (Ulysses) in
-transit. Not weighed: a CP layout that would fit with less recomputation than the best
-whole-sequence one (activations split by cp).
+Context parallelism: a second pass over the layouts that split the sharded ranks as
+``dp_shard x cp_ring x cp_ulysses`` (where the model family has CP attention and the
+sequence and heads split), with the AC modes that recompute less than every fitting
+whole-sequence row: all of them when no layout holds whole sequences, none when one fits
+without AC. With the same AC mode a CP layout does the same FLOPs per token plus the K/V
+(ring) or heads (Ulysses) in transit, so it cannot win; with less recomputation (its
+activations split by cp) it can. The second pass starts from the first one's ``keep``
+bar, so its layouts must beat the whole-sequence rows' speed to be traced.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def _cp_valid(cfg: JobConfig, args, dims: ParallelDims) -> bool:
     return True
 
 
-def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int,
-            cp: bool = False) -> Iterator[JobConfig]:
-    """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set);
-    ``cp``: only those that split the sequence (cp_ring x cp_ulysses > 1, where the
-    family and the shapes allow it), else only those that do not."""
+def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int, cp: bool = False,
+            ac_modes: tuple[str, ...] = AC_MODES) -> Iterator[JobConfig]:
+    """Every candidate configuration (``cfg`` with parallel sizes, AC and batch set), with
+    the AC modes ``ac_modes``; ``cp``: only those that split the sequence (cp_ring x
+    cp_ulysses > 1, where the family and the shapes allow it), else only those that do
+    not."""
     args = cfg.model.model_args()
     for dims in ParallelDims.layouts(gpus, cp=cp):
         tp, pp, rep, shard = dims.tp, dims.pp, dims.dp_replicate, dims.dp_shard
@@ -78,7 +80,7 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int,
             continue
         for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, dims.expert_ranks)
                               for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
-                              for a in AC_MODES):
+                              for a in ac_modes):
             c = copy.deepcopy(cfg)
             c.parallel.tp, c.parallel.pp, c.parallel.ep = tp, pp, ep
             c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
@@ -147,13 +149,13 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus
 
 
-def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev,
-            cp: bool = False) -> list[list[JobConfig]]:
+def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False,
+            ac_modes: tuple[str, ...] = AC_MODES) -> list[list[JobConfig]]:
     """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
     groups fastest bound first, so the layouts likely to win are traced first and set the
     bar the others' bounds must reach."""
     groups: dict[tuple, list[JobConfig]] = {}
-    for c in layouts(cfg, gpus, gpus_per_node, cp):
+    for c in layouts(cfg, gpus, gpus_per_node, cp, ac_modes):
         p = c.parallel
         groups.setdefault(_layout(p), []).append(c)
 
@@ -175,10 +177,12 @@ class _Bar:
     """The ``keep`` best fitting tokens/s found so far, in this process or shared by the
     search's worker processes (an ``mp.Array`` and its lock)."""
 
-    def __init__(self, keep: int, shared=None, lock=None):
+    def __init__(self, keep: int, shared=None, lock=None, seed: tuple[float, ...] = ()):
         self.keep, self.values, self.lock = keep, shared, lock
         if shared is None:
             self.values = [0.0] * keep
+        for x in seed:  # rows found before (the whole-sequence pass's, for the CP pass)
+            self._insert(x)
 
     def beaten(self, bound: float) -> bool:
         """Whether a layout with this speed bound cannot make the ``keep`` best."""
@@ -306,16 +310,22 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     dev = gpu_profile(gpu)
     results = _run(_groups(cfg, gpus, gpus_per_node, dev), gpus, gpu, gpus_per_node,
                    progress, failures, keep, stats, workers)
-    if not any(r.fits for r in results):
-        # Context parallelism only where no layout holds whole sequences (module doc)
-        results += _run(_groups(cfg, gpus, gpus_per_node, dev, cp=True), gpus, gpu,
-                        gpus_per_node, progress, failures, keep, stats, workers)
+    # Context parallelism with less recomputation than any whole-sequence row that fits
+    # (module doc), behind the bar those rows set
+    fitting = [r for r in results if r.fits]
+    modes = AC_MODES[:min((AC_MODES.index(r.ac) for r in fitting), default=len(AC_MODES))]
+    if modes:
+        seed = tuple(r.tokens_per_s_per_gpu for r in fitting)
+        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes), gpus, gpu,
+                        gpus_per_node, progress, failures, keep, stats, workers, seed)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
 
 
 def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int, progress,
-         failures: list[str], keep: int, stats: dict, workers: int) -> list[Prediction]:
-    """``search``'s predictions of ``groups`` (``failures`` and ``stats`` added to)."""
+         failures: list[str], keep: int, stats: dict, workers: int,
+         seed: tuple[float, ...] = ()) -> list[Prediction]:
+    """``search``'s predictions of ``groups`` (``failures`` and ``stats`` added to), the
+    ``keep`` bar starting from the tokens/s of ``seed``."""
     # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
     # roles: "full" vs "first"/"last"), so no graph is traced by two workers
     by_task: dict[tuple, list[list[JobConfig]]] = {}
@@ -323,8 +333,8 @@ def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
         by_task.setdefault((g[0].parallel.tp, g[0].parallel.pp > 1), []).append(g)
     if workers <= 1 or len(by_task) <= 1:
         before = _cache_counts()
-        results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node, _Bar(keep),
-                                            progress)
+        results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node,
+                                            _Bar(keep, seed=seed), progress)
         after = _cache_counts()
         parts = [(results, fails, {**st, **{k: after[k] - before[k] for k in after}})]
     else:
@@ -332,6 +342,7 @@ def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
 
         ctx = multiprocessing.get_context("spawn")
         shared, lock = ctx.Array("d", max(keep, 1), lock=False), ctx.Lock()
+        _Bar(keep, shared, seed=seed)  # the seed's best into the shared array
         tasks = [(g, gpus, gpu, gpus_per_node, keep) for g in by_task.values()]
         parts = []
         with ctx.Pool(min(workers, len(tasks)), _init_worker, (shared, lock)) as pool:
