@@ -274,8 +274,8 @@ def test_search_weighs_cp_layouts_that_fit_with_less_recomputation():
 def _cp2_then_cp4():
     from simplefsdp.plan.search import _Bar, _search_groups, layouts
 
-    cfg = load_config(None, [*DEEP[:4], "--training.seq_len", "131072",
-                             "--model.max_seq_len", "131072", *DEEP[8:]])
+    cfg = load_config(None, ["--model.n_layers", "128", *DEEP[2:4], "--training.seq_len",
+                             "131072", "--model.max_seq_len", "131072", *DEEP[8:]])
     pick = {(c.parallel.dp_shard, c.parallel.cp_ring): c for c in layouts(
         cfg, 4, 1, cp=True, ac_modes=("none",)) if c.training.batch_size == 1
         and c.parallel.pp == 1 and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1}
@@ -285,12 +285,12 @@ def _cp2_then_cp4():
 
 
 def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways():
-    """DEEP at 131,072 tokens on 4 GPUs without AC: dp_shard 2 x ring 2 gives each rank
-    65,536 tokens (as the whole sequence above: the loss 48 GiB + at least 38 GiB of
-    activations, does not fit); ring 4 has the same 4 sharded ranks but 32,768 tokens a
-    rank (24 + 19 GiB, fits). The too-big skip (same tp, pp, AC, no smaller batch, no more
-    sharded ranks) must not skip ring 4 after dp_shard 2 x ring 2 failed: it splits the
-    sequence more ways."""
+    """DEEP with 128 blocks at 131,072 tokens on 4 GPUs without AC: dp_shard 2 x ring 2
+    gives each rank 65,536 tokens (the loss 48 GiB + at least 19 GiB of activations, x 1.2
+    + 1 GiB over 79.2 GiB: does not fit); ring 4 has the same 4 sharded ranks but 32,768
+    tokens a rank (24 + about 10 GiB, fits). The too-big skip (same tp, pp, AC, no
+    smaller batch, no more sharded ranks) must not skip ring 4 after dp_shard 2 x ring 2
+    failed: it splits the sequence more ways."""
     rows, stats = _in_worker(_cp2_then_cp4)
     assert [(r["dp_shard"], r["cp_ring"], r["fits"]) for r in rows] == [
         (2, 2, False), (1, 4, True)], rows
