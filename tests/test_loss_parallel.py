@@ -113,7 +113,7 @@ LLAMA_70B = ["--parallel.dp_shard", "32", "--parallel.tp", "8", "--activation_ch
              "--training.mixed_precision_param", "bfloat16"]
 
 
-def test_planner_counts_an_eighth_of_the_logits_on_70b():
+def test_planner_counts_an_eighth_of_the_logits_on_70b(planner):
     """The planner's loss term under loss parallel. Its active peak is the backward's
     loss peak: the saved block inputs plus the eager float32 cross-entropy's 16 B per
     logit under loss parallel (the saved log_softmax, and torch's DTensor handler's
@@ -123,10 +123,10 @@ def test_planner_counts_an_eighth_of_the_logits_on_70b():
     hand (without loss parallel all 128,256 at 12 B: 187.9 GiB, and 215 GiB active: it
     did not fit). The layout fits the 96 GB H100 (58.79 GiB active), as torchtitan ran
     it (71.9 GiB, with Float8)."""
-    from simplefsdp.plan import predict_isolated
+    from simplefsdp.plan import predict
     from simplefsdp.train.config import load_config
 
-    r = predict_isolated(load_config("configs/llama3_70b.toml", LLAMA_70B), 256, "h100-96gb")
+    r = planner(predict, load_config("configs/llama3_70b.toml", LLAMA_70B), 256, "h100-96gb")
     full = r.detail["full"]
     print(f"70B: {r.peak_memory_gib:.2f} GiB active, {r.reserved_memory_gib:.2f} reserved, "
           f"{r.tokens_per_s_per_gpu:.0f} tok/s; {full}")

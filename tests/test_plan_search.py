@@ -1,14 +1,12 @@
 """The planner's search and its exact shortcuts: shard rescaling with bf16 compute (the
 casts of the shards saved for backward), and the trace counts of a search.
 
-Each trace costs a few seconds of Dynamo + AOTAutograd, so every check runs in one
-spawned worker (its own fake process group) and traces as little as it can.
+Each trace costs a few seconds of Dynamo + AOTAutograd, so every check runs in the
+session's planner process (``planner`` in conftest.py: its own fake process group, trace
+caches emptied per call) and traces as little as it can.
 """
 
 from __future__ import annotations
-
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 from simplefsdp.train.config import load_config
 
@@ -18,13 +16,6 @@ LLAMA_405B = ("configs/llama3_405b.toml", [
     "--parallel.tp", "8", "--parallel.dp_replicate", "1", "--parallel.dp_mode",
     "fully_shard", "--activation_checkpoint.mode", "selective", "--compile.bucketing",
     "manual", "--training.batch_size", "2"])
-
-
-def _in_worker(fn, *args):
-    """``fn(*args)`` in a spawned process with its own fake process group (not a daemon:
-    the search's own worker processes start from it)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def _rescaled_vs_traced(path, overrides):
@@ -37,7 +28,7 @@ def _rescaled_vs_traced(path, overrides):
     return vars(graph_memory(two, 4)), vars(graph_memory(four, 4))
 
 
-def test_bf16_saved_shard_casts_are_rescaled():
+def test_bf16_saved_shard_casts_are_rescaled(planner):
     """With bf16 compute, selective AC saves the bf16 casts of the parameter shards for
     backward. They are shard-sized in the backward graph too, and tp 8's sequence-parallel
     reduce-scatters are not: traced at dp_shard 2 and rescaled to 4, every figure equals
@@ -45,7 +36,7 @@ def test_bf16_saved_shard_casts_are_rescaled():
     Before the fix the backward counted them at the traced size: the 405B search on
     1024 GPUs (tp 8, dp_shard 128) predicted 121.8 GiB for batch 2 against 41.3 GiB for
     batch 1; with it, 72.3 vs 39.3 GiB (activations 66.0 vs 33.0: twice)."""
-    rescaled, traced = _in_worker(_rescaled_vs_traced, *LLAMA_405B)
+    rescaled, traced = planner(_rescaled_vs_traced, *LLAMA_405B)
     assert rescaled == traced
 
 
@@ -73,12 +64,12 @@ _SAVED_PER_BLOCK = {
 }
 
 
-def test_saved_bytes_per_block_match_the_selective_policy_by_hand():
+def test_saved_bytes_per_block_match_the_selective_policy_by_hand(planner):
     """The 1 -> 2 block growth of the saved bytes is one block's saved tensors, counted by
     hand from 8B's shapes (above: 485.0 MiB). The bf16 casts of the shards are
     shard-sized outputs of the forward, which ``graph_memory`` took for model states and
     left out before (433 MiB a block then)."""
-    slope = _in_worker(_saved_slope, "configs/llama3_8b.toml", [
+    slope = planner(_saved_slope, "configs/llama3_8b.toml", [
         "--activation_checkpoint.mode", "selective", "--compile.bucketing", "manual"])
     expected = sum(_SAVED_PER_BLOCK.values())
     assert expected == 508_561_408  # 485.0 MiB
@@ -115,13 +106,13 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
             keep3_stats)
 
 
-def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once():
+def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(planner):
     """``keep = 1`` skips the layouts whose speed bound (compute FLOPs at the roofline)
     cannot beat the best found, and gives the exhaustive search's best row; ``keep = 3``
     (the CLI's default) gives its first 3 rows; the bound holds for every layout
     predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
     under PP) trace them once."""
-    pruned, full, pruned_stats, full_stats, bounds, traces, keep3, keep3_stats = _in_worker(
+    pruned, full, pruned_stats, full_stats, bounds, traces, keep3, keep3_stats = planner(
         _keep_vs_exhaustive, *SMALL, 4, 2)
     # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
     assert keep3[:3] == full[:3] and all(r["fits"] for r in full[:3])
@@ -172,10 +163,10 @@ def _workers_vs_one(path, overrides):
     return [r.to_dict() for r in rows_one], [r.to_dict() for r in rows_two], one, two
 
 
-def test_search_workers_split_by_tp():
+def test_search_workers_split_by_tp(planner):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
     best row as one process, and report their traces."""
-    one, two, stats_one, stats_two = _in_worker(
+    one, two, stats_one, stats_two = planner(
         _workers_vs_one, SMALL[0], ["--model.n_layers", "2", "--compile.bucketing", "manual"])
     assert one[0] == two[0]
     assert stats_one["traces"] > 0 and stats_two["traces"] > 0
@@ -208,11 +199,11 @@ def _long_search():
     return [r.to_dict() for r in rows], stats, bounds
 
 
-def test_search_splits_a_sequence_that_fits_no_rank_whole():
+def test_search_splits_a_sequence_that_fits_no_rank_whole(planner):
     """Nothing with cp = 1 fits (the loss by hand, above): the search runs again over the
     CP layouts and picks cp 2 (ring or Ulysses); the cp = 1 layouts are refused untraced
     by their model states + loss floor, so every row predicted has cp 2."""
-    rows, stats, bounds = _in_worker(_long_search)
+    rows, stats, bounds = planner(_long_search)
     assert all(bound >= tps for bound, tps in bounds), bounds
     gib = 2**30
     assert 10 * 65536 * 131072 == 80 * gib > 79.2 * gib  # cp = 1: the loss alone
