@@ -238,14 +238,14 @@ def _deep_search():
     return [r.to_dict() for r in rows], stats
 
 
-def test_search_weighs_cp_layouts_that_fit_with_less_recomputation():
+def test_search_weighs_cp_layouts_that_fit_with_less_recomputation(planner):
     """Whole sequences fit only with recomputation (above, by hand), so the search's
     context-parallel pass runs with the AC modes that recompute less than every fitting
     whole-sequence row: cp 2 without AC does the forward once (full AC runs it twice:
     matmuls 4 passes instead of 3, attention's forward again) for the ring's K/V in
     transit (16 MiB a block over InfiniBand), and is the best row. CP rows recompute
     less than any fitting whole-sequence row (the same AC would only add communication)."""
-    rows, stats = _in_worker(_deep_search)
+    rows, stats = planner(_deep_search)
     order = {"none": 0, "selective": 1, "full": 2}
     whole = [r for r in rows if r["fits"] and r["cp_ring"] * r["cp_ulysses"] == 1]
     split = [r for r in rows if r["cp_ring"] * r["cp_ulysses"] > 1]
@@ -275,14 +275,14 @@ def _cp2_then_cp4():
     return [r.to_dict() for r in rows], stats
 
 
-def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways():
+def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways(planner):
     """DEEP with 128 blocks at 131,072 tokens on 4 GPUs without AC: dp_shard 2 x ring 2
     gives each rank 65,536 tokens (the loss 48 GiB + at least 19 GiB of activations, x 1.2
     + 1 GiB over 79.2 GiB: does not fit); ring 4 has the same 4 sharded ranks but 32,768
     tokens a rank (24 + about 10 GiB, fits). The too-big skip (same tp, pp, AC, no
     smaller batch, no more sharded ranks) must not skip ring 4 after dp_shard 2 x ring 2
     failed: it splits the sequence more ways."""
-    rows, stats = _in_worker(_cp2_then_cp4)
+    rows, stats = planner(_cp2_then_cp4)
     assert [(r["dp_shard"], r["cp_ring"], r["fits"]) for r in rows] == [
         (2, 2, False), (1, 4, True)], rows
     assert stats["memory"] == 0 and stats["predicted"] == 2
