@@ -29,8 +29,11 @@
   over the whole sequence (1e-12), causal and with documents; the bytes each rotation
   saves for backward against a count by hand (the ring: its own K/V block; the
   all-gather: the whole ring's, repeated for GQA) and the ring's peak of live bytes
-  below the all-gather's. In the trainer: ring 2 x Ulysses 2 with the document mask
-  against the masked one-process reference (the bounds above).
+  below the all-gather's; in bf16 (mixed precision), the gradients against float64
+  SDPA within u = 2^-8 relative RMS, a bound from counting roundings that the travelling
+  dK/dV accumulated in bf16 (one rounding a hop) exceeds. In the trainer: ring 2 x
+  Ulysses 2 with the document mask against the masked one-process reference (the
+  bounds above).
 * Two compiled cells (aot_eager, manual bucketing), each bitwise equal to its eager
   twin (the same ops), the data-parallel collectives bucketed, the CP ones left alone:
   ring 2 x Ulysses 2 (K/V all-gathered), and the same with K/V passed around the ring
@@ -305,9 +308,55 @@ def _ring_pass_checks(rank, world):
     return peaks["allgather"], peaks["ring"]
 
 
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # u: half the spacing of bf16's 8 significant bits
+
+
+def _ring_pass_bf16_checks(rank, world):
+    """The ring pass's gradients under mixed precision: bf16 q/k/v (GQA: 4 query heads, 2
+    KV heads, head_dim 16, 32 tokens a rank) on a ring of all ``world`` ranks, against
+    float64 SDPA over the whole sequence on the same (bf16-exact) values. Measure: the
+    relative RMS error over the whole ring, ``||got - want|| / ||want||`` of each of dq,
+    dK, dV (squared sums all-reduced). Bound: u = 2^-8 for each, derived by counting
+    roundings: one round-to-nearest of a value of random mantissa errs by ~0.42u relative
+    RMS (uniform within half an ulp, averaged over the mantissa), and independent
+    roundings add in quadrature. With float32 accumulators a dK/dV element sees the
+    kernel's roundings (its bf16 operands inside, its bf16 output: up to 3) and the one
+    cast at home, up to 4: <= 0.85u. Accumulated in bf16, each of the ring's 3 hops and
+    the GQA repeats' sum round the running sum again, 7 or more: >= 1.1u. Measured: dq,
+    dK, dV 0.82u, 0.76u, 0.73u with float32 accumulators; 0.92u, 1.15u, 1.13u with bf16
+    ones (``grad_accumulator_dtype`` returning K's dtype). dq (accumulated locally, over
+    fewer roundings) does not cross u in bf16: the bound checks it, it does not tell its
+    accumulator's dtype. Returns the three errors (in u)."""
+    import torch.distributed as dist
+
+    from simplefsdp.parallel.ring import ring_attention
+
+    seq, gen = 8 * world * 4, torch.Generator().manual_seed(128)
+    q, k, v = (torch.randn(2, seq, heads, 16, generator=gen).to(torch.bfloat16)
+               for heads in (4, 2, 2))
+    weight = torch.randn(2, seq, 4, 16, generator=gen).to(torch.bfloat16)
+    whole = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in whole), is_causal=True,
+                                         enable_gqa=True).transpose(1, 2)
+    (ref * weight.double()).sum().backward()
+    index = positions(seq, (rank, world))
+    mine = [x[:, index].clone().requires_grad_() for x in (q, k, v)]
+    out = ring_attention(*mine, dist.group.WORLD, rank, world, None, "ring")
+    (out * weight[:, index]).sum().backward()
+    sums = torch.tensor([[(x.grad.double() - w.grad[:, index]).square().sum(),
+                          w.grad[:, index].square().sum()]
+                         for x, w in zip(mine, whole, strict=True)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    errors = (sums[:, 0] / sums[:, 1]).sqrt() / BF16_UNIT_ROUNDOFF
+    assert all(x.grad.dtype == torch.bfloat16 for x in mine)
+    assert (errors <= 1).all(), f"dq, dK, dV relative RMS errors in u: {errors.tolist()}"
+    return errors.tolist()
+
+
 def _spawned(rank, world, cells, out):
     """The ring-pass checks, then the trainer cells, in one spawn."""
-    return _ring_pass_checks(rank, world), _runs(rank, world, cells, out)
+    return ((_ring_pass_checks(rank, world), _ring_pass_bf16_checks(rank, world)),
+            _runs(rank, world, cells, out))
 
 
 def _runs(rank, world, cells, out):
@@ -346,8 +395,9 @@ def test_trainer_cp_matches_one_process(tmp_path):
     cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + COMPILED,
                  **{name: flags for name, (flags, _) in OTHER_CELLS.items()},
                  **{pass_compiled: OTHER_CELLS["ring2_ulysses2_doc_pass"][0] + COMPILED})
-    peaks, got = zip(*run_ranks(_spawned, 4, cells, str(tmp_path)), strict=True)
-    print("ring pass, peak live bytes per rank (allgather, ring):", peaks)
+    checks, got = zip(*run_ranks(_spawned, 4, cells, str(tmp_path)), strict=True)
+    print("ring pass, peak live bytes per rank (allgather, ring):", [c[0] for c in checks])
+    print("ring pass in bf16, dq/dK/dV relative RMS errors in u:", checks[0][1])
     got = got[0]
     refs = run_ranks(_runs, 1, REFERENCES, str(tmp_path))[0]
     for name, ref_name in reference_of.items():

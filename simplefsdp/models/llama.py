@@ -200,15 +200,20 @@ def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor,
     return positions, mask[:, None]
 
 
+def repeat_heads(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    """Grouped-query attention's key/value heads (dimension ``dim``) each repeated
+    ``n_rep`` times in place, so head ``h`` serves query heads ``h * n_rep`` to ``(h + 1)
+    * n_rep - 1``; ``x`` itself when ``n_rep`` is 1."""
+    return x.repeat_interleave(n_rep, dim=dim) if n_rep > 1 else x
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention on ``(batch, seq, heads, head_dim)`` tensors (``mask``, a
     document mask, replaces the causal one). ``k`` and ``v`` may have fewer heads: each
     serves ``heads // kv_heads`` query heads, in order (grouped-query attention)."""
     n_rep = q.shape[2] // k.shape[2]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=2)
-        v = v.repeat_interleave(n_rep, dim=2)
+    k, v = repeat_heads(k, n_rep, dim=2), repeat_heads(v, n_rep, dim=2)
     # SDPA wants (batch, heads, seq, head_dim).
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                          v.transpose(1, 2), attn_mask=mask,

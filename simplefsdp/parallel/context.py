@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch_compat import all_gather_autograd, all_to_all_single_autograd, flatten_mesh
 from ..mesh import CP_DIMS, ParallelDims
-from ..models.llama import causal_attention, document_index
+from ..models.llama import causal_attention, document_index, repeat_heads
 from .ring import ring_attention, ring_chunks
 
 
@@ -101,8 +101,7 @@ class ContextAttention:
         sequence, ``(batch, seq)`` in order (:class:`ContextDocuments`)."""
         if self.uly_size > 1:
             repeats = kv_repeats(k.shape[2], self.uly_size)
-            if repeats > 1:
-                k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+            k, v = repeat_heads(k, repeats, dim=2), repeat_heads(v, repeats, dim=2)
             q, k, v = (seq_to_heads(x, self.uly_group, self.uly_size) for x in (q, k, v))
         if self.ring_size > 1:
             out = ring_attention(q, k, v, self.ring_group, self.ring_rank, self.ring_size, doc,

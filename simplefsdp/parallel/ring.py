@@ -22,7 +22,9 @@ Two ways to bring the keys and values to the queries (``parallel.cp_rotate``):
   in use, the one arriving) and keeps only its own for backward. The backward is
   written out and passes the blocks around again: each step the block's dK/dV
   accumulator travels with it, the step's share added; one last shift brings every
-  accumulator home. Key/value heads stay un-repeated on the wire (GQA: repeated per
+  accumulator home. The accumulators are float32 under mixed precision
+  (:func:`grad_accumulator_dtype`: twice the bytes of bf16 K/V on the wire, one rounding
+  to K's dtype at home). Key/value heads stay un-repeated on the wire (GQA: repeated per
   kernel call, their gradients summed back).
 
 Kernels: ``_torch_compat.attention_with_lse`` (CPU: the flash kernel for CPU; CUDA: the
@@ -43,11 +45,23 @@ from .._torch_compat import (
     attention_with_lse,
     attention_with_lse_backward,
 )
+from ..models.llama import repeat_heads
 
 
 def ring_chunks(rank: int, size: int) -> tuple[int, int]:
     """The two chunks (of ``2 * size``) ring rank ``rank`` holds: head and tail."""
     return rank, 2 * size - 1 - rank
+
+
+def grad_accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :class:`RingPass`'s backward accumulates dq and the travelling dK/dV in,
+    and sends the dK/dV in, for q/k/v of ``dtype``: float32 at least (float64 stays). In
+    ``dtype`` (bf16) every hop would round the running sum, an error growing with the
+    ring size; here each partial is rounded once (by the kernel) and the sum once, at
+    home. Cost: the accumulators' shifts carry 4-byte elements, 2x the bytes of bf16 K/V
+    (``size`` shifts of a dK/dV block each backward). The planner counts the bytes with
+    this too."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,11 +200,6 @@ def natural_order(size: int, length: int) -> torch.Tensor:
                       for c in range(2 * size)])
 
 
-def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Grouped-query attention: each K/V head (dim 1) serves ``n_rep`` query heads."""
-    return x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x
-
-
 def _allgather_attention(q, k, v, group, rank, size, doc):
     """:class:`RingCore` on the all-gathered K/V; ``(batch, heads, seq, head_dim)``."""
     order = natural_order(size, q.shape[2] // 2).to(q.device)
@@ -200,7 +209,7 @@ def _allgather_attention(q, k, v, group, rank, size, doc):
         return whole.index_select(0, order).permute(1, 2, 0, 3)
 
     n_rep = q.shape[1] // k.shape[1]
-    k, v = _repeat_heads(gather(k), n_rep), _repeat_heads(gather(v), n_rep)
+    k, v = (repeat_heads(gather(x), n_rep, dim=1) for x in (k, v))
     return RingCore.apply(q, k, v, rank, size, doc)
 
 
@@ -251,8 +260,8 @@ class RingPass(torch.autograd.Function):
             for rows, keys, causal, allowed in _pairs(rank, (rank - step) % size, size,
                                                       length, doc):
                 i = rows.start // length
-                o, s = _attend(q[:, :, rows], _repeat_heads(held[0][:, :, keys], n_rep),
-                               _repeat_heads(held[1][:, :, keys], n_rep), causal, allowed)
+                o, s = _attend(q[:, :, rows], repeat_heads(held[0][:, :, keys], n_rep, dim=1),
+                               repeat_heads(held[1][:, :, keys], n_rep, dim=1), causal, allowed)
                 out[i] = (o, s) if out[i] is None else merge(*out[i], o, s)
             held = arriving
         result, lse = (torch.cat(x, dim=2) for x in zip(*out, strict=True))
@@ -265,27 +274,29 @@ class RingPass(torch.autograd.Function):
         q, k, v, out, lse, doc = ctx.saved_tensors
         group, rank, size = ctx.group, ctx.rank, ctx.size
         length, n_rep = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        acc = grad_accumulator_dtype(k.dtype)
         grad = grad.contiguous()
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=acc)
         held, travelling = torch.stack((k, v)), None  # a block, and its dK/dV so far
         for step in range(size):
             arriving = _shift(held, group, rank, size) if step < size - 1 else None
-            dkv = torch.zeros_like(held)
+            dkv = torch.zeros_like(held, dtype=acc)
             for rows, keys, causal, allowed in _pairs(rank, (rank - step) % size, size,
                                                       length, doc):
-                kv = (_repeat_heads(held[0][:, :, keys], n_rep),
-                      _repeat_heads(held[1][:, :, keys], n_rep))
+                kv = (repeat_heads(held[0][:, :, keys], n_rep, dim=1),
+                      repeat_heads(held[1][:, :, keys], n_rep, dim=1))
                 g = _attend_backward(grad[:, :, rows], q[:, :, rows], *kv,
                                      out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(),
                                      causal, allowed)
                 dq[:, :, rows] += g[0]
                 for x, dx in zip(dkv, g[1:], strict=True):  # GQA: the repeats' sum
-                    x[:, :, keys] += dx.unflatten(1, (-1, n_rep)).sum(2)
+                    x[:, :, keys] += dx.unflatten(1, (-1, n_rep)).sum(2, dtype=acc)
             if travelling is not None:
                 dkv = dkv + travelling
             travelling = _shift(dkv, group, rank, size)  # after the last step: home
             held = arriving
-        return dq, travelling[0], travelling[1], None, None, None, None
+        dk, dv = travelling.to(k.dtype)  # rounded to K's dtype once, at home
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
