@@ -4,8 +4,6 @@ part of every sequence and the whole ring's keys, as the trainer runs it
 
 from __future__ import annotations
 
-import multiprocessing
-
 import torch
 
 from simplefsdp.train.config import load_config
@@ -28,7 +26,7 @@ def _ring_rank0():
                  for k in ("attention", "attention_unmasked")}
 
 
-def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
+def test_ring_rank_traces_its_chunks_against_the_whole_sequence(planner):
     """debug Llama (4 heads of 32), batch 2 x seq 64, ring 2: rank 0 holds chunks 0 and 3
     of 4 chunks of 16 tokens (head-tail balance), 32 token ids per sequence. Its
     forward attention by hand: chunk 0 causal over itself (16 x 16 / 2), chunk 3 over
@@ -36,9 +34,9 @@ def test_ring_rank_traces_its_chunks_against_the_whole_sequence():
     pairs x 4 x (2 x 4 heads) x 32 = 1,048,576 FLOPs per block, half the whole
     sequence's causal attention (4 x 8 x 64 x 64 / 2 x 32 = 2,097,152): balanced. The
     causal blocks are costed at flash's causal forward efficiency, the 16 x 48 block at
-    its unmasked one (``hardware.Efficiency``): 262,144 and 786,432 FLOPs."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        ids, attention = pool.apply(_ring_rank0)
+    its unmasked one (``hardware.Efficiency``): 262,144 and 786,432 FLOPs. Traced in the
+    session's planner process (conftest ``planner``: its own fake process group)."""
+    ids, attention = planner(_ring_rank0)
     assert ids == [(2, 32)], ids
     assert attention == {"attention": 4 * 8 * 32 * (16 * 16 // 2 + 16 * 16 // 2),
                          "attention_unmasked": 4 * 8 * 32 * 16 * 48}, attention

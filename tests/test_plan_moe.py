@@ -132,7 +132,7 @@ def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
     assert moe.saved_bytes(args, layers, tokens, 4, "selective") == 524_288
 
 
-def test_prediction_holds_the_tp_ep_layout():
+def test_prediction_holds_the_tp_ep_layout(planner):
     """The whole prediction (eager, the cheaper to plan) of the layout above carries
     those figures: model states 16 B x 477,760 parameters per rank
     (test_rank_params_split_experts_over_the_experts_mesh_under_tp) and the all-to-alls
@@ -140,13 +140,13 @@ def test_prediction_holds_the_tp_ep_layout():
     (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
     selective AC)."""
     from simplefsdp.hardware import GiB
-    from simplefsdp.plan import predict_isolated
+    from simplefsdp.plan import predict
     from simplefsdp.train.config import load_config
 
     cfg = load_config("configs/debug_moe.toml", [
         "--parallel.tp", "2", "--parallel.ep", "2", "--training.batch_size", "2",
         "--training.seq_len", "64", "--activation_checkpoint.mode", "none"])
-    row = predict_isolated(cfg, 4, "h100-sxm", 2).detail["full"]
+    row = planner(predict, cfg, 4, "h100-sxm", 2).detail["full"]
     assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
     assert row["all_to_all_s"] == pytest.approx(16 * (16e-6 + 65_536 / 2 / 360e9), rel=1e-12)
     assert row["routed_saved_gib"] * GiB == 524_288
@@ -206,16 +206,14 @@ def _mla_forward_attention():
     return kinds, sorted({str(n.target) for n in nodes if "softmax" in str(n.target)})
 
 
-def test_mla_trace_runs_the_gpus_attention_kernel():
+def test_mla_trace_runs_the_gpus_attention_kernel(planner):
     """The planner's trace of an MLA model (debug_moe with MLA: 4 heads, query/key heads
     8 + 4, value heads 8; batch 2 x seq 64, one block) holds the memory-efficient kernel a
     GPU runs, not the math path SDPA takes on CPU tensors (scores materialized, a softmax
     node): forward attention by hand 2 x (2 x 4) x 64 x 64 x (12 + 8) / 2 = 655,360
-    FLOPs, all of them costed as that kernel."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # own fake process group
-        kinds, softmax = pool.apply(_mla_forward_attention)
+    FLOPs, all of them costed as that kernel. Traced in the session's planner process
+    (its own fake process group)."""
+    kinds, softmax = planner(_mla_forward_attention)
     assert kinds.get("efficient_attention") == 655_360, kinds
     assert "attention" not in kinds and softmax == [], (kinds, softmax)
 
