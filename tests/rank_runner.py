@@ -29,14 +29,17 @@ TEST_TIMEOUT_S = 600  # the whole group of processes
 # Rank processes are forked from one server process that has already imported these
 # (multiprocessing's "forkserver"): a rank starts in a fraction of a second instead of
 # re-importing torch (~4 CPU-seconds each, over a hundred rank processes per suite). The
-# server only imports (no tensors, no threads), so each rank still starts clean. Also
+# server only imports (no tensors; its only threads are BLAS pools, which OpenBLAS shuts
+# down across a fork), so each rank still starts clean. Also
 # what a rank would import on first use: Inductor's compiler (AOTAutograd with it; the
 # first Inductor compile of a rank: 2.6 CPU-s cold, 0.6 with these imported) and the
-# trainer's plots (rank 0 of every trainer run: 0.4 CPU-s). A module missing here
-# (matplotlib is optional) is skipped by the server.
+# trainer's plots (rank 0 of every trainer run: 0.4 CPU-s), and transformers' model code
+# (every rank of the test_hf* tests: ~1.6 CPU-s; it starts scipy's OpenBLAS pool, as
+# torch's import starts numpy's). A module missing here (matplotlib is optional) is
+# skipped by the server.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "simplefsdp", "simplefsdp.train.trainer", "torch._inductor.compile_fx",
-           "matplotlib.pyplot"]
+           "matplotlib.pyplot", "transformers.modeling_utils"]
 
 
 def _context():
