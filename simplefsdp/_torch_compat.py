@@ -1,14 +1,12 @@
 """Every private torch API simplefsdp uses, and every torch-version fallback, in one place.
 
-simplefsdp supports torch 2.11-2.13. Each entry says what it was checked against:
-"checked: 2.13" means imported and exercised by the test suite on torch 2.13.0. None was
-checked on 2.11 or 2.12 yet (neither their wheels nor their sources were at hand); the
-version fallbacks below say which older behaviour they keep working. The rest of the
-package imports these names from here (``tests/test_architecture.py`` keeps it so);
-public torch APIs stay where they are used. Heavy modules (Inductor, Dynamo, the testing
+simplefsdp supports torch 2.11-2.13. "checked: 2.13" means exercised by the test suite on
+torch 2.13.0; "2.11 (CUDA)" means run on torch 2.11 on a GPU (``scripts/device_check.py``:
+the attention kernels, grouped matmuls, fake process groups and a whole training step).
+The package imports these names from here (``tests/test_architecture.py`` keeps it so);
+public torch APIs stay where they are used. Heavy modules (Inductor, Dynamo, testing
 helpers) are imported inside functions, so ``import simplefsdp`` does not load them.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,7 +31,8 @@ __all__ = [
     "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
     "custom_partitioner_base", "default_group", "default_store", "destroy_library",
     "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
-    "dynamo_reset", "eager_backward_compile", "efficient_attention", "fake_store", "FakeTensor",
+    "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
+    "fake_store", "FakeTensor",
     "FakeTensorMode", "flatten_mesh", "grouped_mm", "grouped_mm_aligned",
     "missing_inductor_options", "nccl_flight_recorder", "op_schema", "OpOverload",
     "profiler_events", "raise_recompile_limits", "register_work", "resolve_process_group",
@@ -42,9 +41,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------
-# Fake tensors, dispatch modes, op overloads (compiler passes, cost model).
-# --------------------------------------------------------------------------------------
+# --- Fake tensors, dispatch modes, op overloads (compiler passes, cost model). ---
 # The functional collectives' op namespace (what DTensor and compiled graphs call).
 # checked: 2.13.
 c10d_functional = torch.ops._c10d_functional
@@ -86,9 +83,7 @@ def symint_hint(x: torch.SymInt) -> int | None:
     return None if hint is None else int(hint)
 
 
-# --------------------------------------------------------------------------------------
-# Process groups and the CPU all-gather kernel (agreement.py, gloo_kernel.py).
-# --------------------------------------------------------------------------------------
+# --- Process groups and the CPU all-gather kernel (agreement.py, gloo_kernel.py). ---
 # register_work(tensor, work): ``wait_tensor(tensor)`` then waits for ``work``.
 
 
@@ -142,9 +137,7 @@ def destroy_library(lib: torch.library.Library) -> None:
     lib._destroy()
 
 
-# --------------------------------------------------------------------------------------
-# DTensor and DeviceMesh internals (data_parallel.py).
-# --------------------------------------------------------------------------------------
+# --- DTensor and DeviceMesh internals (data_parallel.py). ---
 # StridedShard (imported above): a DP shard *within* a TP shard on the same dim.
 
 
@@ -162,9 +155,7 @@ def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh):
     return _mesh_resources.get_root_mesh(mesh)
 
 
-# --------------------------------------------------------------------------------------
-# Autograd (eager_reshard.py).
-# --------------------------------------------------------------------------------------
+# --- Autograd (eager_reshard.py). ---
 def current_graph_task_id() -> int:
     """-1 outside a backward pass, else the id of the running autograd graph task.
     checked: 2.13."""
@@ -178,9 +169,7 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-# --------------------------------------------------------------------------------------
-# Compilers: Dynamo, AOTAutograd, Inductor (compiler/backend.py, bench/). Lazy imports.
-# --------------------------------------------------------------------------------------
+# --- Compilers: Dynamo, AOTAutograd, Inductor (compiler/backend.py, bench/). Lazy imports. ---
 def aot_autograd(**kwargs: Any):
     """Dynamo's AOTAutograd backend factory. checked: 2.13."""
     from torch._dynamo.backends.common import aot_autograd as make
@@ -293,9 +282,7 @@ def dynamo_counters():
     return counters
 
 
-# --------------------------------------------------------------------------------------
-# Activation checkpointing, profiler, fake process groups (train/, bench/).
-# --------------------------------------------------------------------------------------
+# --- Activation checkpointing, profiler, fake process groups (train/, bench/). ---
 def checkpoint_wrapper(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """torch.distributed's activation-checkpoint wrapper (its prefix
     ``_checkpoint_wrapped_module`` never reaches state dicts).
@@ -352,39 +339,39 @@ def eager_backward_compile():
     return config.patch(force_non_lazy_backward_lowering=True)
 
 
-# --------------------------------------------------------------------------------------
-# Mixture of experts: grouped matmuls and the differentiable all-to-all.
-# --------------------------------------------------------------------------------------
-_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+# --- Mixture of experts: grouped matmuls and the differentiable all-to-all. ---
+_KERNEL_RUNS: dict[tuple, bool] = {}  # (kernel, device, dtype, ...) -> whether it ran here
+
+
+def kernel_runs(key: tuple, probe: Callable[[], None]) -> bool:
+    """Whether ``probe`` (a kernel's tiny forward and backward) runs here; run once per
+    ``key``, in grad mode (it may first be asked under no_grad) under identity saved-tensor
+    hooks (or inside a checkpointed forward, whose count of saved tensors it would skew)."""
+    if key not in _KERNEL_RUNS:
+        try:
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            with torch.enable_grad(), hooks:
+                probe()
+            _KERNEL_RUNS[key] = True
+        except (RuntimeError, NotImplementedError):
+            _KERNEL_RUNS[key] = False
+    return _KERNEL_RUNS[key]
 
 
 def grouped_mm(device: torch.device, dtype: torch.dtype):
-    """``torch._grouped_mm`` when it runs forward and backward for ``device``/``dtype``
-    here, else None (callers then loop over the groups). Probed once per pair on a tiny
-    problem; the kernel also wants every stride a multiple of 16 bytes, which callers
-    check for their own shapes (``grouped_mm_aligned``).
-    checked: 2.13 (CPU float32: forward and backward; older releases lack the op)."""
+    """``torch._grouped_mm`` where it runs for ``device``/``dtype`` (:func:`kernel_runs`),
+    else None (callers loop); callers check its 16-byte strides (``grouped_mm_aligned``).
+    checked: 2.13 (CPU float32), 2.11 (CUDA bf16, float32); older releases lack the op."""
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None:
         return None
-    key = (torch.device(device).type, dtype)
-    if key not in _GROUPED_MM_WORKS:
-        # The first call may come inside an activation-checkpointed forward: identity
-        # saved-tensor hooks shadow the checkpoint's, which would otherwise count the
-        # probe's saved tensors in forward but not in the recomputation (cached by then).
-        # Or under no_grad (an evaluation): the probe's backward needs grad mode, else
-        # its failure would turn the grouped matmul off for the whole process.
-        try:
-            with torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
-                w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
-                fn(x, w, offs=offs).backward(torch.ones(4, 8, device=device, dtype=dtype))
-            _GROUPED_MM_WORKS[key] = True
-        except (RuntimeError, NotImplementedError):
-            _GROUPED_MM_WORKS[key] = False
-    return fn if _GROUPED_MM_WORKS[key] else None
+
+    def probe():
+        x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+        fn(x, w, offs=offs).backward(torch.ones(4, 8, device=device, dtype=dtype))
+    return fn if kernel_runs(("grouped_mm", torch.device(device).type, dtype), probe) else None
 
 
 def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
@@ -404,9 +391,7 @@ def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
     return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
 
 
-# --------------------------------------------------------------------------------------
-# Context parallelism (parallel/context.py).
-# --------------------------------------------------------------------------------------
+# --- Context parallelism (parallel/context.py). ---
 def flatten_mesh(mesh: torch.distributed.device_mesh.DeviceMesh, name: str):
     """``mesh``'s dims as one dim called ``name``, registered on the root mesh (slice it
     from there with other dims). checked: 2.13 (``DeviceMesh._flatten``)."""
@@ -438,18 +423,35 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of softmax attention, ``(batch, heads, seq, head_dim)`` in,
     the log-sum-exp ``(batch, heads, seq)`` float32; ``causal`` masks top-left aligned.
-    CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (checked: 2.13). CUDA: the flash
-    kernel ``_scaled_dot_product_flash_attention`` (fp16/bf16 only; not run here)."""
+    CPU: the flash kernel for CPU (checked: 2.13). CUDA: the flash kernel (fp16/bf16
+    only; 2.11 (CUDA))."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
         return tuple(aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal))
     return tuple(aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2])
 
 
-def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """SDPA's memory-efficient CUDA kernel; its meta function traces fake CPU tensors: 2.13."""
-    op = torch.ops.aten._scaled_dot_product_efficient_attention
-    return op(q, k, v, None, True, 0.0, causal)[0]
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """cuDNN's fused attention by name, ``(batch, heads, seq, head_dim)``; query/key and value
+    head sizes may differ (MLA; flash refuses). checked: 2.13 (meta), 2.11 (CUDA, H200)."""
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    return op(q, k, v, None, True, 0.0, causal)[0]  # the log-sum-exp kept for backward
+
+
+def cudnn_attention_runs(device: torch.device, dtype: torch.dtype, qk_dim: int,
+                         v_dim: int) -> bool:
+    """Whether :func:`cudnn_attention` runs on ``device`` for these head sizes and ``dtype``
+    (CUDA; :func:`kernel_runs`; while compiling only an earlier eager probe counts)."""
+    device = torch.device(device)
+    key = ("cudnn_attention", device.type, device.index, dtype, qk_dim, v_dim)
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return _KERNEL_RUNS.get(key, False)
+
+    def probe():
+        q, k, v = (torch.ones(1, 1, 16, d, device=device, dtype=dtype, requires_grad=True)
+                   for d in (qk_dim, qk_dim, v_dim))
+        cudnn_attention(q, k, v, True).sum().backward()
+    return kernel_runs(key, probe)
 
 
 def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -458,14 +460,14 @@ def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
     """(dq, dk, dv) of :func:`attention_with_lse` for the given ``out`` and ``lse``:
     passing the merged output and log-sum-exp of several key blocks gives each block's
     exact share of the gradient (the kernels recompute the probabilities from ``lse``).
-    CPU checked: 2.13; CUDA (flash, no dropout): not run here."""
+    CPU checked: 2.13. CUDA (2.11): no sequence offsets (None; defined ones mean
+    variable-length batches, int32) and no dropout state."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal)
-    empty = torch.empty(0, dtype=torch.int64, device=q.device)
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty)
+        grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None)
 
 
 def around_sharding_propagation(ctx) -> Callable[[], None]:

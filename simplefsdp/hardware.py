@@ -120,11 +120,17 @@ class Efficiency:
     attention: float = 335 / 989  # forward, causal
     attention_unmasked: float = 370 / 989  # forward, no mask (a ring's block of others' keys)
     attention_backward: float = 320 / 989
-    # SDPA's memory-efficient kernel (xformers' CUTLASS kernel; what runs when query/key and
-    # value heads differ in size, e.g. MLA): half of flash's. FlashAttention-2 paper (Dao
-    # 2023, section 4.1, Figs. 4-6, A100 forward + backward): FlashAttention-2 is about
-    # 2x FlashAttention-1, and xformers' kernel runs at about FlashAttention-1's speed.
-    efficient_attention: float = 0.20
+    # Query/key and value heads of different sizes (MLA's 192 / 128), which flash refuses,
+    # measured on an H200 (torch 2.11, bf16, 4 x 4096 tokens, 16 heads, causal; backward
+    # FLOPs counted 2.5x the forward's; README "Mixture of experts"): SDPA's
+    # memory-efficient kernel 140 TFLOP/s forward, 38 backward; cuDNN's fused kernel (what
+    # our MLA calls) 489-521 forward, 382-399 backward (two runs; their means here). The
+    # H200's compute (132 SMs at 1,980 MHz) is the H100 SXM's; so are its flash rates
+    # (measured 336-344 forward, 301-318 backward at head size 128, 16k tokens).
+    efficient_attention: float = 140 / 989
+    efficient_attention_backward: float = 38 / 989
+    cudnn_attention: float = 505 / 989
+    cudnn_attention_backward: float = 390 / 989
     memory: float = 0.70  # memory-bound kernels: fraction of HBM bandwidth
     kernel_floor_s: float = 6e-6  # per kernel launched eagerly
     compiled_kernel_floor_s: float = 3e-6  # per kernel of a compiled graph

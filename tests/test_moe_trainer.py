@@ -395,6 +395,6 @@ def test_grouped_mm_probe_under_no_grad(monkeypatch):
     the grouped matmul off for the whole process."""
     from simplefsdp import _torch_compat
 
-    monkeypatch.setattr(_torch_compat, "_GROUPED_MM_WORKS", {})
+    monkeypatch.setattr(_torch_compat, "_KERNEL_RUNS", {})
     with torch.no_grad():
         assert _torch_compat.grouped_mm(torch.device("cpu"), torch.float32) is not None

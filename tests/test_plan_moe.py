@@ -152,8 +152,10 @@ def test_prediction_holds_the_tp_ep_layout(planner):
     assert row["routed_saved_gib"] * GiB == 524_288
 
 
-def _attention_node(qk_dim: int, v_dim: int):
-    """An SDPA node (the CPU trace's op) on bf16 (1, 16, 4096, qk / v) fake tensors."""
+def _attention_node(qk_dim: int, v_dim: int,
+                    op=torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+    """An attention node (by default SDPA's, the CPU trace's op) on bf16 (1, 16, 4096,
+    qk / v) fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     graph = torch.fx.Graph()
@@ -165,26 +167,40 @@ def _attention_node(qk_dim: int, v_dim: int):
     for name, value in values.items():
         inputs.append(graph.placeholder(name))
         inputs[-1].meta["val"] = value
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    if "backward" in str(op):  # (grad_out, query, key, value, ...): grad_out as the output
+        grad = graph.placeholder("grad_out")
+        grad.meta["val"] = values["v"]
+        inputs.insert(0, grad)
     return graph.call_function(op, tuple(inputs), {"is_causal": True})
 
 
-def test_mla_attention_costs_the_memory_efficient_kernel():
+def test_mla_attention_costs_the_kernel_a_gpu_runs():
     """DeepSeek-V3 16B's MLA attention (16 heads, 4096 tokens, query/key heads 192, value
-    heads 128) cannot run SDPA's flash kernel (one head size only): its forward, by hand,
-    2 x 16 x 4096^2 x (192 + 128) / 2 (causal) = 85,899,345,920 FLOPs at the memory-efficient
-    kernel's 20% of the bf16 peak (989 TFLOP/s) plus the compiled kernel floor (3 us); the
-    same shapes with value heads of 192 run flash, 2 x 16 x 4096^2 x 384 / 2 FLOPs, at
-    FlashAttention-2's published causal forward rate on H100, 335 TFLOP/s.
-    Both FLOP-bound: ~84 / ~100 MB of q/k/v/out at 70% of 2.4 TB/s take ~0.05 ms."""
+    heads 128) cannot run SDPA's flash kernel (one head size only). Forward FLOPs by hand:
+    2 x 16 x 4096^2 x (192 + 128) / 2 (causal) = 85,899,345,920. Called through SDPA it
+    runs the memory-efficient kernel, at its measured H200 forward rate (140 TFLOP/s);
+    called by name as our MLA does (``models.mla.mla_attention``), cuDNN's kernel at its
+    measured 505 TFLOP/s forward and 390 backward (2.5x the forward's FLOPs); the same
+    shapes with value heads of 192 run flash, 2 x 16 x 4096^2 x 384 / 2 FLOPs, at
+    FlashAttention-2's published causal forward rate on H100, 335 TFLOP/s. Each plus the
+    compiled kernel floor (3 us). All FLOP-bound: ~84 / ~100 MB of q/k/v/out at 70% of
+    2.4 TB/s take ~0.05 ms."""
     dev = gpu_profile("h100-96gb")
+    aten = torch.ops.aten
     mla, flash = _attention_node(192, 128), _attention_node(192, 192)
-    assert timing._flops(mla) == ("efficient_attention", 85_899_345_920)
+    fused = _attention_node(192, 128, aten._scaled_dot_product_cudnn_attention.default)
+    fused_backward = _attention_node(
+        192, 128, aten._scaled_dot_product_cudnn_attention_backward.default)
+    forward = 85_899_345_920
+    assert timing._flops(mla) == ("efficient_attention", forward)
+    assert timing._flops(fused) == ("cudnn_attention", forward)
+    assert timing._flops(fused_backward) == ("cudnn_attention_backward", 2.5 * forward)
     assert timing._flops(flash) == ("attention", 103_079_215_104)
-    assert timing.node_seconds(mla, dev, compiled=True) \
-        == pytest.approx(85_899_345_920 / (989e12 * 0.20) + 3e-6, rel=1e-12)
-    assert timing.node_seconds(flash, dev, compiled=True) \
-        == pytest.approx(103_079_215_104 / 335e12 + 3e-6, rel=1e-12)
+    for node, seconds in [(mla, forward / 140e12), (fused, forward / 505e12),
+                          (fused_backward, 2.5 * forward / 390e12),
+                          (flash, 103_079_215_104 / 335e12)]:
+        assert timing.node_seconds(node, dev, compiled=True) \
+            == pytest.approx(seconds + 3e-6, rel=1e-12), node
 
 
 def _mla_forward_attention():
@@ -208,13 +224,14 @@ def _mla_forward_attention():
 
 def test_mla_trace_runs_the_gpus_attention_kernel(planner):
     """The planner's trace of an MLA model (debug_moe with MLA: 4 heads, query/key heads
-    8 + 4, value heads 8; batch 2 x seq 64, one block) holds the memory-efficient kernel a
-    GPU runs, not the math path SDPA takes on CPU tensors (scores materialized, a softmax
+    8 + 4, value heads 8; batch 2 x seq 64, one block) holds cuDNN's fused kernel, which
+    our MLA runs on a GPU (``models.mla.mla_attention``), not the math path SDPA takes on
+    CPU tensors (scores materialized, a softmax
     node): forward attention by hand 2 x (2 x 4) x 64 x 64 x (12 + 8) / 2 = 655,360
     FLOPs, all of them costed as that kernel. Traced in the session's planner process
     (its own fake process group)."""
     kinds, softmax = planner(_mla_forward_attention)
-    assert kinds.get("efficient_attention") == 655_360, kinds
+    assert kinds.get("cudnn_attention") == 655_360, kinds
     assert "attention" not in kinds and softmax == [], (kinds, softmax)
 
 

@@ -13,10 +13,12 @@ Per token (``q_lora_rank = 0``: DeepSeek-V3 16B's plain query projection):
   dim``.
 
 Query/key heads (``nope + rope``, 192) and value heads (``v``, 128) differ in size, so on
-a GPU SDPA cannot use its flash kernel (it needs one head size) and runs the
-memory-efficient one. On CPU tensors SDPA takes its math path instead (the scores
-materialized), so the planner's trace swaps in :func:`efficient_kernel_attention`, the
-GPU's kernel called by name, and costs it at that kernel's efficiency (``plan/timing.py``).
+a GPU SDPA cannot use its flash kernel (it needs one head size) and would run the
+memory-efficient one, whose backward is slow. :func:`mla_attention` calls cuDNN's fused
+kernel by name instead where it runs (CUDA, bf16/fp16; probed once), else SDPA. On CPU
+tensors SDPA takes its math path (the scores materialized), so the planner's trace swaps
+in :func:`fused_kernel_attention`, the GPU's kernel called by name, and costs it at that
+kernel's efficiency (``plan/timing.py``, ``hardware.Efficiency``).
 YaRN's frequency correction and softmax ``mscale`` only act beyond the original context
 (DeepSeek-V3 16B trains at 4096, its ``original_seq_len``) and are not modelled.
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._torch_compat import efficient_attention
+from .._torch_compat import cudnn_attention, cudnn_attention_runs
 from .llama import ModelArgs, RMSNorm, _trunc_normal, apply_rope, causal_attention
 
 ATTENTIONS = ("gqa", "mla")
@@ -110,7 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.rank, args.norm_eps)
         self.wkv_b = nn.Linear(self.rank, h * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, args.dim, bias=False)
-        self.core = causal_attention  # (q, k, v, mask) -> output, as Llama's
+        self.core = mla_attention  # (q, k, v, mask) -> output, as Llama's
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,13 +135,25 @@ class MultiHeadLatentAttention(nn.Module):
         _trunc_normal(self.wo.weight, init_std)
 
 
-def efficient_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``causal_attention`` (same layout and call) on SDPA's memory-efficient kernel called
-    by name: the kernel a GPU runs for MLA's head sizes, for the planner's fake-tensor
-    trace (that kernel has no CPU implementation). A document mask keeps SDPA."""
+def fused_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``causal_attention`` (same layout and call) on cuDNN's fused kernel called by name
+    (``_torch_compat.cudnn_attention``): what :func:`mla_attention` runs on a GPU, and the
+    planner's fake-tensor trace (that kernel has no CPU implementation). A document mask
+    keeps SDPA."""
     if mask is not None:
         return causal_attention(q, k, v, mask)
-    out = efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              causal=True)
+    out = cudnn_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          causal=True)
     return out.transpose(1, 2)
+
+
+def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's attention core: :func:`fused_kernel_attention` where cuDNN's kernel runs for
+    these head sizes and dtype, else SDPA (``causal_attention``). On an H200 (torch 2.11,
+    4 x 4096 tokens, 16 heads) SDPA's memory-efficient kernel, its pick for these head
+    sizes, took 10x cuDNN's time in backward (README, "Mixture of experts")."""
+    if mask is None and cudnn_attention_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+        return fused_kernel_attention(q, k, v)
+    return causal_attention(q, k, v, mask)

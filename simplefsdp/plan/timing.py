@@ -32,7 +32,7 @@ from ..hardware import KNOWN_FABRICS, GpuProfile
 from ..mesh import ParallelDims
 from ..models.llama import ATTENTION_BACKWARD_FLOPS, attention_flops, block_matmul_params
 
-_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
            torch.ops.aten.bmm.default}
 
@@ -108,19 +108,23 @@ def _arg(call: tuple[object, tuple, dict], name: str, default=None):
 
 
 def attention_kernel(name: str, qk_dim: int, v_dim: int) -> str:
-    """Which SDPA kernel a GPU runs for an attention op: "attention" (flash) or
-    "efficient_attention" (the memory-efficient one). Flash needs one head size for
-    queries, keys and values (torch's ``sdp_utils`` head-dim check), so MLA's 192 / 128
-    falls to the memory-efficient kernel (pytorch/torchtitan#1610), as does an op the
-    graph already names so; the CPU trace's own op name says nothing about the GPU's."""
+    """Which SDPA kernel a GPU runs for an attention op: "attention" (flash),
+    "efficient_attention" (the memory-efficient one) or "cudnn_attention" (cuDNN's, which
+    our MLA calls by name: ``models.mla.mla_attention``). Flash needs one head size for
+    queries, keys and values (torch's ``sdp_utils`` head-dim check), so SDPA with
+    different sizes (MLA's 192 / 128) falls to the memory-efficient kernel
+    (pytorch/torchtitan#1610), as does an op the graph already names so; the CPU trace's
+    own op name says nothing about the GPU's."""
+    if "cudnn" in name:
+        return "cudnn_attention"
     return "efficient_attention" if "efficient" in name or qk_dim != v_dim else "attention"
 
 
 def _flops(node: fx.Node) -> tuple[str, float]:
     """(class, FLOPs) of one node: "matmul", "memory", or an attention kernel's class,
-    named as its ``hardware.Efficiency`` field: "efficient_attention" (the memory-efficient
-    SDPA kernel, ``attention_kernel``, forward and backward), else flash's "attention"
-    (forward, causal), "attention_unmasked" (forward, no mask) or "attention_backward".
+    named as its ``hardware.Efficiency`` field: the kernel (``attention_kernel``) with
+    "_backward" for a backward op; flash's forward is "attention" (causal) or
+    "attention_unmasked" (no mask).
     Attention: its queries against its keys (a ring's block of another rank's keys is a
     full rectangle, its own block causal)."""
     call = _call(node)
@@ -134,8 +138,10 @@ def _flops(node: fx.Node) -> tuple[str, float]:
         backward = "backward" in name
         flops = attention_flops(b * h, s, int(k.shape[2]), d, causal=causal, value_dim=dv)
         kind = attention_kernel(name, d, dv)
-        if kind == "attention" and (backward or not causal):
-            kind = "attention_backward" if backward else "attention_unmasked"
+        if backward:
+            kind += "_backward"
+        elif kind == "attention" and not causal:
+            kind = "attention_unmasked"
         return kind, flops * (ATTENTION_BACKWARD_FLOPS if backward else 1.0)
     if node.target in _MATMUL:
         packet = node.target.overloadpacket
@@ -234,8 +240,8 @@ def compute_floor_seconds(args, tokens: int, seq: int, tp: int, blocks: int,
     if attention_kernel("", qk, v) == "attention":  # a ring's blocks may run unmasked
         fwd_eff = max(eff.attention, eff.attention_unmasked)
         bwd_eff = eff.attention_backward
-    else:
-        fwd_eff = bwd_eff = eff.efficient_attention
+    else:  # the kernel our MLA runs (models.mla.mla_attention)
+        fwd_eff, bwd_eff = eff.cudnn_attention, eff.cudnn_attention_backward
     attention = forward * (1 + recompute) / fwd_eff + forward * ATTENTION_BACKWARD_FLOPS / bwd_eff
     return blocks * (matmul / (peak * eff.matmul) + attention / peak)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import fx
 
 from ..models.llama import ModelArgs, Transformer
-from ..models.mla import MultiHeadLatentAttention, efficient_kernel_attention
+from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
 from ..train.config import JobConfig
 from ..train.parallelize import parallelize
 from ..train.pipeline import split_stage
@@ -191,10 +191,10 @@ def build_model(key: TraceKey):
             model = Transformer(dataclasses.replace(args, n_layers=2 * args.n_layers))
         split_stage(model, 2, 0 if key.role == "first" else 1)
     # SDPA on fake CPU tensors would take the math path for MLA's head sizes (scores
-    # materialized) where a GPU runs the memory-efficient kernel: trace that kernel
+    # materialized) where a GPU runs cuDNN's fused kernel (models/mla.py): trace that kernel
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
-            module.core = efficient_kernel_attention
+            module.core = fused_kernel_attention
     mesh = key_mesh(key)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
     return parallelize(model, mesh, _job(key)), args, dtype

@@ -1,0 +1,579 @@
+"""One prepared run on a lent GPU (issues 28 and 29): what the CPU machines cannot show.
+
+    PYTHONUNBUFFERED=1 python scripts/device_check.py --out DIR [--tiny] [--device cpu]
+
+Sections, each timed and written to ``DIR/results.json`` as it finishes (a run cut
+short still returns what it measured):
+
+1. ``env``: torch, GPU, whether ``torch._grouped_mm`` runs for bf16 here.
+2. ``ring_single``: ring attention's CUDA kernels (flash with log-sum-exp, its backward,
+   the exact merge) on one process: each ring rank's ``RingCore`` over the whole K/V
+   against SDPA on the whole sequence in float32; causal and with documents.
+3. ``ring_threads``: the point-to-point rotation (``RingPass``) with 4 ring ranks as
+   threads of one process on the GPU, the shift between them in memory (NCCL refuses two
+   ranks on one device; gloo with CUDA tensors crashed a rank with SIGSEGV on torch 2.11).
+   ``mla_model``: a one-block MLA model, our cuDNN core against SDPA's pick and compiled.
+4. ``attention``: per-layer forward / backward seconds of one CP rank's attention at the
+   published long-context shapes (Llama 3 8B heads, 16,384-token chunks, ring 2/4/8),
+   and the raw flash kernel's rates, for the planner's attention terms.
+5. ``experts``: the routed experts' grouped matmul at DeepSeek-V3 16B's per-rank shapes
+   (EP 8: 8 local experts, 4 x 4096 tokens x top-6 rows), forward and backward rates.
+6. ``mla``: MLA's attention shapes (16 heads, q/k 192, v 128, 4 x 4096, causal) on the
+   kernels SDPA has for them.
+7. ``step``: rank 0's whole training step (eager) under a fake process group of 8:
+   DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC).
+"""
+
+# ruff: noqa: B023  (each closure in a loop is timed within its own iteration)
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RESULTS: dict = {}
+ARGS = None
+
+
+def save():
+    with open(os.path.join(ARGS.out, "results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def section(name):
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run():
+            start = time.time()
+            print(f"== {name}", flush=True)
+            try:
+                RESULTS[name] = fn()
+            except Exception as e:  # record and go on: later sections still run
+                RESULTS[name] = {"error": f"{type(e).__name__}: {e}",
+                                 "trace": traceback.format_exc()[-3000:]}
+            RESULTS[name + "_wall_s"] = round(time.time() - start, 1)
+            print(json.dumps({name: RESULTS[name]}, default=str)[:4000], flush=True)
+            save()
+        return run
+    return wrap
+
+
+def sync():
+    if ARGS.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps=3, warm=1):
+    """Median seconds of ``fn`` (synchronised)."""
+    for _ in range(warm):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+class PowerLog:
+    """nvidia-smi's power draw and SM clock every 0.2 s while a section runs."""
+
+    def __init__(self):
+        self.rows, self.stop = [], threading.Event()
+
+    def __enter__(self):
+        def poll():
+            while not self.stop.is_set():
+                try:
+                    out = subprocess.run(
+                        ["nvidia-smi", "--query-gpu=power.draw,clocks.sm,power.limit",
+                         "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                        timeout=5).stdout.strip()
+                    self.rows.append([float(x) for x in out.split(",")])
+                except Exception:
+                    return
+                time.sleep(0.2)
+        if ARGS.device == "cuda":
+            self.thread = threading.Thread(target=poll, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+    def summary(self):
+        if not self.rows:
+            return None
+        power = sorted(r[0] for r in self.rows)
+        clocks = sorted(r[1] for r in self.rows)
+        return {"samples": len(self.rows), "power_w_median": power[len(power) // 2],
+                "power_w_max": power[-1], "sm_mhz_median": clocks[len(clocks) // 2],
+                "sm_mhz_min": clocks[0], "power_limit_w": self.rows[0][2]}
+
+
+# --------------------------------------------------------------------------------------
+@section("env")
+def env():
+    from simplefsdp._torch_compat import grouped_mm
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    if ARGS.device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+        out["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        out["smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,power.limit,clocks.max.sm",
+                                     "--format=csv"], capture_output=True, text=True).stdout
+    dev = torch.device(ARGS.device)
+    out["grouped_mm_bf16"] = grouped_mm(dev, torch.bfloat16) is not None
+    out["grouped_mm_fp32"] = grouped_mm(dev, torch.float32) is not None
+    return out
+
+
+def _reference(q, k, v, doc=None):
+    """Whole-sequence attention in float32, (b, h, s, d); GQA by repeating K/V heads."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if doc is not None:
+        mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _inputs(size, length, heads=8, kv_heads=2, dim=128, seed=0, docs=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    s = 2 * size * length
+    dev, dt = ARGS.device, torch.bfloat16
+    q, k, v, go = (torch.randn(1, h, s, dim, generator=g).to(dev, dt)
+                   for h in (heads, kv_heads, kv_heads, heads))
+    doc = None
+    if docs:  # documents of uneven lengths, boundaries not on chunk edges
+        cuts = torch.tensor([0, s // 5, s // 2 + 3, (4 * s) // 5 + 1])
+        doc = (torch.arange(s)[:, None] >= cuts[None, :]).sum(1).sub(1)[None].to(dev)
+    return q, k, v, go, doc
+
+
+@section("ring_single")
+def ring_single():
+    from simplefsdp.parallel.ring import RingCore, natural_order, ring_chunks  # noqa: F401
+    size, length = 4, 256
+    out = {}
+    for docs in (False, True):
+        q, k, v, go, doc = _inputs(size, length, docs=docs)
+        qr, kr, vr = (x.clone().float().requires_grad_() for x in (q, k, v))
+        ref = _reference(qr, kr, vr, doc)
+        ref.backward(go.float())
+        # what one process's bf16 flash kernel gives on the whole sequence (no documents)
+        rep = q.shape[1] // k.shape[1]
+        kk, vv = (x.repeat_interleave(rep, 1).detach().requires_grad_() for x in (k, v))
+        worst = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+        dk = torch.zeros_like(kk, dtype=torch.float32)
+        dv = torch.zeros_like(vv, dtype=torch.float32)
+        for rank in range(size):
+            rows = torch.cat([torch.arange(c * length, (c + 1) * length)
+                              for c in ring_chunks(rank, size)]).to(q.device)
+            qi = q[:, :, rows].detach().requires_grad_()
+            ki, vi = kk.detach().requires_grad_(), vv.detach().requires_grad_()
+            o = RingCore.apply(qi, ki, vi, rank, size, doc)
+            o.backward(go[:, :, rows])
+            worst["out"] = max(worst["out"], _rel(o, ref[:, :, rows]))
+            worst["dq"] = max(worst["dq"], _rel(qi.grad, qr.grad[:, :, rows]))
+            dk += ki.grad.float()
+            dv += vi.grad.float()
+        dk = dk.unflatten(1, (-1, rep)).sum(2)
+        dv = dv.unflatten(1, (-1, rep)).sum(2)
+        worst["dk"], worst["dv"] = _rel(dk, kr.grad), _rel(dv, vr.grad)
+        if not docs:  # the plain kernel on the whole sequence, for scale
+            qf = q.detach().requires_grad_()
+            kf, vf = (x.detach().requires_grad_() for x in (k, v))
+            of = F.scaled_dot_product_attention(qf, kf.repeat_interleave(rep, 1),
+                                                vf.repeat_interleave(rep, 1), is_causal=True)
+            of.backward(go)
+            worst["whole_kernel"] = {"out": _rel(of, ref), "dq": _rel(qf.grad, qr.grad),
+                                     "dk": _rel(kf.grad, kr.grad), "dv": _rel(vf.grad, vr.grad)}
+        out["docs" if docs else "causal"] = worst
+    return out
+
+
+class _ThreadRing:
+    """Stands in for the ring's point-to-point shift when ring ranks are threads of one
+    process sharing one GPU: each rank puts its block in the next rank's box, then takes
+    its own."""
+
+    def __init__(self, size):
+        self.box, self.barrier = [None] * size, threading.Barrier(size, timeout=120)
+
+    def shift(self, x, group, rank, size):
+        self.box[(rank + 1) % size] = x.clone()
+        self.barrier.wait()
+        got = self.box[rank]
+        self.barrier.wait()
+        return got
+
+
+@section("ring_threads")
+def ring_threads():
+    """RingPass (``cp_rotate = "ring"``) on the device: 4 ring ranks as threads, its
+    forward and backward called directly (the autograd engine runs every CUDA backward on
+    one device thread, where the ranks' shifts would wait for each other forever)."""
+    import types
+
+    import simplefsdp.parallel.ring as ring
+    size, length = 4, 256
+    out = {}
+    saved = ring._shift
+    try:
+        for docs in (False, True):
+            q, k, v, go, doc = _inputs(size, length, docs=docs)
+            qr, kr, vr = (x.clone().float().requires_grad_() for x in (q, k, v))
+            ref = _reference(qr, kr, vr, doc)
+            ref.backward(go.float())
+            ring._shift = _ThreadRing(size).shift
+            res = [None] * size
+
+            def rank_fn(rank):
+                try:
+                    rows = torch.cat([torch.arange(c * length, (c + 1) * length)
+                                      for c in ring.ring_chunks(rank, size)]).to(q.device)
+                    ctx = types.SimpleNamespace()
+                    ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", t)
+                    qi, ki, vi = (x[:, :, rows].contiguous() for x in (q, k, v))
+                    o = ring.RingPass.forward(ctx, qi, ki, vi, "t", rank, size, doc)
+                    dq, dk, dv = ring.RingPass.backward(ctx, go[:, :, rows])[:3]
+                    res[rank] = {"out": _rel(o, ref[:, :, rows]),
+                                 "dq": _rel(dq, qr.grad[:, :, rows]),
+                                 "dk": _rel(dk, kr.grad[:, :, rows]),
+                                 "dv": _rel(dv, vr.grad[:, :, rows])}
+                except Exception as e:
+                    res[rank] = f"{type(e).__name__}: {e} {traceback.format_exc()[-800:]}"
+            threads = [threading.Thread(target=rank_fn, args=(r,)) for r in range(size)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            out["docs" if docs else "causal"] = res
+    finally:
+        ring._shift = saved
+    return out
+
+
+@section("mla_model")
+def mla_model():
+    """A one-block DeepSeek-V3 16B-shaped model (MLA, dense FFN) in bf16 on the device:
+    our MLA core (cuDNN by name where it runs) against SDPA's own pick, eager, and ours
+    compiled (Inductor): logits and every gradient."""
+    import dataclasses
+
+    from simplefsdp._torch_compat import cudnn_attention_runs
+    from simplefsdp.models.llama import causal_attention
+    from simplefsdp.models.mla import MultiHeadLatentAttention, mla_attention
+    from simplefsdp.models.moe import MOE_PRESETS, MoETransformer
+    dev = torch.device(ARGS.device)
+    args = dataclasses.replace(MOE_PRESETS["deepseek_v3_16b"], n_layers=1, n_dense_layers=1,
+                               vocab_size=4096)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = MoETransformer(args)
+        model.init_weights()
+    model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, 4096, (1, 64) if ARGS.tiny else (2, 2048), device=dev)
+    out = {"cudnn_runs": cudnn_attention_runs(dev, torch.bfloat16, 192, 128)}
+
+    def set_core(core):
+        for m in model.modules():
+            if isinstance(m, MultiHeadLatentAttention):
+                m.core = core
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        logits = fn(tokens)
+        logits.float().square().mean().backward()
+        return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    ours = run(model)
+    set_core(causal_attention)
+    sdpa = run(model)
+    set_core(mla_attention)
+    compiled = run(torch.compile(model, backend="aot_eager" if ARGS.tiny else "inductor"))
+
+    def compare(a, b):
+        return {"logits": _rel(a[0], b[0]),
+                "worst_grad": max(_rel(a[1][n], b[1][n]) for n in a[1])}
+    out["ours_vs_sdpa"] = compare(ours, sdpa)
+    out["compiled_vs_eager"] = compare(compiled, ours)
+    return out
+
+
+def _pairs(rank, size, length):
+    """(query, key) pairs rank ``rank`` of a ring of ``size`` attends (head-tail chunks)."""
+    a, b = rank, 2 * size - 1 - rank
+    return (a + b) * length * length + length * (length + 1)
+
+
+@section("attention")
+def attention():
+    """One CP rank's attention per layer at Llama 3 8B's heads, bf16."""
+    from simplefsdp.parallel.ring import RingCore
+    heads, dim = 32, 128
+    length = 1024 if ARGS.tiny else 16384
+    out = {"length": length}
+    dev, dt = ARGS.device, torch.bfloat16
+    with PowerLog() as power:
+        for size in ((2,) if ARGS.tiny else (2, 4, 8)):
+            s = 2 * size * length
+            q = torch.randn(1, heads, 2 * length, dim, device=dev, dtype=dt, requires_grad=True)
+            k = torch.randn(1, heads, s, dim, device=dev, dtype=dt, requires_grad=True)
+            v = torch.randn(1, heads, s, dim, device=dev, dtype=dt, requires_grad=True)
+            go = torch.randn_like(q)
+            for rank in ((0,) if size < 8 else (0, size - 1)):
+                def fwd():
+                    with torch.no_grad():
+                        RingCore.apply(q, k, v, rank, size, None)
+
+                def fwd_bwd():
+                    RingCore.apply(q, k, v, rank, size, None).backward(go)
+                tf, tfb = timed(fwd), timed(fwd_bwd)
+                flops = 4 * dim * heads * _pairs(rank, size, length)
+                out[f"ring{size}_rank{rank}"] = {
+                    "seq": s, "fwd_s": tf, "bwd_s": tfb - tf, "fwd_tflops": flops / tf / 1e12,
+                    "bwd_tflops_2.5x": 2.5 * flops / (tfb - tf) / 1e12}
+        # the raw kernel, square blocks
+        from simplefsdp._torch_compat import attention_with_lse, attention_with_lse_backward
+        for causal in (True, False):
+            q, k, v = (torch.randn(1, heads, length, dim, device=dev, dtype=dt) for _ in "qkv")
+            o, lse = attention_with_lse(q, k, v, causal)
+            g = torch.randn_like(o)
+            tf = timed(lambda: attention_with_lse(q, k, v, causal))
+            tb = timed(lambda: attention_with_lse_backward(g, q, k, v, o, lse, causal))
+            pairs = length * (length + 1) // 2 if causal else length * length
+            flops = 4 * dim * heads * pairs
+            out[f"kernel_{'causal' if causal else 'full'}_{length}"] = {
+                "fwd_s": tf, "bwd_s": tb, "fwd_tflops": flops / tf / 1e12,
+                "bwd_tflops_2.5x": 2.5 * flops / tb / 1e12}
+    out["power"] = power.summary()
+    return out
+
+
+@section("experts")
+def experts():
+    from simplefsdp.models.moe import expert_ffn
+    dim, hidden, local = 2048, 1408, 8
+    rows = 4 * 4096 * 6 // (8 if not ARGS.tiny else 64)  # routed rows reaching one EP rank
+    dev, dt = ARGS.device, torch.bfloat16
+    x = torch.randn(rows, dim, device=dev, dtype=dt, requires_grad=True)
+    gate_up = (torch.randn(local, 2 * hidden, dim, device=dev, dtype=dt) * 0.02).requires_grad_()
+    down = (torch.randn(local, dim, hidden, device=dev, dtype=dt) * 0.02).requires_grad_()
+    grad = torch.randn(rows, dim, device=dev, dtype=dt)
+    flops = 2 * rows * (dim * 2 * hidden + hidden * dim)
+    out = {"rows": rows}
+    for name, counts in [("balanced", [rows // local] * local),
+                         ("skewed", [rows * w // 36 for w in (1, 2, 3, 4, 5, 6, 7, 8)])]:
+        counts[-1] += rows - sum(counts)
+
+        def fwd():
+            with torch.no_grad():
+                expert_ffn(x, counts, gate_up, down)
+
+        def fwd_bwd():
+            expert_ffn(x, counts, gate_up, down).backward(grad)
+        tf, tfb = timed(fwd), timed(fwd_bwd)
+        out[name] = {"fwd_s": tf, "fwd_bwd_s": tfb, "fwd_tflops": flops / tf / 1e12,
+                     "fwd_bwd_tflops": 3 * flops / tfb / 1e12}
+    w1 = torch.randn(2 * hidden, dim, device=dev, dtype=dt)
+    t = timed(lambda: x.detach() @ w1.t())
+    out["dense_same_rows"] = {"s": t, "tflops": 2 * rows * dim * 2 * hidden / t / 1e12}
+    return out
+
+
+@section("mla")
+def mla():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h, s = (1, 16, 1024) if ARGS.tiny else (4, 16, 4096)
+    dev, dt = ARGS.device, torch.bfloat16
+    q = torch.randn(b, h, s, 192, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(b, h, s, 192, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(b, h, s, 128, device=dev, dtype=dt, requires_grad=True)
+    go = torch.randn(b, h, s, 128, device=dev, dtype=dt)
+    flops = 2 * b * h * s * (s + 1) // 2 * (192 + 128)
+    out = {}
+    backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    for name, backend in backends.items():
+        try:
+            with sdpa_kernel([backend]):
+                def fwd():
+                    with torch.no_grad():
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+                def fwd_bwd():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+                tf, tfb = timed(fwd), timed(fwd_bwd)
+            out[name] = {"fwd_s": tf, "bwd_s": tfb - tf, "fwd_tflops": flops / tf / 1e12,
+                         "bwd_tflops_2.5x": 2.5 * flops / (tfb - tf) / 1e12}
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    if ARGS.device == "cuda" and not ARGS.tiny:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s)
+            flex = torch.compile(flex_attention)
+
+            def ffwd():
+                with torch.no_grad():
+                    flex(q, k, v, block_mask=mask)
+
+            def ffwd_bwd():
+                flex(q, k, v, block_mask=mask).backward(go)
+            start = time.time()
+            ffwd_bwd()
+            compile_s = time.time() - start
+            tf, tfb = timed(ffwd), timed(ffwd_bwd)
+            out["flex"] = {"fwd_s": tf, "bwd_s": tfb - tf, "fwd_tflops": flops / tf / 1e12,
+                           "bwd_tflops_2.5x": 2.5 * flops / (tfb - tf) / 1e12,
+                           "compile_s": compile_s}
+        except Exception as e:
+            out["flex"] = f"{type(e).__name__}: {str(e)[:300]}"
+    out["flops_fwd"] = flops
+    out["accuracy"] = _mla_accuracy(backends)
+    return out
+
+
+def _mla_accuracy(backends):
+    """Each kernel's output and gradients against float32 math on the same bf16 inputs."""
+    from torch.nn.attention import sdpa_kernel
+    dev, dt = ARGS.device, torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, go = (torch.randn(1, 16, 1024, d, generator=g).to(dev, dt)
+                   for d in (192, 192, 128, 128))
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.backward(go.float())
+    out = {}
+    for name in ("efficient", "cudnn"):
+        try:
+            xs = [x.detach().requires_grad_() for x in (q, k, v)]
+            with sdpa_kernel([backends[name]]):
+                o = F.scaled_dot_product_attention(*xs, is_causal=True)
+            o.backward(go)
+            grads = {f"d{n}": _rel(x.grad, r.grad)
+                     for n, x, r in zip("qkv", xs, leaves, strict=True)}
+            out[name] = {"out": _rel(o, ref), **grads}
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def _step(config, overrides, gpus, steps):
+    """Rank 0's training step under a fake process group of ``gpus`` (eager)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from simplefsdp._torch_compat import fake_store
+    from simplefsdp.parallel.context import cp_batches
+    from simplefsdp.train.config import load_config
+    from simplefsdp.train.step import build_optimizer, loss_context, token_loss_sum
+    cfg = load_config(config, overrides)
+    dev = torch.device(ARGS.device, 0) if ARGS.device == "cuda" else torch.device("cpu")
+    if ARGS.device == "cuda":
+        torch.cuda.set_device(0)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
+    try:
+        p = cfg.parallel.resolve(gpus)
+        cfg = dataclasses.replace(cfg, parallel=p)
+        mesh = p.dims().build_mesh(ARGS.device)
+        start = time.time()
+        runnable, model = cfg.model.family_entry().build(cfg, mesh, dev)
+        build_s = time.time() - start
+        optimizer, _ = build_optimizer(model, cfg)
+        t = cfg.training
+        x = torch.randint(0, cfg.model.model_args().vocab_size, (t.batch_size, t.seq_len),
+                          device=dev)
+        (inputs, targets), = cp_batches([(x, x)], mesh, t.seq_len) if p.dims().cp > 1 \
+            else [(x, x)]
+
+        def step():
+            with loss_context(p.vocab_sharded_loss):
+                loss = token_loss_sum(runnable(inputs), targets) / targets.numel()
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        start = time.time()
+        step()
+        sync()
+        first_s = time.time() - start
+        if ARGS.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with PowerLog() as power:
+            step_s = timed(step, reps=steps, warm=0)
+        out = {"build_s": build_s, "first_step_s": first_s, "step_s": step_s,
+               "tokens_per_rank": inputs.numel(), "tok_per_s": inputs.numel() / step_s,
+               "power": power.summary()}
+        if ARGS.device == "cuda":
+            out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@section("step_deepseek")
+def step_deepseek():
+    if ARGS.tiny:
+        return _step("configs/debug_moe.toml", ["--parallel.dp_shard", "-1"], 8, 1)
+    return _step("configs/deepseek_v3_16b.toml",
+                 ["--parallel.ep", "1", "--training.batch_size", "4"], 8, 2)
+
+
+@section("step_262k")
+def step_262k():
+    if ARGS.tiny:
+        return _step("configs/debug.toml",
+                     ["--parallel.cp_ring", "2", "--parallel.dp_shard", "1",
+                      "--training.seq_len", "1024", "--model.max_seq_len", "1024",
+                      "--activation_checkpoint.mode", "full"], 2, 1)
+    return _step("configs/llama3_8b.toml",
+                 ["--parallel.cp_ring", "8", "--parallel.dp_shard", "1",
+                  "--training.seq_len", "262144", "--model.max_seq_len", "262144",
+                  "--training.batch_size", "1", "--activation_checkpoint.mode", "full",
+                  "--compile.enable", "false"], 8, 1)
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--only", default="")
+    ARGS = parser.parse_args()
+    os.makedirs(ARGS.out, exist_ok=True)
+    sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
+                step_deepseek, step_262k]
+    for fn in sections:
+        if ARGS.only and fn.__name__ not in ARGS.only.split(","):
+            continue
+        fn()
+
+
+if __name__ == "__main__":
+    main()
