@@ -185,8 +185,9 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
             if key.role == "first":  # the next stage's gradient arrives for the output
                 loss, grad = out, torch.empty_like(out)
             else:
+                # targets for the tokens this rank holds (a CP rank: its part of the sequence)
                 loss, grad = token_loss_sum(out, torch.zeros(
-                    key.batch, key.seq, dtype=torch.long)), None
+                    out.shape[:2], dtype=torch.long)), None
             del out
             forward_end = len(tracker.events)
             loss.backward(grad)
