@@ -155,3 +155,115 @@ def test_long_context_prediction_matches_a_measured_h200_run(planner):
     got = planner(predict, cfg, 8, "h200")
     assert got.step_time_s - got.exposed_comm_s == pytest.approx(34.05, rel=0.12)
     assert got.peak_memory_gib == pytest.approx(67.52, rel=0.08)
+
+
+# The ring pass (parallel.cp_rotate = "ring", issue 29): the debug Llama (4 query heads,
+# 2 K/V heads of 32), bf16 compute, ring 2, batch 1, one traced block, on H100 SXM
+# (NVLink 4: 15 us + bytes / 360 GB/s per message, hardware.KNOWN_FABRICS).
+RING = ["--training.batch_size", "1", "--compile.bucketing", "manual",
+        "--activation_checkpoint.mode", "none", "--parallel.cp_ring", "2",
+        "--parallel.cp_rotate", "ring", "--training.mixed_precision_param", "bfloat16"]
+
+
+def _ring_figures(seq: int, compiled: bool):
+    from simplefsdp.hardware import gpu_profile
+    from simplefsdp.plan import context, timing
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, [*RING, "--training.seq_len", str(seq), "--model.max_seq_len",
+                             str(seq), "--compile.enable", str(compiled).lower()])
+    tr = trace(trace_key(cfg, "full", 1, 1, 1, 1))
+    dev = gpu_profile("h100-sxm")
+    fabric = timing.MeshLinks(dev, cfg.parallel.resolve(2).dims(), 8)
+    return context.shift_bytes(tr), context.ring_pass_seconds(tr, dev, fabric, False)
+
+
+def test_ring_pass_bytes_and_exposed_seconds_by_hand(planner):
+    """Seq 64: each shift of ``RingPass`` carries the rank's two chunks of K and V,
+    un-repeated (2 K/V heads): 2 x 1 x 2 heads x 32 tokens x 32 x 2 B (bf16) = 8,192 B; the
+    backward's dK/dV accumulators the same elements in float32
+    (``ring.grad_accumulator_dtype``): 16,384 B. A shift takes 15 us + 8,192 / 360e9 =
+    15.023 us (kv), 15.046 us (acc). A step's attention is 3 (step 0: rank 0's own two
+    chunks) or 2 tiny kernels of the kernel floor (compiled 3 us, eager 6 us) + e each,
+    e < 0.05 us (at most 64 KiB moved at 70% of 3.35 TB/s).
+
+    Compiled (the backward keeps the forward's received block: only accumulators move):
+    the forward's shift does not hide, kv - 9 us = 6.02 us; backward step 1's 2 kernels
+    against the step-0 accumulator, acc - 6 us, then the home shift whole: 2 acc - 6 us =
+    24.09 us. Eager (the backward sends the block again): the forward's shift hides
+    behind step 0's 18 us; backward step 0 hides the block, step 1 (12 us) not the
+    accumulator: 2 acc - 12 us = 18.09 us. Each - 3e at most."""
+    kv, acc = 15e-6 + 8_192 / 360e9, 15e-6 + 16_384 / 360e9
+    e3 = 3 * 0.05e-6
+    for compiled, fw_hand, bw_hand in ((True, kv - 9e-6, 2 * acc - 6e-6),
+                                       (False, 0.0, 2 * acc - 12e-6)):
+        nbytes, (fw, bw) = planner(_ring_figures, 64, compiled)
+        assert nbytes == (8_192, 16_384), nbytes
+        assert fw_hand - e3 <= fw <= fw_hand and bw_hand - e3 <= bw <= bw_hand, (
+            compiled, fw, bw)
+
+
+def _eager_memory(rotate: str):
+    from simplefsdp.plan.eager import eager_memory
+    from simplefsdp.plan.trace import trace_key
+
+    cfg = load_config(None, [*RING, "--training.seq_len", "128", "--parallel.cp_ring", "4",
+                             "--parallel.cp_rotate", rotate, "--compile.enable", "false"])
+    return eager_memory(trace_key(cfg, "full", 1, 1, 1, 1), True)
+
+
+def test_ring_pass_saves_its_own_block_instead_of_the_gathered_sequence(planner):
+    """Eager, seq 128, ring 4, bf16, one block: the all-gathered rotation keeps for backward
+    the whole sequence's K and V repeated to the 4 query heads, 2 x 4 x 128 x 32 x 2 B =
+    65,536 B, and the all-gather's order index (128 int64: 1,024 B); the ring pass keeps
+    the rank's own K and V un-repeated, 2 x 2 heads x 32 tokens x 32 x 2 B = 8,192 B
+    (``RingPass.forward``'s ``save_for_backward``). Saved bytes and the step's peak both
+    fall by 66,560 - 8,192 = 58,368 B (exact: the replay counts storages)."""
+    gathered, passed = planner(_eager_memory, "allgather"), planner(_eager_memory, "ring")
+    assert gathered.saved - passed.saved == 58_368, (gathered, passed)
+    assert gathered.peak - passed.peak == 58_368, (gathered, passed)
+
+
+# The debug Llama 340 blocks deep at 65,536 tokens, eager, bf16, no AC, ring 2 on 2 A100s
+# (79.2 GiB, 1 per node): each block's saved bytes fall by (above, per block) the gathered
+# K and V repeated to 4 heads, 2 x 4 x 65,536 x 32 x 2 = 33,554,432 B, and the order
+# index, 65,536 x 8 = 524,288 B, less the ring pass's own block, 2 x 2 x 32,768 x 32 x 2 =
+# 8,388,608 B: 25,690,112 B a block, 8.13 GiB over 340 (9.76 GiB reserved, x 1.2).
+LONG_EAGER = ["--model.n_layers", "340", "--training.seq_len", "65536",
+              "--model.max_seq_len", "65536", "--compile.enable", "false",
+              "--training.mixed_precision_param", "bfloat16", "--training.batch_size", "1"]
+
+
+def _rotations_searched():
+    from simplefsdp.plan.search import _Bar, _search_groups, layouts
+
+    pick = {c.parallel.cp_rotate: c for c in layouts(
+        load_config(None, LONG_EAGER), 2, 1, cp=True, ac_modes=("none",))
+        if c.training.batch_size == 1 and c.parallel.cp_ring == 2}
+    # the all-gathered rotation first: its failure must not skip the ring pass
+    rows, _, stats = _search_groups([[pick["allgather"]], [pick["ring"]]], 2, "a100-80gb", 1,
+                                    _Bar(0))
+    return [r.to_dict() for r in rows], stats
+
+
+def test_search_tries_the_ring_pass_which_fits_where_the_all_gather_does_not(planner):
+    """The search's CP layouts carry both rotations where there is a ring and only the
+    all-gather where there is none (Ulysses alone). On the case above the all-gathered
+    rotation does not fit and the ring pass does: the peaks differ by 340 x 25,690,112 B
+    (relative 1e-9: GiB floats), and the too-big skip (same tp, pp, AC, no larger batch)
+    does not skip the ring pass after the all-gather failed."""
+    import pytest
+
+    from simplefsdp.plan.search import layouts
+
+    seen = {(c.parallel.cp_ring, c.parallel.cp_ulysses, c.parallel.cp_rotate)
+            for c in layouts(load_config(None, LONG_EAGER), 4, 4, cp=True)}
+    assert {(2, 1, "allgather"), (2, 1, "ring"), (4, 1, "ring"), (2, 2, "ring"),
+            (1, 2, "allgather")} <= seen and (1, 2, "ring") not in seen, seen
+    rows, stats = planner(_rotations_searched)
+    assert [(r["cp_rotate"], r["fits"]) for r in rows] == [("allgather", False),
+                                                           ("ring", True)], rows
+    gib = 2**30
+    assert (rows[0]["peak_memory_gib"] - rows[1]["peak_memory_gib"]) * gib == pytest.approx(
+        340 * 25_690_112, rel=1e-9), rows
+    assert stats["predicted"] == 2

@@ -269,7 +269,8 @@ def _cp2_then_cp4():
                              "131072", "--model.max_seq_len", "131072", *DEEP[8:]])
     pick = {(c.parallel.dp_shard, c.parallel.cp_ring): c for c in layouts(
         cfg, 4, 1, cp=True, ac_modes=("none",)) if c.training.batch_size == 1
-        and c.parallel.pp == 1 and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1}
+        and c.parallel.pp == 1 and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1
+        and c.parallel.cp_rotate == "allgather"}
     rows, _, stats = _search_groups([[pick[(2, 2)]], [pick[(1, 4)]]], 4, "a100-80gb", 1,
                                     _Bar(0))
     return [r.to_dict() for r in rows], stats

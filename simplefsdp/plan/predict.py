@@ -20,7 +20,7 @@ from ..hardware import GiB, gpu_profile
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
 from ..train.pipeline import stage_layers
-from . import memory, moe, timing
+from . import context, memory, moe, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
 
@@ -56,6 +56,7 @@ class Prediction:
     ep: int = 1
     cp_ring: int = 1
     cp_ulysses: int = 1
+    cp_rotate: str = "allgather"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,8 +101,10 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         times = [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, shard)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
-        fig = {**vars(gm), "seconds": sum(t for t, _ in times),
-               "exposed": sum(e for _, e in times)}
+        # the ring pass's shifts, hidden behind each step's attention (``plan.context``)
+        ring = sum(context.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
+        fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
+               "exposed": sum(e for _, e in times) + ring, "ring_exposed": ring}
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
@@ -184,7 +187,8 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "activations_gib": (role_active - states) / GiB,
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
-                        "routed_saved_gib": kept / GiB}
+                        "routed_saved_gib": kept / GiB,
+                        "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps}
     reserved = active * (1 + ALLOC_OVERHEAD)
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
     tps = tokens / seconds / gpus
@@ -193,4 +197,4 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
         tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
         reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep,
-        p.cp_ring, p.cp_ulysses)
+        p.cp_ring, p.cp_ulysses, p.cp_rotate)

@@ -7,19 +7,20 @@ from pathlib import Path
 
 from .predict import Prediction
 
-COLUMNS = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp", "pp", "ep", "ac",
+COLUMNS = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "cp_rotate", "tp", "pp", "ep",
+           "ac",
            "batch_size", "seq_len", "compile", "peak_memory_gib", "reserved_memory_gib",
            "step_time_s", "tokens_per_s_per_gpu", "mfu", "fits")
 
 
 def table(rows: list[Prediction], limit: int | None = None) -> str:
     """Fixed-width text table, one line per configuration."""
-    head = ("rep", "shard", "ring", "ulysses", "tp", "pp", "ep", "ac", "batch", "seq", "compile",
-            "peak GiB", "reserved GiB", "step s", "tok/s/GPU", "MFU", "fits")
+    head = ("rep", "shard", "ring", "ulysses", "rotate", "tp", "pp", "ep", "ac", "batch", "seq",
+            "compile", "peak GiB", "reserved GiB", "step s", "tok/s/GPU", "MFU", "fits")
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows[:limit]:
-        cells = (r.dp_replicate, r.dp_shard, r.cp_ring, r.cp_ulysses, r.tp, r.pp, r.ep, r.ac,
-                 r.batch_size, r.seq_len, r.compile, f"{r.peak_memory_gib:.2f}",
+        cells = (r.dp_replicate, r.dp_shard, r.cp_ring, r.cp_ulysses, r.cp_rotate, r.tp, r.pp,
+                 r.ep, r.ac, r.batch_size, r.seq_len, r.compile, f"{r.peak_memory_gib:.2f}",
                  f"{r.reserved_memory_gib:.2f}", f"{r.step_time_s:.3f}",
                  f"{r.tokens_per_s_per_gpu:.0f}", f"{r.mfu:.1%}",
                  "yes" if r.fits else "NO")

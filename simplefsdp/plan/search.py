@@ -19,22 +19,30 @@ whole-sequence row: all of them when no layout holds whole sequences, none when 
 without AC. With the same AC mode a CP layout does the same FLOPs per token plus the K/V
 (ring) or heads (Ulysses) in transit, so it cannot win; with less recomputation (its
 activations split by cp) it can. The second pass starts from the first one's ``keep``
-bar, so its layouts must beat the whole-sequence rows' speed to be traced.
+bar, so its layouts must beat the whole-sequence rows' speed to be traced. With a ring
+(cp_ring > 1) both of ``parallel.cp_rotate``'s ways of moving K/V are tried
+(``ROTATIONS``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import get_args, get_type_hints
 
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
-from ..train.config import ConfigError, JobConfig
+from ..train.config import ConfigError, JobConfig, ParallelConfig
 from ..train.pipeline import stage_layers
 from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 AC_MODES = ("none", "selective", "full")
+# parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
+# neither wins everywhere: the ring pass hides its shifts behind attention and, eager,
+# keeps one K/V block for backward instead of the gathered sequence, but sends the blocks
+# again in backward with their gradients (``plan.context``)
+ROTATIONS = get_args(get_type_hints(ParallelConfig)["cp_rotate"])
 
 
 def _cause(e: Exception) -> str:
@@ -78,10 +86,13 @@ def layouts(cfg: JobConfig, gpus: int, gpus_per_node: int, cp: bool = False,
             continue
         if cp and (dims.cp == 1 or not _cp_valid(cfg, args, dims)):
             continue
-        for ep, batch, ac in ((e, b, a) for e in expert_degrees(args, dims.expert_ranks)
-                              for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
-                              for a in ac_modes):
+        rotations = ROTATIONS if dims.cp_ring > 1 else ("allgather",)
+        for ep, batch, ac, rotate in ((e, b, a, r)
+                                      for e in expert_degrees(args, dims.expert_ranks)
+                                      for b in ([1, 2] if pp == 1 else [pp, 2 * pp])
+                                      for a in ac_modes for r in rotations):
             c = copy.deepcopy(cfg)
+            c.parallel.cp_rotate = rotate
             c.parallel.tp, c.parallel.pp, c.parallel.ep = tp, pp, ep
             c.parallel.dp_replicate, c.parallel.dp_shard = rep, shard
             c.parallel.cp_ring, c.parallel.cp_ulysses = dims.cp_ring, dims.cp_ulysses
@@ -169,8 +180,9 @@ def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False
 
 def _layout(p) -> tuple:
     """A configuration's parallel layout: (tp, pp, dp_replicate, dp_shard, ep, cp_ring,
-    cp_ulysses)."""
-    return (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep, p.cp_ring, p.cp_ulysses)
+    cp_ulysses, cp_rotate)."""
+    return (p.tp, p.pp, p.dp_replicate, p.dp_shard, p.ep, p.cp_ring, p.cp_ulysses,
+            p.cp_rotate)
 
 
 class _Bar:
@@ -213,7 +225,8 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
     stats = dict.fromkeys(STATS, 0)
     failures: list[str] = []
     results: list[Prediction] = []
-    too_big: list[tuple] = []  # (tp, pp, ac, batch, dp_shard x cp, cp) that did not fit
+    # (tp, pp, ac, cp_rotate, batch, dp_shard x cp, cp) that did not fit
+    too_big: list[tuple] = []
     fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
     broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
     for c in (c for group in groups for c in group):
@@ -225,9 +238,10 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
             continue
         # a larger batch, or smaller shards (more replication), than a layout that did
         # not fit with the same tp, pp and AC holds more: it does not fit either
-        # (and with the sequence split no more ways)
-        if any(k[:3] == (p.tp, p.pp, ac) and batch >= k[3]
-               and p.dims().dp_shard_cp <= k[4] and p.dims().cp <= k[5] for k in too_big):
+        # (and with the sequence split no more ways, its K/V moved the same way: the ring
+        # pass and the all-gather keep different blocks)
+        if any(k[:4] == (p.tp, p.pp, ac, p.cp_rotate) and batch >= k[4]
+               and p.dims().dp_shard_cp <= k[5] and p.dims().cp <= k[6] for k in too_big):
             stats["memory"] += 1
             continue
         if layout + (batch,) in fitted:
@@ -255,7 +269,8 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         if progress is not None:
             progress(r)
         if not r.fits:
-            too_big.append((p.tp, p.pp, ac, batch, p.dims().dp_shard_cp, p.dims().cp))
+            too_big.append((p.tp, p.pp, ac, p.cp_rotate, batch, p.dims().dp_shard_cp,
+                            p.dims().cp))
         else:  # more recomputation only costs time: never faster, not worth tracing
             fitted.add(layout + (batch,))
             bar.add(r.tokens_per_s_per_gpu)

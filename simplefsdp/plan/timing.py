@@ -80,6 +80,16 @@ class MeshLinks:
             return alpha + steps * fabric.ring_step_s + 2 * ring * nbytes / bw
         return alpha + (n - 1) * fabric.ring_step_s + ring * nbytes / bw
 
+    def p2p_seconds(self, dim: str, nbytes: float) -> float:
+        """One message of ``nbytes`` to the next rank of ``dim``'s group (the ring pass's
+        shift, ``plan.context``): the link's latency and bandwidth, no collective's
+        steps; 0 on a group of one."""
+        if self.size(dim) <= 1:
+            return 0.0
+        link = self.link(dim)
+        fabric = KNOWN_FABRICS[self.dev.intra_node if link == "nvlink" else self.dev.inter_node]
+        return fabric.alpha_s + nbytes / fabric.bus_bandwidth_Bps
+
 
 def _call(node: fx.Node) -> tuple[object, tuple, dict]:
     """(op, args, kwargs) a node runs. Under full AC the compiled graphs wrap random ops,
@@ -118,6 +128,13 @@ def attention_kernel(name: str, qk_dim: int, v_dim: int) -> str:
     if "cudnn" in name:
         return "cudnn_attention"
     return "efficient_attention" if "efficient" in name or qk_dim != v_dim else "attention"
+
+
+def attention_op(node: fx.Node) -> str | None:
+    """The name of the attention kernel ``node`` runs (forward or backward; inside full
+    AC's RNG-state wrappers too), None for other nodes."""
+    name = str(_call(node)[0]) if node.op == "call_function" else ""
+    return name if any(a in name for a in _ATTENTION) else None
 
 
 def _flops(node: fx.Node) -> tuple[str, float]:
@@ -190,10 +207,13 @@ def graph_seconds(gm: fx.GraphModule, dev: GpuProfile, fabric: MeshLinks,
 
     def op(node: fx.Node) -> float:
         # an all-to-all (Ulysses' heads for sequence): its data feeds the next op, so it
-        # runs on the compute stream's time, exposed whole
+        # runs on the compute stream's time, exposed whole; the ring pass's shifts (on the
+        # cp_ring group) hide behind attention, costed by ``plan.context``
         if node.target == ALL_TO_ALL:
-            seconds = fabric.seconds("all_to_all", groups[node.args[-1]],
-                                     value_bytes(node.meta.get("val")))
+            dim = groups[node.args[-1]]
+            if dim == "cp_ring":
+                return 0.0
+            seconds = fabric.seconds("all_to_all", dim, value_bytes(node.meta.get("val")))
             exchanged[0] += seconds
             return seconds
         return node_seconds(node, dev, compiled, shard_scale if node in shard else 1.0)

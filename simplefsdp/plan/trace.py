@@ -65,6 +65,7 @@ class TraceKey:
     loss_parallel: bool  # parallel.loss_parallel: with tp > 1, vocabulary-sharded logits
     cp_ring: int  # context parallelism: each rank traces its part of the sequence
     cp_ulysses: int
+    cp_rotate: str  # parallel.cp_rotate: the ring's K/V all-gathered or passed around
     args_type: type = ModelArgs  # the args' class (MLAArgs: the attention is a choice)
 
     @property
@@ -102,7 +103,7 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
                     t.mixed_precision_reduce, p.reshard, p.loss_parallel, p.cp_ring,
-                    p.cp_ulysses, type(args))
+                    p.cp_ulysses, p.cp_rotate, type(args))
 
 
 @functools.lru_cache(maxsize=256)
@@ -147,7 +148,7 @@ def _job(key: TraceKey) -> JobConfig:
                                        dp_shard=key.dp_shard, tp=key.tp, pp=1,
                                        dp_mode=key.dp_mode, reshard_after_forward=key.reshard,
                                        loss_parallel=key.loss_parallel, cp_ring=key.cp_ring,
-                                       cp_ulysses=key.cp_ulysses)
+                                       cp_ulysses=key.cp_ulysses, cp_rotate=key.cp_rotate)
     cfg.training = dataclasses.replace(cfg.training, mixed_precision_param=key.param_dtype,
                                        mixed_precision_reduce=key.reduce_dtype)
     cfg.training = dataclasses.replace(cfg.training, seq_len=key.seq)
