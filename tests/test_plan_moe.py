@@ -57,6 +57,9 @@ def test_rank_params_split_experts_over_the_experts_mesh_under_tp():
     (they are the experts' replicas there), every expert on every rank: 169,088 +
     1,572,864 = 1,741,952."""
     args, layers = MOE_PRESETS["debug_moe"], list(range(4))
+    # the router's count, said directly (the one owner: no routed - expert difference)
+    assert [args.router_params(i) for i in layers] == [8 * 128] * 4
+    assert MOE_PRESETS["deepseek_v3_16b"].router_params(0) == 0  # its dense first block
     tp = ParallelDims(dp_shard=2, tp=2, ep=2)
     assert memory.rank_params(args, "full", layers, tp, "fully_shard") == 477_760
     rep = ParallelDims(dp_replicate=2, dp_shard=1, tp=2, ep=2)

@@ -100,6 +100,11 @@ class ModelArgs:
         router not; none in a dense block)."""
         return 0
 
+    def router_params(self, layer: int | None = None) -> int:
+        """Of ``routed_params``, the router's (whole on every rank of its block: neither
+        tensor nor expert parallelism splits it; none in a dense block)."""
+        return 0
+
 
 def ffn_hidden_dim(args: ModelArgs) -> int:
     """Llama's rule: 2/3 of 4*dim (SwiGLU has three matrices, not two), scaled by

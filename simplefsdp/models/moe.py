@@ -91,9 +91,11 @@ class MoEArgs(MLAArgs):
 
     def routed_params(self, layer: int | None = None) -> int:
         """The router and every routed expert (tensor parallelism splits neither)."""
-        if not self.is_moe(layer):
-            return 0
-        return self.dim * self.num_experts + self.expert_params(layer)
+        return self.router_params(layer) + self.expert_params(layer)
+
+    def router_params(self, layer: int | None = None) -> int:
+        """The router's gate (``E x dim``) of a routed block."""
+        return self.dim * self.num_experts if self.is_moe(layer) else 0
 
     def expert_params(self, layer: int | None = None) -> int:
         """Every routed expert's three ``I x dim`` matrices (``E x 3 x I x dim``)."""

@@ -199,7 +199,7 @@ def stage_params(args, role: str, layers: list[int], tp: int) -> float:
     rank (each routes its own tokens), norms and embeddings whole. The routed experts are
     :func:`rank_params`' second term."""
     total = sum((block_matmul_params(args, i) - args.routed_params(i)) / tp
-                + args.routed_params(i) - args.expert_params(i) + args.block_norm_params
+                + args.router_params(i) + args.block_norm_params
                 for i in layers)
     if role in ("full", "first"):
         total += args.vocab_size * args.dim
