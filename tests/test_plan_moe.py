@@ -251,3 +251,41 @@ def test_permute_seconds_by_hand():
                                      ("none", False, 1, 12)]:
         got = moe.permute_seconds(args, layers, 16_384, 2, ac, dev, compiled, ep)
         assert got == pytest.approx(26 * passes * one, rel=1e-12), (ac, compiled, ep)
+
+
+def _ffn_tp_seconds():
+    from simplefsdp.train.config import load_config
+
+    cfg = load_config(None, ["--model.name", "debug_moe", "--parallel.tp", "2",
+                             "--training.seq_len", "64", "--training.batch_size", "1",
+                             "--compile.enable", "true", "--compile.bucketing", "manual"])
+    from simplefsdp.plan.trace import trace, trace_key
+
+    tr = trace(trace_key(cfg, "full", 1, 1, 1, 1))
+    dev = gpu_profile("h100-sxm")
+    fabric = timing.MeshLinks(dev, cfg.parallel.resolve(2).dims(), 8)
+    return [[timing.graph_seconds(g, dev, fabric, tr.groups, True, 1.0, shard, ffn_tp)
+             for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
+                                 strict=True)] for ffn_tp in (True, False)]
+
+
+def test_stand_in_ffn_has_no_tp_collectives_without_a_shared_expert(planner):
+    """Issue 28: under TP the routed experts take each TP rank's own tokens (no gather,
+    no reduce-scatter, ``moe_tp_plan``); only a shared expert is sequence-parallel.
+    debug_moe (no shared expert) at tp 2, 64 tokens of 128 float32 values (32,768 B), one
+    block on H100 SXM: the traced stand-in's FFN gathers its input and reduce-scatters its
+    output in forward, the converse in backward, each 15 us + 1 us (one ring step) +
+    32,768 / 2 / 360e9 = 16.0455 us on NVLink, exposed whole (the next matmul needs
+    them): left out, forward and backward each take 2 x 16.0455 us less, exposed too
+    (relative 1e-9: float arithmetic). The speed bound's TP floor counts attention's
+    gather + reduce-scatter only: 2 x (forward + backward) x 16.0455 us for the block."""
+    with_ffn, without = planner(_ffn_tp_seconds)
+    one = 15e-6 + 1e-6 + 32_768 / 2 / 360e9
+    for (seconds, exposed), (seconds_, exposed_) in zip(with_ffn, without, strict=True):
+        assert seconds - seconds_ == pytest.approx(2 * one, rel=1e-9)
+        assert exposed - exposed_ == pytest.approx(2 * one, rel=1e-9)
+    assert not moe.ffn_tp_collectives(MOE_PRESETS["debug_moe"])
+    assert moe.ffn_tp_collectives(MOE_PRESETS["deepseek_v3_16b"])  # its shared expert
+    fabric = timing.MeshLinks(gpu_profile("h100-sxm"), ParallelDims(dp_shard=1, tp=2), 8)
+    floor = timing.tp_comm_floor_seconds(MOE_PRESETS["debug_moe"], 64, 1, False, 4, fabric)
+    assert floor == pytest.approx(4 * one, rel=1e-9)

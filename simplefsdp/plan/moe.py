@@ -25,8 +25,9 @@ Model states come from the real shapes (``memory.rank_params``: the experts spli
 the experts' (with ``ep`` = ``dp_shard`` each rank gathers nothing for its experts, the
 stand-in gathers its width: a few percent of the step on the published case, README).
 Under TP the stand-in's FFN is a sequence-parallel SwiGLU (gathered and reduce-scattered
-over TP), as the shared expert is; the routed experts are not (``moe_tp_plan``): without
-a shared expert its TP collectives are the stand-in's own, not counted away.
+over TP), as the shared expert is; the routed experts are not (``moe_tp_plan``: each TP
+rank routes its own tokens). Without a shared expert the block's FFN has no TP
+collective: the stand-in's are given no time (``ffn_tp_collectives``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def stand_in(args: ModelArgs) -> ModelArgs:
     if ffn_hidden_dim(dense) != width:
         raise AssertionError(f"stand-in FFN width {ffn_hidden_dim(dense)} != {width}")
     return dense
+
+
+def ffn_tp_collectives(args: ModelArgs) -> bool:
+    """Whether the traced FFN's tensor-parallel gather and reduce-scatter are the model's:
+    a dense SwiGLU's, or a mixture of experts' shared expert's (the same ``tokens x dim``
+    each way); a mixture of experts without a shared expert has none (the routed experts
+    take each TP rank's own tokens, ``parallel.expert.moe_tp_plan``)."""
+    return getattr(args, "activated_hidden_dim", None) is None or args.shared_hidden_dim > 0
 
 
 def routed_blocks(args: ModelArgs, layers: list[int]) -> int:

@@ -98,7 +98,9 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         tr = trace(trace_key(cfg, role, k, mb, dp_rep_t, dp_shard_t))
         gm = memory.graph_memory(tr, p.dp_shard)
         scale = tr.key.dp_shard / p.dp_shard
-        times = [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, shard)
+        ffn_tp = moe.ffn_tp_collectives(args)  # the stand-in's FFN: the model's own?
+        times = [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, shard,
+                                      ffn_tp)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
         # the ring pass's shifts, hidden behind each step's attention (``plan.context``)

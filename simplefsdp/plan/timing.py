@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ..compiler.collectives import ALL_TO_ALL, KINDS, CollectiveKind, full_value
+from ..compiler.collectives import ALL_TO_ALL, KINDS, CollectiveKind, full_value, module_fqn
 from ..compiler.cost.compute import is_zero_cost, roofline_seconds
 from ..compiler.cost.memory import op_schema, value_bytes
 from ..compiler.cost.state import optimizer_traffic_bytes_per_param
@@ -31,6 +31,7 @@ from ..compiler.simulate import simulate_graph
 from ..hardware import KNOWN_FABRICS, GpuProfile
 from ..mesh import ParallelDims
 from ..models.llama import ATTENTION_BACKWARD_FLOPS, attention_flops, block_matmul_params
+from .moe import ffn_tp_collectives
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
@@ -191,14 +192,18 @@ def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 
 
 
 def graph_seconds(gm: fx.GraphModule, dev: GpuProfile, fabric: MeshLinks,
-                  groups: dict[str, str], compiled: bool, shard_scale: float, shard: set
-                  ) -> tuple[float, float]:
+                  groups: dict[str, str], compiled: bool, shard_scale: float, shard: set,
+                  ffn_tp: bool = True) -> tuple[float, float]:
     """(seconds, exposed communication seconds) of one graph: the step simulator
     (``compiler.simulate.simulate_graph``) with this device's roofline per op and the
-    layout's links per collective (one stream per mesh dim's group)."""
+    layout's links per collective (one stream per mesh dim's group). ``ffn_tp`` False:
+    the feed-forward's tensor-parallel collectives take no time (a mixture of experts'
+    stand-in FFN without a shared expert, ``moe.ffn_tp_collectives``)."""
     def collective(node: fx.Node) -> tuple[str, float]:
         kind = KINDS[node.target]
         dim = groups.get(node.args[-1], "dp_shard")
+        if not ffn_tp and dim == "tp" and ".feed_forward" in f".{module_fqn(node)}":
+            return dim, 0.0
         nbytes = value_bytes(full_value(node)) * (
             shard_scale if kind == CollectiveKind.ALL_REDUCE and node in shard else 1.0)
         return dim, fabric.seconds(kind, dim, nbytes)
@@ -283,11 +288,12 @@ def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
     MLP and reduce-scatters both outputs (sequence parallelism), its backward does the
     converse, and the output all-gathers the logits. Each feeds the very next matmul, so
     the simulation exposes it whole (the backward has two more per block, not counted
-    here)."""
+    here). A mixture of experts without a shared expert has none around its FFN
+    (``moe.ffn_tp_collectives``)."""
     if fabric.sizes["tp"] <= 1:
         return 0.0
     act = tokens * args.dim * elem
-    per_block = 4 * (fabric.seconds("all_gather", "tp", act)
+    per_block = (4 if ffn_tp_collectives(args) else 2) * (fabric.seconds("all_gather", "tp", act)
                      + fabric.seconds("reduce_scatter", "tp", act))
     logits = fabric.seconds("all_gather", "tp", tokens * args.vocab_size * elem)
     return blocks * per_block + (logits if head else 0.0)
