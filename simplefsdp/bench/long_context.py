@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..net import free_port
+from .report import save_json
 
 # name: (processes, trainer flags); every variant trains one sequence per step
 PASS = ["--parallel.cp_rotate", "ring"]  # K/V passed around the ring, not all-gathered
@@ -120,10 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         peak = max(r["peak_mib_per_rank"])
         print(f"{r['variant']:<10} {r['processes']:>5} {r['step_ms']:>10.0f} {peak:>16.1f}")
-    out = Path("bench_results") / f"long_context-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"load": load, "rows": rows}, indent=2))
-    print(f"results: {out}")
+    save_json("long_context", {"load": load, "rows": rows})
     return rows
 
 

@@ -45,6 +45,16 @@ from .variants import BASELINE, COMPUTE_ONLY, LOSS_REFERENCE, VARIANTS
 MIB = 2**20
 
 
+def save_json(name: str, payload: dict) -> Path:
+    """``payload`` written to ``bench_results/<name>-<time>.json`` (the standalone
+    benches' figures), the path printed and returned."""
+    out = Path("bench_results") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"results: {out}")
+    return out
+
+
 def machine_info(cfg: BenchConfig, backend: str) -> dict:
     """Machine, software and run settings, for the report header."""
     info = {

@@ -23,17 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import multiprocessing as mp
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..net import free_port
 from ..parallel import ring
+from .report import save_json
 
 MODES = ("both", "compute", "comm")
 
@@ -131,10 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{row['seq_len']:>6} {row['ring']:>4} {name:<8} {x['both']:>9.1f} "
                   f"{x['compute']:>9.1f} {x['comm']:>8.1f} {x['hidden']:>8.1f} "
                   f"{x['hidden_of_comm']:>8.0%}")
-    out = Path("bench_results") / f"ring_overlap-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"load": load, "rows": rows}, indent=2))
-    print(f"results: {out}")
+    save_json("ring_overlap", {"load": load, "rows": rows})
     return rows
 
 
