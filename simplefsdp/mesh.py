@@ -191,6 +191,11 @@ class ParallelDims:
         are carved out of these (:meth:`expert_mesh`)."""
         return self._shard() * self.cp * self.tp
 
+    def sequence_part(self, seq_len: int) -> int:
+        """Positions of each sequence in one rank's activations between blocks: its
+        context-parallel part, sequence-sharded over TP (TP + SP)."""
+        return seq_len // (self.cp * self.tp)
+
     def expert_shard(self, mode: str = "fully_shard") -> int:
         """Ranks one expert-parallel rank's experts are sharded over (the experts' mesh's
         ``dp_shard``, :meth:`expert_mesh`): ``expert_ranks / ep``, or 1 where the experts

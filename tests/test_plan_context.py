@@ -267,3 +267,21 @@ def test_search_tries_the_ring_pass_which_fits_where_the_all_gather_does_not(pla
     assert (rows[0]["peak_memory_gib"] - rows[1]["peak_memory_gib"]) * gib == pytest.approx(
         340 * 25_690_112, rel=1e-9), rows
     assert stats["predicted"] == 2
+
+
+def test_last_pipeline_stage_receives_each_ranks_part_of_the_sequence():
+    """PP x CP x TP: the last stage traces what the previous stage sends, this rank's
+    hidden states: its part of each sequence (seq / cp) sequence-sharded over TP (SP).
+    Debug model (dim 128), seq 256, cp_ring 2, tp 2, batch 2: (2, 256 / 2 / 2, 128); it
+    was (2, 128, 128), the whole sequence's TP shard."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp.plan.trace import stage_input, trace_key
+
+    cfg = load_config(None, ["--training.seq_len", "256", "--parallel.cp_ring", "2",
+                             "--parallel.tp", "2", "--parallel.pp", "2",
+                             "--training.batch_size", "2"])
+    key = trace_key(cfg, "last", 1, 2, 1, 2)
+    with FakeTensorMode():
+        x = stage_input(key, key.args_type(*key.args), torch.bfloat16)
+    assert tuple(x.shape) == (2, 64, 128)

@@ -207,7 +207,7 @@ def stage_input(key: TraceKey, args, dtype: torch.dtype) -> torch.Tensor:
     sequence-sharded under TP + SP (the one owner of that shape; eager replays use it).
     With context parallelism a rank's ids are its part of each sequence."""
     if key.role == "last":
-        return torch.empty(key.batch, key.seq // key.tp, args.dim, dtype=dtype,
+        return torch.empty(key.batch, key.dims.sequence_part(key.seq), args.dim, dtype=dtype,
                            requires_grad=True)
     return torch.zeros(key.batch, key.seq // key.dims.cp, dtype=torch.long)
 
