@@ -28,8 +28,9 @@ Two ways to bring the keys and values to the queries (``parallel.cp_rotate``):
   kernel call, their gradients summed back).
 
 Kernels: ``_torch_compat.attention_with_lse`` (CPU: the flash kernel for CPU; CUDA: the
-flash kernel, not run here). With the document mask (``doc``: each position's document
-index over the whole sequence, ``(batch, seq)`` in order) every block is masked by
+flash kernel, run on an H200 with torch 2.11: README "Measured on a GPU"). With the
+document mask (``doc``: each position's document index over the whole sequence,
+``(batch, seq)`` in order) every block is masked by
 document (the formula, :func:`_masked_block`) and, in eager mode, a block no query can
 see is skipped (a data-dependent test: compiled graphs compute it masked, weighed 0).
 """
@@ -228,7 +229,7 @@ def _shift(x: torch.Tensor, group: str, rank: int, size: int) -> torch.Tensor:
     return all_to_all_single_autograd(x.contiguous(), recv, send, group)
 
 
-def _pairs(rank: int, holder: int, size: int, length: int, doc):
+def block_pairs(rank: int, holder: int, size: int, length: int, doc):
     """The (query chunk, key chunk) pairs with work when ``rank`` holds ring rank
     ``holder``'s K/V: (query slice, key slice, causal, allowed), slices of the two
     chunks each rank holds; a key chunk after the query chunk has none."""
@@ -257,7 +258,7 @@ class RingPass(torch.autograd.Function):
         held = torch.stack((k, v))
         for step in range(size):
             arriving = _shift(held, group, rank, size) if step < size - 1 else None
-            for rows, keys, causal, allowed in _pairs(rank, (rank - step) % size, size,
+            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size, size,
                                                       length, doc):
                 i = rows.start // length
                 o, s = _attend(q[:, :, rows], repeat_heads(held[0][:, :, keys], n_rep, dim=1),
@@ -281,7 +282,7 @@ class RingPass(torch.autograd.Function):
         for step in range(size):
             arriving = _shift(held, group, rank, size) if step < size - 1 else None
             dkv = torch.zeros_like(held, dtype=acc)
-            for rows, keys, causal, allowed in _pairs(rank, (rank - step) % size, size,
+            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size, size,
                                                       length, doc):
                 kv = (repeat_heads(held[0][:, :, keys], n_rep, dim=1),
                       repeat_heads(held[1][:, :, keys], n_rep, dim=1))

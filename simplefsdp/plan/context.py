@@ -18,7 +18,7 @@ Per attention layer on a ring of ``n`` ranks (``RingPass``):
 
 Point to point: one message per shift over the ring's link (``timing.MeshLinks``), no
 ring-collective factor. Attention per step: the traced kernels of the ring's rank 0
-grouped by step (:func:`step_kernels`: the ``ring_chunks`` pairs with work; every rank
+grouped by step (:func:`step_kernels`: the ``ring.block_pairs`` with work; every rank
 has two blocks' work per step), each at ``timing.node_seconds``. The shifts in the traced
 graphs are costed here only (``timing.graph_seconds`` gives them no time).
 """
@@ -30,17 +30,17 @@ from torch import fx
 
 from ..compiler.collectives import ALL_TO_ALL
 from ..compiler.cost.memory import value_bytes
-from ..parallel.ring import grad_accumulator_dtype, ring_chunks
+from ..parallel.ring import block_pairs, grad_accumulator_dtype
 from .timing import attention_op, node_seconds
 
 
 def step_kernels(size: int, rank: int = 0) -> list[int]:
     """Kernel calls of ring rank ``rank`` at each ring step: the (query chunk, key chunk)
-    pairs of its chunks and the held block's (``ring_chunks``) with the key chunk not
-    after the query chunk. Rank 0: 3 at step 0 (its own chunks: two causal, one full),
-    2 after (the later query chunk over both arriving chunks)."""
-    return [sum(k <= q for q in ring_chunks(rank, size)
-                for k in ring_chunks((rank - step) % size, size)) for step in range(size)]
+    pairs ``RingPass`` attends when it holds that step's block (``ring.block_pairs``, no
+    document mask). Rank 0: 3 at step 0 (its own chunks: two causal, one full), 2 after
+    (the later query chunk over both arriving chunks)."""
+    return [sum(1 for _ in block_pairs(rank, (rank - step) % size, size, 1, None))
+            for step in range(size)]
 
 
 def ring_shifts(graph: fx.Graph, groups: dict[str, str]) -> list[fx.Node]:
