@@ -479,7 +479,47 @@ def _mla_accuracy(backends):
     return out
 
 
-def _step(config, overrides, gpus, steps):
+def _identity_all_to_all(dist):
+    """Under the fake process group ``all_to_all_single`` leaves its output unwritten, so
+    the expert dispatch's exchanged counts would be garbage: here each rank receives what
+    it sends (every one of its routed slots lands on its own local experts: an EP rank's
+    balanced share of rows, so the grouped matmuls and permutations have their real
+    sizes; the exchange itself costs nothing)."""
+    original = dist.all_to_all_single
+
+    def identity(output, input, *args, **kwargs):
+        if output.shape == input.shape:
+            output.copy_(input)
+        return None
+    dist.all_to_all_single = identity
+    return original
+
+
+def _profile(step):
+    """One step under torch.profiler: GPU time by aten op (self device time) and the GPU's
+    busy time (kernels run on one stream, so their sum), against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    wall = time.perf_counter() - start
+    ops, kernels = [], []
+    for evt in prof.key_averages():
+        on_device = str(getattr(evt, "device_type", "")).endswith("CUDA")
+        ms = (getattr(evt, "self_device_time_total", 0) if ARGS.device == "cuda"
+              else evt.self_cpu_time_total) / 1e3
+        if ms > 0:
+            (kernels if on_device else ops).append((evt.key[:120], evt.count, round(ms, 3)))
+    ops.sort(key=lambda r: -r[2])
+    kernels.sort(key=lambda r: -r[2])
+    return {"profiled_wall_ms": round(wall * 1e3, 1),
+            "kernel_ms": round(sum(r[2] for r in kernels), 1),
+            "ops_ms": ops[:70], "kernels_ms": kernels[:40]}
+
+
+def _step(config, overrides, gpus, steps, profiled=False):
     """Rank 0's training step under a fake process group of ``gpus`` (eager)."""
     import dataclasses
 
@@ -496,6 +536,7 @@ def _step(config, overrides, gpus, steps):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
+    original_all_to_all = _identity_all_to_all(dist)
     try:
         p = cfg.parallel.resolve(gpus)
         cfg = dataclasses.replace(cfg, parallel=p)
@@ -531,8 +572,11 @@ def _step(config, overrides, gpus, steps):
         if ARGS.device == "cuda":
             out["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        if profiled:
+            out["profile"] = _profile(step)
         return out
     finally:
+        dist.all_to_all_single = original_all_to_all
         dist.destroy_process_group()
 
 
@@ -542,6 +586,43 @@ def step_deepseek():
         return _step("configs/debug_moe.toml", ["--parallel.dp_shard", "-1"], 8, 1)
     return _step("configs/deepseek_v3_16b.toml",
                  ["--parallel.ep", "1", "--training.batch_size", "4"], 8, 2)
+
+
+def _moe_case(ep, ac, compiled=False):
+    if ARGS.tiny:
+        return _step("configs/debug_moe.toml",
+                     ["--parallel.dp_shard", "-1", "--parallel.ep", str(ep),
+                      "--activation_checkpoint.mode", ac,
+                      "--compile.enable", str(compiled).lower()], 8, 1, profiled=True)
+    return _step("configs/deepseek_v3_16b.toml",
+                 ["--parallel.ep", str(ep), "--training.batch_size", "4",
+                  "--activation_checkpoint.mode", ac,
+                  "--compile.enable", str(compiled).lower()], 8, 2, profiled=True)
+
+
+@section("moe_ep1_selective")
+def moe_ep1_selective():
+    return _moe_case(1, "selective")
+
+
+@section("moe_ep8_selective")
+def moe_ep8_selective():
+    return _moe_case(8, "selective")
+
+
+@section("moe_ep8_full")
+def moe_ep8_full():
+    return _moe_case(8, "full")
+
+
+@section("moe_ep8_none")
+def moe_ep8_none():
+    return _moe_case(8, "none")
+
+
+@section("moe_ep8_selective_compiled")
+def moe_ep8_selective_compiled():
+    return _moe_case(8, "selective", compiled=True)
 
 
 @section("step_262k")
@@ -568,7 +649,8 @@ def main():
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k]
+                step_deepseek, step_262k, moe_ep1_selective, moe_ep8_selective,
+                moe_ep8_full, moe_ep8_none, moe_ep8_selective_compiled]
     for fn in sections:
         if ARGS.only and fn.__name__ not in ARGS.only.split(","):
             continue
