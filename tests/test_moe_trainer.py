@@ -96,13 +96,19 @@ def _runs(rank: int, world: int, out: str) -> dict:
             **_compiled(out)}
 
 
-# compiled run (aot_eager) -> (the LAYOUTS entry it runs, bucketing): auto bucketing on
-# EP 2 x FSDP 2 (the experts' own data-parallel collectives in graphs), manual on TP 2 x
-# EP 4 x FSDP 2 (compiled TP on an MoE model). One block (``ONE_BLOCK``), against an
-# eager twin of one block ("<name>_eager"): every later block recompiled the same frames
-# (Dynamo guards each block's own modules; measured: the second block was 7 of 23
-# CPU-s of a rank's compiles), and every check below reads one block's graphs.
-COMPILED = {"auto": ("ep2_fsdp", "auto"), "tp2_ep4_manual": ("tp2_ep4", "manual")}
+# compiled run (aot_eager) -> (the LAYOUTS entry it runs, bucketing, activation
+# checkpointing): auto bucketing on EP 2 x FSDP 2 (the experts' own data-parallel
+# collectives in graphs), manual on TP 2 x EP 4 x FSDP 2 (compiled TP on an MoE model),
+# and EP 2 x FSDP 2 under selective and full AC (each block's checkpoint around the
+# eager expert dispatch). One block (``ONE_BLOCK``), against an eager twin of one block
+# without AC ("<layout>_eager", shared by a layout's cells; AC recomputes the same ops,
+# so it does not change eager's figures): every later block recompiled the same frames
+# (Dynamo guards each block's own modules; measured: the second block was 7 of 23 CPU-s
+# of a rank's compiles), and every check below reads one block's graphs.
+COMPILED = {"auto": ("ep2_fsdp", "auto", "none"),
+            "tp2_ep4_manual": ("tp2_ep4", "manual", "none"),
+            "selective_ac": ("ep2_fsdp", "manual", "selective"),
+            "full_ac": ("ep2_fsdp", "manual", "full")}
 ONE_BLOCK = ["--model.n_layers", "1"]
 
 
@@ -115,14 +121,16 @@ def _compiled(out: str) -> dict:
     from simplefsdp.train.trainer import main
 
     found = {}
-    for name, (layout, bucketing) in COMPILED.items():
+    for name, (layout, bucketing, ac) in COMPILED.items():
         flags = [*TINY, *LAYOUTS[layout], *ONE_BLOCK]
-        found[f"{name}_eager"] = main([*flags, "--metrics.output_dir",
-                                       f"{out}/{name}_eager"]).losses
+        if f"{layout}_eager" not in found:
+            found[f"{layout}_eager"] = main([*flags, "--metrics.output_dir",
+                                             f"{out}/{layout}_eager"]).losses
         torch._dynamo.reset()
         with CompileReports() as reports:
             losses = main([*flags, "--compile.enable", "true", "--compile.backend",
                            "aot_eager", "--compile.bucketing", bucketing,
+                           "--activation_checkpoint.mode", ac,
                            "--metrics.output_dir", f"{out}/{name}"]).losses
         found[name] = losses
         found[f"{name}_graphs"] = [(r.graph, sorted((b["kind"], b["bytes"])
@@ -343,7 +351,8 @@ def test_ep_refusals_name_the_key():
 def test_compiled_equals_eager(runs, name):
     """Compiled (aot_eager, our passes; the routed experts run eagerly between graphs)
     against the same layout eager (both of one block, ``COMPILED``): EP 2 x FSDP 2 with auto
-    bucketing, and TP 2 x EP 4 x FSDP 2 with manual bucketing. Step 1's loss is bitwise
+    bucketing, TP 2 x EP 4 x FSDP 2 with manual bucketing, and EP 2 x FSDP 2 under
+    selective and under full AC against its eager run without AC. Step 1's loss is bitwise
     equal (the forward runs eager's ops; bucketing only concatenates and slices; each bucket
     reduces over the same ranks in the same order). The graph does not allow bitwise
     gradients: the gradient of a block's normed input sums three branches (router, routed
@@ -359,18 +368,27 @@ def test_compiled_equals_eager(runs, name):
     vocabulary-parallel embedding's output hook then met an eager DTensor whose
     ``_MaskPartial`` placement holds a real mask, applied to fake tensors. The blocks now
     run in ``Transformer.run_blocks``: the break falls on that call and the embedding stays
-    in one graph with its hooks."""
+    in one graph with its hooks.
+
+    Compiled AC on an MoE block used to fail at step 1's backward: its checkpoint ran
+    eagerly around the compiled frames, and autograd's recomputation, outside the compiled
+    model, ran the block eagerly, saving other tensors (``CheckpointError``: "Recomputed
+    values ... have different metadata"); under selective AC the op counts also differed
+    (AOTAutograd's first trace and the collectives' lazy waits). Each block's own call is
+    now compiled (``train/parallelize._compile_checkpointed_blocks``)."""
     out, results = runs
-    layout = COMPILED[name][0]
+    layout, _, ac = COMPILED[name]
     for rank in range(4):
-        eager, compiled = results[rank][f"{name}_eager"], results[rank][name]
+        eager, compiled = results[rank][f"{layout}_eager"], results[rank][name]
         assert compiled[0] == eager[0]
         assert compiled == pytest.approx(eager, rel=1e-6)
-    want, got = _params(out / f"{name}_eager"), _params(out / name)
+    want, got = _params(out / f"{layout}_eager"), _params(out / name)
     assert set(got) == set(want)
     worst = max((got[n] - v).abs().max().item() for n, v in want.items())
     assert worst <= 1e-5, worst
     graphs = results[0][f"{name}_graphs"]
+    if ac != "none":
+        return  # the gathers below are the same; recomputed forwards add their graphs
     if layout == "tp2_ep4":
         # the non-expert weights' FSDP gathers (dp_shard 2) ran in compiled graphs, e.g. the
         # embedding's and the output's (128 TP rows of 32, float32: 16384 B); the experts

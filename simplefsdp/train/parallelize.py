@@ -43,7 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
-from simplefsdp._torch_compat import checkpoint_wrapper, custom_partitioner_base
+from simplefsdp._torch_compat import (checkpoint_wrapper, custom_partitioner_base,
+                                      raise_recompile_limits)
 from simplefsdp.compiler.collectives import CollectiveKind
 from simplefsdp.compiler.cost.state import optimizer_state_bytes
 from simplefsdp.mesh import ParallelDims, stage_group
@@ -263,8 +264,37 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
                   fullgraph: bool = True) -> nn.Module:
     """``fullgraph = False`` lets the model leave the graph where it must (an MoE's
     data-dependent expert dispatch); our passes then run on each graph."""
-    return torch.compile(model, fullgraph=fullgraph,
-                         backend=compile_backend_for(mesh, cfg, model))
+    backend = compile_backend_for(mesh, cfg, model)
+    if not fullgraph:
+        # Traced module by module, each block's frames compile once per block (Dynamo
+        # guards a block's own modules): past the default limit (8) the rest ran eagerly.
+        raise_recompile_limits(len(getattr(model, "layers", {})) + 8)
+        _compile_checkpointed_blocks(model, backend)
+    return torch.compile(model, fullgraph=fullgraph, backend=backend)
+
+
+def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
+    """A checkpointed block that leaves the graph (an MoE's eager expert dispatch) cannot
+    be one checkpoint region of a graph: its checkpoint runs eagerly around compiled
+    frames, and the recomputation in backward, called by autograd outside the compiled
+    model, ran the block eagerly, saving other tensors than the compiled forward did
+    (torch.utils.checkpoint refused: "Recomputed values ... have different metadata").
+    Compiling each such block's own call with the same backend makes the forward and its
+    recomputation run the same graphs.
+
+    Such a block is recomputed whole also under ``selective``: the checkpoint drops the
+    tensors its graphs save and reruns them, and the op-level policy cannot see into an
+    Inductor graph (it met other ops in the recomputation than in the forward, which
+    also traced the graphs). Blocks without a break stay one checkpoint region inside a
+    graph, with the selective policy."""
+    for block in getattr(model, "layers", {}).values():
+        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        if inner is None or not any(is_moe(m) for m in inner.modules()):
+            continue
+        inner.compile(backend=backend)
+        fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
+        if keywords.pop("context_fn", None) is not None:  # selective: recompute it all
+            block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
 
 
 def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -> None:
