@@ -535,6 +535,7 @@ def _step(config, overrides, gpus, steps, profiled=False):
         torch.cuda.set_device(0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    torch._dynamo.reset()  # an earlier section's compiles count against the limits
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
     original_all_to_all = _identity_all_to_all(dist)
     try:
@@ -562,6 +563,9 @@ def _step(config, overrides, gpus, steps, profiled=False):
         step()
         sync()
         first_s = time.time() - start
+        if cfg.compile.enable:  # step 2 recompiles some frames (module hooks' guards)
+            for _ in range(2):
+                step()
         if ARGS.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         with PowerLog() as power:
@@ -574,6 +578,12 @@ def _step(config, overrides, gpus, steps, profiled=False):
             out["max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         if profiled:
             out["profile"] = _profile(step)
+        from simplefsdp.models import moe
+        loads = [m.tokens_per_expert for m in moe.moe_layers(model)]
+        if loads:  # slots per expert, all blocks and steps; under EP the local groups
+            total = torch.stack(loads).sum(0)
+            local = total.view(p.ep, -1).sum(0) if p.ep > 1 else total
+            out["rows_per_local_expert_max_mean"] = float(local.max() / local.mean())
         return out
     finally:
         dist.all_to_all_single = original_all_to_all
@@ -588,16 +598,15 @@ def step_deepseek():
                  ["--parallel.ep", "1", "--training.batch_size", "4"], 8, 2)
 
 
-def _moe_case(ep, ac, compiled=False):
+def _moe_case(ep, ac, compiled=False, layers=None):
+    depth = ["--model.n_layers", str(layers)] if layers else []
+    flags = ["--parallel.ep", str(ep), "--activation_checkpoint.mode", ac,
+             "--compile.enable", str(compiled).lower(), *depth]
     if ARGS.tiny:
-        return _step("configs/debug_moe.toml",
-                     ["--parallel.dp_shard", "-1", "--parallel.ep", str(ep),
-                      "--activation_checkpoint.mode", ac,
-                      "--compile.enable", str(compiled).lower()], 8, 1, profiled=True)
-    return _step("configs/deepseek_v3_16b.toml",
-                 ["--parallel.ep", str(ep), "--training.batch_size", "4",
-                  "--activation_checkpoint.mode", ac,
-                  "--compile.enable", str(compiled).lower()], 8, 2, profiled=True)
+        return _step("configs/debug_moe.toml", ["--parallel.dp_shard", "-1", *flags], 8, 1,
+                     profiled=True)
+    return _step("configs/deepseek_v3_16b.toml", ["--training.batch_size", "4", *flags], 8,
+                 2, profiled=True)
 
 
 @section("moe_ep1_selective")
@@ -625,6 +634,20 @@ def moe_ep8_selective_compiled():
     return _moe_case(8, "selective", compiled=True)
 
 
+def _shallow(name, ac, compiled):
+    """DeepSeek-V3 16B's widths at 6 blocks (1 dense + 5 routed), EP 8: compiled
+    (Inductor; each block compiles its own frames) against eager, for the planner."""
+    @section(name)
+    def run():
+        return _moe_case(8, ac, compiled, layers=6)
+    run.__name__ = name
+    return run
+
+
+SHALLOW = [_shallow(f"moe6_{ac}_{'compiled' if c else 'eager'}", ac, c)
+           for ac in ("selective", "full") for c in (False, True)]
+
+
 @section("step_262k")
 def step_262k():
     if ARGS.tiny:
@@ -650,7 +673,7 @@ def main():
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
                 step_deepseek, step_262k, moe_ep1_selective, moe_ep8_selective,
-                moe_ep8_full, moe_ep8_none, moe_ep8_selective_compiled]
+                moe_ep8_full, moe_ep8_none, moe_ep8_selective_compiled, *SHALLOW]
     for fn in sections:
         if ARGS.only and fn.__name__ not in ARGS.only.split(","):
             continue

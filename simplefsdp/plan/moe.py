@@ -9,7 +9,7 @@ added per routed block of the stage:
 
 * the token exchange of expert parallelism (``exchange_seconds``): dispatch and combine,
   one ``all_to_all`` each on the EP group in forward and in backward (and the forward's
-  again when full AC recomputes the block), each moving this rank's ``tokens x top_k x
+  again when AC recomputes the experts, ``FORWARDS``), each moving this rank's ``tokens x top_k x
   dim`` activations, exposed whole (the experts wait for their tokens, and the split
   sizes are read on the host first). A rank routes its own tokens (``routed_tokens``:
   under TP its part of the sequence, ``parallel.expert.moe_tp_plan``);
@@ -18,7 +18,7 @@ added per routed block of the stage:
   weight, sum back), counted from the code, at the memory roofline;
 * the routed copies kept for backward (``saved_bytes``): the gathered tokens the experts
   multiply and the expert outputs the routing weights multiply, ``2 x tokens x top_k x
-  dim`` (none when full AC recomputes the block).
+  dim`` (none when AC recomputes the experts).
 
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
@@ -38,9 +38,12 @@ from ..compiler.cost.compute import roofline_seconds
 from ..models.llama import ModelArgs, ffn_hidden_dim
 from ..models.mla import MLAArgs
 
-# Times a step runs a routed block's forward: full AC runs it again in backward. The one
-# owner of that rule for the exchanges and the permutations below.
-FORWARDS = {"none": 1, "selective": 1, "full": 2}
+# Times a step runs a routed block's routed experts (their exchange, permutations and
+# grouped matmuls): AC runs them again in backward, selective too (its policy keeps no
+# output of theirs: ``train.parallelize._saved_ops`` has neither ``_grouped_mm`` nor the
+# all-to-all, nor the gathers and index ops around them). The one owner of that rule
+# for the exchanges, the permutations and the saved copies below.
+FORWARDS = {"none": 1, "selective": 2, "full": 2}
 
 
 def exchanges(ac: str) -> int:
@@ -124,7 +127,7 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
     """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
     above over D at the memory roofline (``hardware.Efficiency.memory``), the graph's
     shrunk by Inductor's fusion when compiled (``fused_memory``, as for every memory-bound
-    op of a compiled graph), the forward's counted again when full AC recomputes it."""
+    op of a compiled graph), the forward's counted again when AC recomputes it."""
     forwards = FORWARDS[ac]
     eff = dev.efficiency
     graph = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
@@ -138,7 +141,8 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
 
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:
     """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
-    the rank's routed ones, ``routed_tokens``)."""
-    if ac == "full":
+    the rank's routed ones, ``routed_tokens``): none when AC recomputes the experts
+    (``FORWARDS``)."""
+    if FORWARDS[ac] > 1:
         return 0
     return routed_blocks(args, layers) * 2 * dispatch_bytes(args, tokens, elem)

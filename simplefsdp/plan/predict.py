@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ..hardware import GiB, gpu_profile
 from ..models.llama import flops_per_token
 from ..train.config import ConfigError, JobConfig
+from ..train.parallelize import ac_mode_run
 from ..train.pipeline import stage_layers
 from . import context, memory, moe, timing
 from .eager import eager_memory
@@ -142,6 +143,16 @@ def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int,
     return [peak + routed for peak in peaks], saved + routed
 
 
+def _as_run(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with the activation checkpointing its blocks get (a compiled mixture of
+    experts recomputes whole blocks under ``selective``: ``parallelize.ac_mode_run``)."""
+    routed = getattr(cfg.model.model_args(), "activated_hidden_dim", None) is not None
+    mode = ac_mode_run(cfg.activation_checkpoint.mode, cfg.compile.enable,
+                       fullgraph=not routed)
+    return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(
+        cfg.activation_checkpoint, mode=mode))
+
+
 def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
             gpus_per_node: int = 8) -> Prediction:
     """Predicted per-GPU memory and speed of ``cfg`` on ``gpus`` GPUs of kind ``gpu``."""
@@ -152,7 +163,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         raise ConfigError(f"parallel.tp = {cfg.parallel.tp} spans more than one node of "
                           f"{gpus_per_node} GPUs; keep tp <= --gpus-per-node")
     p = cfg.parallel.resolve(gpus)
-    cfg = dataclasses.replace(cfg, parallel=p)
+    cfg = dataclasses.replace(_as_run(cfg), parallel=p)
     t, args = cfg.training, cfg.model.model_args()
     micro = p.pp_microbatches if p.pp > 1 else 1
     mb = t.batch_size // micro

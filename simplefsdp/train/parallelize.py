@@ -273,27 +273,35 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     return torch.compile(model, fullgraph=fullgraph, backend=backend)
 
 
+def ac_mode_run(mode: str, compiled: bool, fullgraph: bool) -> str:
+    """The activation checkpointing a block gets for ``activation_checkpoint.mode``:
+    ``selective`` recomputes the whole block in a compiled model that leaves the graph
+    (``fullgraph = False``: an MoE's; :func:`_compile_checkpointed_blocks`)."""
+    return "full" if mode == "selective" and compiled and not fullgraph else mode
+
+
 def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
-    """A checkpointed block that leaves the graph (an MoE's eager expert dispatch) cannot
-    be one checkpoint region of a graph: its checkpoint runs eagerly around compiled
-    frames, and the recomputation in backward, called by autograd outside the compiled
-    model, ran the block eagerly, saving other tensors than the compiled forward did
-    (torch.utils.checkpoint refused: "Recomputed values ... have different metadata").
-    Compiling each such block's own call with the same backend makes the forward and its
-    recomputation run the same graphs.
+    """Compile each checkpointed block's own call, in a model that leaves the graph (an
+    MoE's eager expert dispatch). A block with a break cannot be one checkpoint region of
+    a graph: its checkpoint runs eagerly around compiled frames, and the recomputation in
+    backward, called by autograd outside the compiled model, ran the block eagerly,
+    saving other tensors than the compiled forward did (torch.utils.checkpoint refused:
+    "Recomputed values ... have different metadata"; at step 1 for a routed block, at
+    step 2 for DeepSeek's dense first block, whose checkpoint, traced from the outer
+    frames, broke too). Compiled on their own, the forward and its recomputation run the
+    same graphs.
 
     Such a block is recomputed whole also under ``selective``: the checkpoint drops the
     tensors its graphs save and reruns them, and the op-level policy cannot see into an
     Inductor graph (it met other ops in the recomputation than in the forward, which
-    also traced the graphs). Blocks without a break stay one checkpoint region inside a
-    graph, with the selective policy."""
+    also traced the graphs, and the collectives' waits fell in or after the block)."""
     for block in getattr(model, "layers", {}).values():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
-        if inner is None or not any(is_moe(m) for m in inner.modules()):
+        if inner is None:
             continue
         inner.compile(backend=backend)
         fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
-        if keywords.pop("context_fn", None) is not None:  # selective: recompute it all
+        if keywords.pop("context_fn", None) is not None:  # selective: ac_mode_run's full
             block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
 
 
