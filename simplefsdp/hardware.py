@@ -132,6 +132,13 @@ class Efficiency:
     cudnn_attention: float = 505 / 989
     cudnn_attention_backward: float = 390 / 989
     memory: float = 0.70  # memory-bound kernels: fraction of HBM bandwidth
+    # An MoE's token permutations (gathers by token, index_add, their backwards: the
+    # passes plan/moe.py counts), measured on an H200 (torch 2.11, DeepSeek-V3 16B at EP 8,
+    # profiled steps, README "Measured on a GPU"): eager 171 ms, compiled (Inductor, its
+    # index_put backward slower than eager's) 256 ms, where the 31 passes at 70% of HBM
+    # bandwidth give 96.6 ms. Inductor does not fuse them away.
+    permute_memory: float = 0.40
+    permute_memory_compiled: float = 0.26
     kernel_floor_s: float = 6e-6  # per kernel launched eagerly
     compiled_kernel_floor_s: float = 3e-6  # per kernel of a compiled graph
     fused_memory: float = 0.4  # compiled: memory-bound traffic left after Inductor's fusion

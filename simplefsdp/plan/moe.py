@@ -15,7 +15,7 @@ added per routed block of the stage:
   under TP its part of the sequence, ``parallel.expert.moe_tp_plan``);
 * the token permutations (``permute_seconds``): the memory-bound passes over the
   dispatched activations that the dispatch and combine make (gather, regroup by expert,
-  weight, sum back), counted from the code, at the memory roofline;
+  weight, sum back), counted from the code, at the bandwidth measured for them;
 * the routed copies kept for backward (``saved_bytes``): the gathered tokens the experts
   multiply and the expert outputs the routing weights multiply, ``2 x tokens x top_k x
   dim`` (none when AC recomputes the experts).
@@ -125,18 +125,18 @@ EAGER_PASSES = {"forward": 4, "backward": 6}
 def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
                     dev, compiled: bool, ep: int) -> float:
     """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
-    above over D at the memory roofline (``hardware.Efficiency.memory``), the graph's
-    shrunk by Inductor's fusion when compiled (``fused_memory``, as for every memory-bound
-    op of a compiled graph), the forward's counted again when AC recomputes it."""
+    above over D, the forward's counted again when AC recomputes it (``FORWARDS``), at
+    the bandwidth these gathers and scatters reach (``hardware.Efficiency``'s
+    ``permute_memory``, measured; compiled or not: Inductor keeps them as index kernels)."""
     forwards = FORWARDS[ac]
     eff = dev.efficiency
-    graph = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
-    passes = graph * (eff.fused_memory if compiled else 1.0)
+    passes = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
     if ep > 1:
         passes += forwards * EAGER_PASSES["forward"] + EAGER_PASSES["backward"]
     nbytes = routed_blocks(args, layers) * passes * dispatch_bytes(args, tokens, elem)
+    rate = eff.permute_memory_compiled if compiled else eff.permute_memory
     return roofline_seconds(0.0, nbytes, dev.spec.bf16_flops, dev.spec.mem_bandwidth_Bps,
-                            mem_efficiency=eff.memory)
+                            mem_efficiency=rate)
 
 
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:
