@@ -374,7 +374,9 @@ def attention():
 def experts():
     from simplefsdp.models.moe import expert_ffn
     dim, hidden, local = 2048, 1408, 8
-    rows = 4 * 4096 * 6 // (8 if not ARGS.tiny else 64)  # routed rows reaching one EP rank
+    # routed rows reaching one EP 8 rank when balanced: its 8 experts of 64 get 8 / 64 of
+    # the 8 ranks' 4 x 4096 x top-6 slots (12,288 each; the first run used 12,288 in all)
+    rows = 4 * 4096 * 6 // (1 if not ARGS.tiny else 64)
     dev, dt = ARGS.device, torch.bfloat16
     x = torch.randn(rows, dim, device=dev, dtype=dt, requires_grad=True)
     gate_up = (torch.randn(local, 2 * hidden, dim, device=dev, dtype=dt) * 0.02).requires_grad_()
