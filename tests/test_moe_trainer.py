@@ -351,11 +351,11 @@ def test_ep_refusals_name_the_key():
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_equals_eager(runs, name):
-    """Compiled (aot_eager, our passes; the routed experts run eagerly between graphs)
-    against the same layout eager (``COMPILED``): EP 2 x FSDP 2 with auto bucketing, TP 2 x
-    EP 4 x FSDP 2 with manual bucketing, and EP 2 x FSDP 2 (a dense block, then a routed
-    one) under selective and under full AC against its eager run without AC. Step 1's
-    loss is bitwise equal (the forward runs eager's ops; bucketing only concatenates and slices; each bucket
+    """Compiled (aot_eager, our passes; the routed experts run eagerly between graphs) against the
+    same layout eager (``COMPILED``): EP 2 x FSDP 2 with auto bucketing, TP 2 x EP 4 x FSDP
+    2 with manual bucketing, and EP 2 x FSDP 2 (a dense block, then a routed one) under
+    selective and under full AC against its eager run without AC. Step 1's loss is bitwise
+    equal (the forward runs eager's ops; bucketing only concatenates and slices; each bucket
     reduces over the same ranks in the same order). The graph does not allow bitwise
     gradients: the gradient of a block's normed input sums three branches (router, routed
     experts, shared expert), and the joint graph adds them in another order than eager

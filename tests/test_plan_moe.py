@@ -90,8 +90,9 @@ def test_all_to_all_seconds_by_hand():
     top-6 x dim 2048 x 2 B = 402,653,184 B per all-to-all, over NVLink 4
     (hardware.KNOWN_FABRICS: 15 us + 7 steps x 1 us + 7/8 of the bytes at 360 GB/s =
     1.0006 ms), 4 per routed block (dispatch and combine, forward and backward; 6 under
-    AC, selective too: its policy saves no all-to-all), 26 routed blocks; across two nodes (ep 16 on 8 GPUs per node) the
-    InfiniBand figures (50 us + 15 x 4 us + 15/16 at 40 GB/s)."""
+    AC, selective too: its policy saves no all-to-all), 26 routed blocks; across two
+    nodes (ep 16 on 8 GPUs per node) the InfiniBand figures (50 us + 15 x 4 us + 15/16
+    at 40 GB/s)."""
     args = MOE_PRESETS["deepseek_v3_16b"]
     layers = list(range(args.n_layers))
     nbytes = 16_384 * 6 * 2048 * 2

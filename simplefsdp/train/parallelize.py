@@ -43,8 +43,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import simplefsdp
-from simplefsdp._torch_compat import (checkpoint_wrapper, custom_partitioner_base,
-                                      raise_recompile_limits)
+from simplefsdp._torch_compat import (
+    checkpoint_wrapper,
+    custom_partitioner_base,
+    raise_recompile_limits,
+)
 from simplefsdp.compiler.collectives import CollectiveKind
 from simplefsdp.compiler.cost.state import optimizer_state_bytes
 from simplefsdp.mesh import ParallelDims, stage_group
