@@ -45,7 +45,7 @@ from ..parallel.expert import apply_ep, check_ep, set_token_group, shard_experts
 from .config import ConfigError, JobConfig, config_errors
 from .llama_family import build_model
 from .metrics import MOE_COLUMNS, expert_figures
-from .parallelize import dp_options, parallelize, with_fp32_modules
+from .parallelize import ac_mode_run, dp_options, parallelize, with_fp32_modules
 
 ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
 
@@ -129,6 +129,9 @@ COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its r
                 "traced module by module (each block's attention, router, shared expert "
                 "and combine: each in a graph, with its data-parallel collectives, the "
                 "experts' all-gathers and reduce-scatters included)")
+SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
+                  "each block whole here, as 'full' (a block's checkpoint runs around its "
+                  "compiled graphs, whose insides the selective policy cannot see)")
 
 
 def _parallelize(model, mesh, cfg: JobConfig):
@@ -136,6 +139,9 @@ def _parallelize(model, mesh, cfg: JobConfig):
     compiled with graph breaks around the routed experts (:data:`COMPILE_NOTE`)."""
     if cfg.compile.enable and dist.get_rank() == 0:
         print(COMPILE_NOTE, flush=True)
+        mode = cfg.activation_checkpoint.mode
+        if ac_mode_run(mode, compiled=True, fullgraph=False) != mode:
+            print(SELECTIVE_NOTE, flush=True)
     return parallelize(model, mesh, _with_router_fp32(cfg), before_dp=_shard_experts,
                        fullgraph=False)
 
