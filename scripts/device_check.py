@@ -611,43 +611,21 @@ def _moe_case(ep, ac, compiled=False, layers=None):
                  2, profiled=True)
 
 
-@section("moe_ep1_selective")
-def moe_ep1_selective():
-    return _moe_case(1, "selective")
-
-
-@section("moe_ep8_selective")
-def moe_ep8_selective():
-    return _moe_case(8, "selective")
-
-
-@section("moe_ep8_full")
-def moe_ep8_full():
-    return _moe_case(8, "full")
-
-
-@section("moe_ep8_none")
-def moe_ep8_none():
-    return _moe_case(8, "none")
-
-
-@section("moe_ep8_selective_compiled")
-def moe_ep8_selective_compiled():
-    return _moe_case(8, "selective", compiled=True)
-
-
-def _shallow(name, ac, compiled):
-    """DeepSeek-V3 16B's widths at 6 blocks (1 dense + 5 routed), EP 8: compiled
-    (Inductor; each block compiles its own frames) against eager, for the planner."""
+def _moe_section(name, ep, ac, compiled=False, layers=None):
+    """A section running :func:`_moe_case`; ``layers = 6``: DeepSeek-V3 16B's widths at 6
+    blocks (1 dense + 5 routed), compiled (Inductor) against eager, for the planner."""
     @section(name)
     def run():
-        return _moe_case(8, ac, compiled, layers=6)
+        return _moe_case(ep, ac, compiled, layers)
     run.__name__ = name
     return run
 
 
-SHALLOW = [_shallow(f"moe6_{ac}_{'compiled' if c else 'eager'}", ac, c)
-           for ac in ("selective", "full") for c in (False, True)]
+MOE = [_moe_section("moe_ep1_selective", 1, "selective"),
+       *[_moe_section(f"moe_ep8_{ac}", 8, ac) for ac in ("selective", "full", "none")],
+       _moe_section("moe_ep8_selective_compiled", 8, "selective", compiled=True),
+       *[_moe_section(f"moe6_{ac}_{'compiled' if c else 'eager'}", 8, ac, c, layers=6)
+         for ac in ("selective", "full") for c in (False, True)]]
 
 
 @section("step_262k")
@@ -674,8 +652,7 @@ def main():
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k, moe_ep1_selective, moe_ep8_selective,
-                moe_ep8_full, moe_ep8_none, moe_ep8_selective_compiled, *SHALLOW]
+                step_deepseek, step_262k, *MOE]
     for fn in sections:
         if ARGS.only and fn.__name__ not in ARGS.only.split(","):
             continue

@@ -258,8 +258,8 @@ class RingPass(torch.autograd.Function):
         held = torch.stack((k, v))
         for step in range(size):
             arriving = _shift(held, group, rank, size) if step < size - 1 else None
-            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size, size,
-                                                      length, doc):
+            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size,
+                                                           size, length, doc):
                 i = rows.start // length
                 o, s = _attend(q[:, :, rows], repeat_heads(held[0][:, :, keys], n_rep, dim=1),
                                repeat_heads(held[1][:, :, keys], n_rep, dim=1), causal, allowed)
@@ -282,8 +282,8 @@ class RingPass(torch.autograd.Function):
         for step in range(size):
             arriving = _shift(held, group, rank, size) if step < size - 1 else None
             dkv = torch.zeros_like(held, dtype=acc)
-            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size, size,
-                                                      length, doc):
+            for rows, keys, causal, allowed in block_pairs(rank, (rank - step) % size,
+                                                           size, length, doc):
                 kv = (repeat_heads(held[0][:, :, keys], n_rep, dim=1),
                       repeat_heads(held[1][:, :, keys], n_rep, dim=1))
                 g = _attend_backward(grad[:, :, rows], q[:, :, rows], *kv,
