@@ -97,18 +97,18 @@ def _runs(rank: int, world: int, out: str) -> dict:
 
 
 # compiled run (aot_eager) -> (the LAYOUTS entry it runs, bucketing, activation
-# checkpointing, blocks): auto bucketing with selective AC on EP 2 x FSDP 2 (the experts'
-# own data-parallel collectives in graphs; each block's checkpoint around the eager expert
-# dispatch), manual on TP 2 x EP 4 x FSDP 2 (compiled TP on an MoE model), and full AC on
-# EP 2 x FSDP 2 with a dense block before the routed one, as DeepSeek's (its failure came
-# at step 2; two blocks compiled cost ~90 s). Against an eager twin without AC
-# ("<layout>_<blocks>_eager", shared; AC recomputes the same ops, so it does not change
-# eager's figures). One block where it can (``BLOCKS``): every later block recompiled the
-# same frames (Dynamo guards each block's own modules; measured: the second block was 7
-# of 23 CPU-s of a rank's compiles), and the bucket checks below read one block's graphs.
-COMPILED = {"auto_selective_ac": ("ep2_fsdp", "auto", "selective", "one"),
-            "tp2_ep4_manual": ("tp2_ep4", "manual", "none", "one"),
-            "full_ac": ("ep2_fsdp", "manual", "full", "dense_first")}
+# checkpointing, blocks): auto bucketing with selective AC on EP 2 x FSDP 2 with a dense
+# block before the routed one, as DeepSeek's (the experts' own data-parallel collectives
+# in graphs; each block's checkpoint around the eager expert dispatch; a compiled MoE
+# block recomputes whole under selective, ``parallelize.ac_mode_run``, so this is also
+# full AC's cell: its failure came at step 2 for the dense block), and manual on TP 2 x
+# EP 4 x FSDP 2 (compiled TP on an MoE model). Against an eager twin without AC
+# ("<layout>_<blocks>_eager"; AC recomputes the same ops, so it does not change eager's
+# figures). One routed block (``BLOCKS``): every later block recompiled the same frames
+# (Dynamo guards each block's own modules; measured: the second block was 7 of 23 CPU-s
+# of a rank's compiles), and the bucket checks below read the routed block's graphs.
+COMPILED = {"auto_selective_ac": ("ep2_fsdp", "auto", "selective", "dense_first"),
+            "tp2_ep4_manual": ("tp2_ep4", "manual", "none", "one")}
 BLOCKS = {"one": ["--model.n_layers", "1"],
           "dense_first": ["--model.n_layers", "2", "--model.n_dense_layers", "1"]}
 
@@ -352,8 +352,8 @@ def test_ep_refusals_name_the_key():
 def test_compiled_equals_eager(runs, name):
     """Compiled (aot_eager, our passes; the routed experts run eagerly between graphs) against the
     same layout eager (``COMPILED``): EP 2 x FSDP 2 with auto bucketing and selective AC
-    (one routed block), TP 2 x EP 4 x FSDP 2 with manual bucketing, and EP 2 x FSDP 2
-    under full AC (a dense block, then a routed one) against its eager run without AC. Step
+    (recomputing whole blocks: a dense block, then a routed one) against its eager run
+    without AC, and TP 2 x EP 4 x FSDP 2 with manual bucketing. Step
     1's loss is bitwise equal (the forward runs eager's ops; bucketing only concatenates and
     slices; each bucket reduces over the same ranks in the same order). The graph does not
     allow bitwise gradients: the gradient of a block's normed input sums three branches
@@ -391,8 +391,6 @@ def test_compiled_equals_eager(runs, name):
     # (measured worst 1.53e-5 selective_ac, as PARAM_ATOL's TP cells: twice that)
     assert worst <= (3.5e-5 if blocks == "dense_first" else 1e-5), worst
     graphs = results[0][f"{name}_graphs"]
-    if blocks != "one":
-        return  # the checks below read one block's graphs
     if layout == "tp2_ep4":
         # the non-expert weights' FSDP gathers (dp_shard 2) ran in compiled graphs, e.g. the
         # embedding's and the output's (128 TP rows of 32, float32: 16384 B); the experts

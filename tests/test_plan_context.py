@@ -4,6 +4,8 @@ part of every sequence and the whole ring's keys, as the trainer runs it
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,7 +53,8 @@ def test_loss_counts_each_cp_ranks_part_of_the_sequence():
     32,768 tokens, whose float32 cross-entropy holds 12 B per logit in backward (no TP:
     plain aten kernels): 12 x 32,768 x 128,256 B = 46.97 GiB, by hand (the whole
     sequence's: 375.8 GiB). Checked on the compiled prediction's loss peaks over zero
-    graph figures (exact integers)."""
+    graph figures (exact integers): before any gradient exists (one microbatch), the
+    backward's peak the only one with them."""
     from simplefsdp.plan.predict import _role_memory
 
     cfg = load_config("configs/llama3_8b.toml", [
@@ -59,8 +62,13 @@ def test_loss_counts_each_cp_ranks_part_of_the_sequence():
         "262144", "--model.max_seq_len", "262144", "--training.batch_size", "1",
         "--activation_checkpoint.mode", "full", "--compile.enable", "true"])
     zero = {"forward_peak": 0, "backward_peak": 0, "saved": 0, "layers": []}
-    peaks, saved = _role_memory(cfg, "full", zero, 1, 0)  # a dense model: no routed copies
-    assert saved == 0 and max(peaks) == 12 * 32_768 * 128_256, peaks
+    before, after, saved = _role_memory(cfg, "full", zero, 1, 0)  # dense: no routed copies
+    assert saved == 0 and max(before) == 12 * 32_768 * 128_256 and after == [0], before
+    # with two microsteps the second's forward and loss meet the first's gradients
+    accum = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                  grad_accum_steps=2))
+    before, after, _ = _role_memory(accum, "full", zero, 1, 0)
+    assert before == [] and max(after) == 12 * 32_768 * 128_256, after
 
 
 def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():

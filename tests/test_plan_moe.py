@@ -306,9 +306,9 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner):
     model recomputes its blocks whole under selective (``parallelize.ac_mode_run``): the
     prediction is full AC's. Its step less the exposed communication within
     ``test_plan.py::test_published_runs``' 12% (measured here: 1.011 s, -8.3%); memory
-    within 20%, not 8%: 50.38 GiB (+18.0%), of which the gradients (7.3 GiB) are counted
-    at the eager loss's peak, where our trainer has none yet (set to None after each
-    step; they appear during backward)."""
+    within its 8%: 43.06 GiB (+0.9%; +18.0% while the gradients, 7.3 GiB, were counted at
+    the eager loss's peak, where our trainer has none yet: set to None after each step,
+    they appear during backward)."""
     from simplefsdp.plan import predict
     from simplefsdp.train.config import load_config
 
@@ -318,4 +318,22 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner):
     got = planner(predict, cfg, 8, "h200")
     assert got.ac == "full"
     assert got.step_time_s - got.exposed_comm_s == pytest.approx(1.103, rel=0.12)
-    assert got.peak_memory_gib == pytest.approx(42.68, rel=0.20)
+    assert got.peak_memory_gib == pytest.approx(42.68, rel=0.08)
+
+
+def test_deepseek_published_full_recompute_memory(planner):
+    """Issue 28's published case with full recompute: torchtitan's graph trainer,
+    DeepSeek-V3 16B on 8 H100 (96 GB), FSDP 8 x EP 8, local batch 4 x 4096, compiled:
+    52.02 GiB reserved. Predicted 51.67 GiB (-0.7%), within the issue's 15%. Not checked
+    here (README, "Validation"): its tokens/s, 7,444 published, 10,444 predicted (+40%,
+    out of the issue's 20%: our trainer on this layout is faster than that run), and the
+    selective row, 84.78 GiB: our compiled MoE blocks recompute whole under selective,
+    where the published graph SAC keeps the matmuls' and all-to-alls' outputs."""
+    from simplefsdp.plan import predict
+    from simplefsdp.train.config import load_config
+
+    cfg = load_config("configs/deepseek_v3_16b.toml", [
+        "--training.batch_size", "4", "--activation_checkpoint.mode", "full",
+        "--compile.enable", "true", "--compile.bucketing", "manual"])
+    got = planner(predict, cfg, 8, "h100-96gb")
+    assert got.reserved_memory_gib == pytest.approx(52.02, rel=0.15)

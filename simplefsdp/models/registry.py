@@ -55,6 +55,10 @@ class ModelFamily:
     export: Callable[[Config, Any, Any], Path | None]
     # Whether ``parallelize`` applies context parallelism (parallel.cp_ring/cp_ulysses).
     context_parallel: bool = False
+    # Whether ``compile.enable`` makes one graph of the model (``fullgraph``); False: it
+    # breaks where it must (an MoE's data-dependent expert dispatch), which decides the
+    # activation checkpointing its compiled blocks get (``parallelize.ac_mode_run``).
+    fullgraph: bool = True
     # Mixture of experts (left out: a dense family). Whether ``parallel.ep > 1`` applies.
     expert_parallel: bool = False
     # The built model's auxiliary loss from its last forward (coefficient applied; a mean

@@ -5,8 +5,10 @@ microbatches in flight.
 * Model states (``states_bytes``): the trainer builds the model in float32, so every
   parameter shard is float32, and so are its gradient and AdamW's two moments:
   16 bytes per parameter per rank (``cost.state.model_state_bytes_per_param``).
-  Gradients are counted for the whole step (the largest they get, at the end of
-  backward).
+  Gradients (``gradient_bytes``) are counted whole from the step's first backward on
+  (the largest they get, at the end of backward); before it they do not exist (set to
+  None after each step), so the forward's and the loss's peaks of a step's only
+  microbatch leave them out (``predict._role_memory``).
 * Activations (``graph_memory``): the cost model's liveness (``live_bytes``): a tensor is
   live from the node that makes it to its last use (views, ``getitem``, waits and
   in-place ops alias their input). Parameter
@@ -238,3 +240,9 @@ def states_bytes(params_per_rank: float) -> float:
     """float32 shard + gradient + AdamW exp_avg and exp_avg_sq (the optimizer's layout is
     ``cost.state``'s)."""
     return model_state_bytes_per_param("adamw") * params_per_rank
+
+
+def gradient_bytes(params_per_rank: float) -> float:
+    """The gradients' part of ``states_bytes``: one float32 per parameter, as the
+    shards they reduce to."""
+    return torch.float32.itemsize * params_per_rank

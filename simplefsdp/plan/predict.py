@@ -123,32 +123,43 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
 
 
 def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int,
-                 routed: int) -> tuple[list[float], float]:
-    """(peaks, bytes saved for backward per microbatch) of one stage role on top of its
-    model states: compiled, the graphs' liveness + the eager loss on the logits (the
-    vocabulary-sharded ones under loss parallel); eager, the replayed step's own
-    allocations, loss included; a mixture of experts' routed copies (``routed`` bytes,
-    ``moe.saved_bytes``) on top of either."""
+                 routed: int) -> tuple[list[float], list[float], float]:
+    """(peaks before any gradient exists, peaks with them, bytes saved for backward per
+    microbatch) of one stage role on top of its model states less the gradients:
+    compiled, the graphs' liveness + the eager loss on the logits (the vocabulary-sharded
+    ones under loss parallel); eager, the replayed step's own allocations, loss included;
+    a mixture of experts' routed copies (``routed`` bytes, ``moe.saved_bytes``) on top of
+    either.
+
+    The trainer sets the gradients to None after each step, and the first gradient of a
+    step appears in its first microbatch's compiled backward: the forward and the eager
+    loss (forward and backward, before the model's) of a step's only microbatch run
+    without them. Every other peak counts them whole: the compiled backward's (they
+    appear during it), the eager replay's (one figure for the whole step), and any
+    microbatch after the first (the earlier ones' are accumulated)."""
     t, args = cfg.training, cfg.model.model_args()
     tokens = memory.rank_tokens(mb, t.seq_len, cfg.parallel.dims())
     elem = memory.activation_elem_bytes(t)
     if cfg.compile.enable:
-        peaks, saved = [f["forward_peak"], f["backward_peak"]], f["saved"]
+        before, after, saved = [f["forward_peak"]], [f["backward_peak"]], f["saved"]
         if role in ("full", "last"):
             loss = memory.loss_peaks(tokens, memory.loss_vocab(args, cfg.parallel), elem,
                                      cfg.parallel.vocab_sharded_loss)
-            peaks += [saved + extra for extra in loss]
+            before += [saved + extra for extra in loss]
+        micro = cfg.parallel.pp_microbatches if cfg.parallel.pp > 1 else 1
+        if micro * t.grad_accum_steps > 1:
+            before, after = [], before + after
     else:
-        peaks, saved = [f["eager_peak"]], f["eager_saved"]
-    return [peak + routed for peak in peaks], saved + routed
+        before, after, saved = [], [f["eager_peak"]], f["eager_saved"]
+    return ([peak + routed for peak in before], [peak + routed for peak in after],
+            saved + routed)
 
 
 def _as_run(cfg: JobConfig) -> JobConfig:
     """``cfg`` with the activation checkpointing its blocks get (a compiled mixture of
     experts recomputes whole blocks under ``selective``: ``parallelize.ac_mode_run``)."""
-    routed = getattr(cfg.model.model_args(), "activated_hidden_dim", None) is not None
     mode = ac_mode_run(cfg.activation_checkpoint.mode, cfg.compile.enable,
-                       fullgraph=not routed)
+                       fullgraph=cfg.model.family_entry().fullgraph)
     return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(
         cfg.activation_checkpoint, mode=mode))
 
@@ -184,10 +195,12 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         kept = moe.saved_bytes(args, f["layers"], routed, elem, ac)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
-        peaks, saved = _role_memory(cfg, role, f, mb, kept)
+        before, after, saved = _role_memory(cfg, role, f, mb, kept)
+        gradless = states - memory.gradient_bytes(params)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
-        role_active = states + max(peaks) + (in_flight - 1) * saved
+        role_active = max([gradless + peak for peak in before]
+                          + [states + peak for peak in after]) + (in_flight - 1) * saved
         active = max(active, role_active)
         if p.pp == 1:
             stage_s = step * t.grad_accum_steps

@@ -128,7 +128,11 @@ COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its r
                 "embedding is one graph, the norm and output another, and the blocks are "
                 "traced module by module (each block's attention, router, shared expert "
                 "and combine: each in a graph, with its data-parallel collectives, the "
-                "experts' all-gathers and reduce-scatters included)")
+                "experts' all-gathers and reduce-scatters included); under activation "
+                "checkpointing each block's own call is compiled inside its checkpoint, so "
+                "that its recomputation runs the same graphs")
+# Compiled with graph breaks around the routed experts (COMPILE_NOTE)
+FULLGRAPH = False
 SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
                   "each block whole here, as 'full' (a block's checkpoint runs around its "
                   "compiled graphs, whose insides the selective policy cannot see)")
@@ -140,10 +144,10 @@ def _parallelize(model, mesh, cfg: JobConfig):
     if cfg.compile.enable and dist.get_rank() == 0:
         print(COMPILE_NOTE, flush=True)
         mode = cfg.activation_checkpoint.mode
-        if ac_mode_run(mode, compiled=True, fullgraph=False) != mode:
+        if ac_mode_run(mode, compiled=True, fullgraph=FULLGRAPH) != mode:
             print(SELECTIVE_NOTE, flush=True)
     return parallelize(model, mesh, _with_router_fp32(cfg), before_dp=_shard_experts,
-                       fullgraph=False)
+                       fullgraph=FULLGRAPH)
 
 
 def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
@@ -194,6 +198,7 @@ registry.register(registry.ModelFamily(
                                                                 seq_len),
     fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
     export=_export,
+    fullgraph=FULLGRAPH,
     context_parallel=True,
     expert_parallel=True,
     aux_loss=moe.aux_loss,
