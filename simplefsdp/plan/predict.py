@@ -199,8 +199,10 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         gradless = states - memory.gradient_bytes(params)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
-        role_active = max([gradless + peak for peak in before]
-                          + [states + peak for peak in after]) + (in_flight - 1) * saved
+        # (total, activations) at the peak: the gradients held or not
+        total, acts = max([(gradless + peak, peak) for peak in before]
+                          + [(states + peak, peak) for peak in after])
+        role_active = total + (in_flight - 1) * saved
         active = max(active, role_active)
         if p.pp == 1:
             stage_s = step * t.grad_accum_steps
@@ -210,7 +212,8 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         seconds = max(seconds, stage_s)
         exposed = max(exposed, (f["exposed"] + a2a) * micro * t.grad_accum_steps)
         detail[role] = {"layers": len(f["layers"]), "states_gib": states / GiB,
-                        "activations_gib": (role_active - states) / GiB,
+                        "activations_gib": (acts + (in_flight - 1) * saved) / GiB,
+                        "gradients_at_peak": total > gradless + acts,
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
                         "routed_saved_gib": kept / GiB,
