@@ -62,12 +62,15 @@ def test_loss_counts_each_cp_ranks_part_of_the_sequence():
         "262144", "--model.max_seq_len", "262144", "--training.batch_size", "1",
         "--activation_checkpoint.mode", "full", "--compile.enable", "true"])
     zero = {"forward_peak": 0, "backward_peak": 0, "saved": 0, "layers": []}
-    before, after, saved = _role_memory(cfg, "full", zero, 1, 0)  # dense: no routed copies
+    before, after, saved = _role_memory(cfg, "full", zero, 1, 1, 0)  # dense: no routed copies
     assert saved == 0 and max(before) == 12 * 32_768 * 128_256 and after == [0], before
     # with two microsteps the second's forward and loss meet the first's gradients
     accum = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                   grad_accum_steps=2))
-    before, after, _ = _role_memory(accum, "full", zero, 1, 0)
+    before, after, _ = _role_memory(accum, "full", zero, 1, 1, 0)
+    assert before == [] and max(after) == 12 * 32_768 * 128_256, after
+    # and so do a pipeline's later microbatches (2 a step)
+    before, after, _ = _role_memory(cfg, "full", zero, 1, 2, 0)
     assert before == [] and max(after) == 12 * 32_768 * 128_256, after
 
 

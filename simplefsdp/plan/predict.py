@@ -122,10 +122,11 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
     return out
 
 
-def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int,
+def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int, micro: int,
                  routed: int) -> tuple[list[float], list[float], float]:
     """(peaks before any gradient exists, peaks with them, bytes saved for backward per
-    microbatch) of one stage role on top of its model states less the gradients:
+    microbatch of ``mb`` sequences, ``micro`` of them a step under PP) of one stage role
+    on top of its model states less the gradients:
     compiled, the graphs' liveness + the eager loss on the logits (the vocabulary-sharded
     ones under loss parallel); eager, the replayed step's own allocations, loss included;
     a mixture of experts' routed copies (``routed`` bytes, ``moe.saved_bytes``) on top of
@@ -146,7 +147,6 @@ def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int,
             loss = memory.loss_peaks(tokens, memory.loss_vocab(args, cfg.parallel), elem,
                                      cfg.parallel.vocab_sharded_loss)
             before += [saved + extra for extra in loss]
-        micro = cfg.parallel.pp_microbatches if cfg.parallel.pp > 1 else 1
         if micro * t.grad_accum_steps > 1:
             before, after = [], before + after
     else:
@@ -195,7 +195,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         kept = moe.saved_bytes(args, f["layers"], routed, elem, ac)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
-        before, after, saved = _role_memory(cfg, role, f, mb, kept)
+        before, after, saved = _role_memory(cfg, role, f, mb, micro, kept)
         gradless = states - memory.gradient_bytes(params)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
