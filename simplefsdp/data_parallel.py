@@ -66,6 +66,11 @@ DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 # When is the parametrization active?
 # ---------------------------------------------------------------------------------------
 _forward_depth = 0  # > 0 while a data_parallel root runs forward in eager mode
+# > 0 while a compiled forward runs, for frames Dynamo leaves to eager inside it (a
+# ``torch.compiler.disable`` function, a frame past the recompile limit): the traced
+# hooks' updates of this global are replayed by Dynamo (at a graph break before the eager
+# frame, at the end of the graph), so those frames gather as the graphs around them do.
+_compiled_forward_depth = 0
 _parametrization_enabled = True
 
 
@@ -86,19 +91,24 @@ def disable_active_parametrization() -> Iterator[None]:
 def _gather_on_read() -> bool:
     # Compiled code is only ever the model's forward, so it always gathers; testing that
     # first also keeps the eager counter out of the compiled graph's guards.
-    return _parametrization_enabled and (torch.compiler.is_compiling() or _forward_depth > 0)
+    return _parametrization_enabled and (torch.compiler.is_compiling() or _forward_depth > 0
+                                         or _compiled_forward_depth > 0)
 
 
 def _enter_forward(module: nn.Module, args: object) -> None:
-    global _forward_depth
-    if not torch.compiler.is_compiling():
+    global _forward_depth, _compiled_forward_depth
+    if torch.compiler.is_compiling():
+        _compiled_forward_depth += 1
+    else:
         if _forward_depth == 0:
             eager_reshard.start_forward()
         _forward_depth += 1
 
 
 def _exit_forward(module: nn.Module, args: object, output: object) -> None:
-    global _forward_depth
+    global _forward_depth, _compiled_forward_depth
+    if torch.compiler.is_compiling():
+        _compiled_forward_depth -= 1
     # An exit with no eager enter happens when compiling a forward fails: its pre-hook was
     # traced (no count), then the always_call post-hook runs eagerly on the error path.
     if not torch.compiler.is_compiling() and _forward_depth > 0:

@@ -199,3 +199,51 @@ def test_only_the_parametrizations_collectives_are_ours():
     assert counts[0] == counts[1] == {
         "forward": ({"all_gather": 2}, 1),
         "backward": ({"reduce_scatter": 2}, 0)}, counts
+
+
+class _EagerHelperToy(torch.nn.Module):
+    """The toy whose output head is applied by a frame Dynamo leaves to eager
+    (``_head``): it reads the head's weight itself, inside the compiled forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.toy = Toy(n_layers=2, tie=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        toy = self.toy
+        h = toy.tok_embeddings(tokens)
+        for layer in toy.layers:
+            h = layer(h)
+        return _head(toy, toy.norm(h))
+
+
+@torch.compiler.disable
+def _head(toy: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(h, toy.output.weight)
+
+
+def _eager_frame_in_compiled_forward(rank: int, world: int) -> None:
+    import importlib
+
+    dp_module = importlib.import_module("simplefsdp.data_parallel")  # not the function
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = sf.data_parallel(_EagerHelperToy(), sf.make_mesh(dp_shard=world))
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        results.append(_step(run, rank, world))
+        # back outside forward, parameters read as shards again
+        assert dp_module._compiled_forward_depth == 0
+        assert isinstance(model.toy.output.weight, torch.distributed.tensor.DTensor)
+    (loss, grads), (loss_c, grads_c) = results
+    assert torch.equal(loss, loss_c)
+    for g, g_c in zip(grads, grads_c, strict=True):
+        assert (g is None and g_c is None) or torch.equal(g, g_c)
+
+
+def test_a_frame_left_to_eager_inside_a_compiled_forward_gathers():
+    """A frame Dynamo runs eagerly inside a compiled forward (a ``torch.compiler.disable``
+    function, or one past the recompile limit) reads the parameters gathered, as the
+    graphs around it do (before: the sharded DTensor, "mixed torch.Tensor and DTensor").
+    aot_eager runs eager's ops: the loss and every gradient bitwise equal to eager's."""
+    run_ranks(_eager_frame_in_compiled_forward, 2)
