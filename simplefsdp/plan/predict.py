@@ -176,7 +176,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     p = cfg.parallel.resolve(gpus)
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
     t, args = cfg.training, cfg.model.model_args()
-    micro = p.pp_microbatches if p.pp > 1 else 1
+    micro = p.microbatches
     mb = t.batch_size // micro
     fabric = timing.MeshLinks(dev, p.dims(), gpus_per_node)
     roles = ["full"] if p.pp == 1 else ["first", "last"]

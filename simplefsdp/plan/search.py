@@ -109,7 +109,7 @@ def _lower_bound(c: JobConfig) -> float:
     prediction adds on top (compiled) or replays (eager)."""
     args, p, t = c.model.model_args(), c.parallel, c.training
     roles = ["full"] if p.pp == 1 else ["first", "last"]
-    mb = t.batch_size // (p.pp_microbatches if p.pp > 1 else 1)
+    mb = t.batch_size // p.microbatches
     elem = memory.activation_elem_bytes(t)
     bound = 0.0
     for role in roles:
@@ -132,7 +132,7 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     the loss, optimizer and pipeline schedule terms are predict's own)."""
     args, t = c.model.model_args(), c.training
     p = c.parallel.resolve(gpus)
-    micro = p.pp_microbatches if p.pp > 1 else 1
+    micro = p.microbatches
     mb = t.batch_size // micro
     elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink

@@ -192,6 +192,12 @@ class ParallelConfig:
         return dataclasses.replace(self, dp_shard=dims.dp_shard)
 
     @property
+    def microbatches(self) -> int:
+        """Microbatches a step's batch is split into: ``pp_microbatches`` under PP, else
+        one (the one owner of the rule; ``pp_microbatches`` means nothing without PP)."""
+        return self.pp_microbatches if self.pp > 1 else 1
+
+    @property
     def reshard(self) -> bool:
         """``reshard_after_forward`` with "auto" resolved (the one owner of the rule)."""
         if self.reshard_after_forward == "auto":
