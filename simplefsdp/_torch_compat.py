@@ -391,6 +391,14 @@ def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
     return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
 
 
+def waited(tensor: torch.Tensor) -> torch.Tensor:
+    """A functional collective's output, waited for now rather than at its first read
+    (checked: 2.13, ``_functional_collectives.wait_tensor``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(tensor)
+
+
 # --- Context parallelism (parallel/context.py). ---
 def flatten_mesh(mesh: torch.distributed.device_mesh.DeviceMesh, name: str):
     """``mesh``'s dims as one dim called ``name``, registered on the root mesh (slice it

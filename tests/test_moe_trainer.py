@@ -5,6 +5,7 @@ float32 under bf16, and the bad input refused at config load."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from pathlib import Path
 
@@ -113,6 +114,23 @@ BLOCKS = {"one": ["--model.n_layers", "1"],
           "dense_first": ["--model.n_layers", "2", "--model.n_dense_layers", "1"]}
 
 
+def _microsteps(layout: str) -> int:
+    """``training.grad_accum_steps`` of a ``LAYOUTS`` entry (1 where it is not set)."""
+    flags = LAYOUTS[layout]
+    key = "--training.grad_accum_steps"
+    return int(flags[flags.index(key) + 1]) if key in flags else 1
+
+
+@contextlib.contextmanager
+def _exchange_counter():
+    """Count the all-to-alls gloo runs inside the block (every one, a routed block's
+    counts exchange included); yields a function that returns the count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield lambda: sum(e.name == "gloo:all_to_all" for e in prof.events())
+
+
 def _compiled(out: str) -> dict:
     """``COMPILED``'s runs (aot_eager) and their eager twins: losses and the bucket
     reports of every compiled graph."""
@@ -128,12 +146,13 @@ def _compiled(out: str) -> dict:
         if twin not in found:
             found[twin] = main([*flags, "--metrics.output_dir", f"{out}/{twin}"]).losses
         torch._dynamo.reset()
-        with CompileReports() as reports:
+        with CompileReports() as reports, _exchange_counter() as exchanges:
             losses = main([*flags, "--compile.enable", "true", "--compile.backend",
                            "aot_eager", "--compile.bucketing", bucketing,
                            "--activation_checkpoint.mode", ac,
                            "--metrics.output_dir", f"{out}/{name}"]).losses
         found[name] = losses
+        found[f"{name}_exchanges"] = exchanges()
         found[f"{name}_graphs"] = [(r.graph, sorted((b["kind"], b["bytes"])
                                                     for b in r.buckets))
                                    for r in reports.reports]
@@ -316,6 +335,35 @@ def test_moe_bad_input_refused(flags, message):
         load_config(None, ["--model.name", "debug_moe", *flags])
 
 
+def _exchanges_per_ac_mode(rank: int, world: int, out: str) -> dict:
+    from simplefsdp.train.trainer import main
+
+    found = {}
+    for ac in ("none", "selective", "full"):
+        with _exchange_counter() as exchanges:
+            losses = main([*TINY, *LAYOUTS["ep2_fsdp"], "--training.steps", "2",
+                           "--activation_checkpoint.mode", ac,
+                           "--metrics.output_dir", f"{out}/{ac}"]).losses
+        found[ac] = (losses, exchanges())
+    return found
+
+
+def test_selective_ac_keeps_the_token_exchanges(tmp_path):
+    """EP 2 on 2 ranks, 2 routed blocks, 2 steps, eager: each routed block exchanges its
+    counts once per forward run and its tokens twice (dispatch, combine) per forward run
+    and in backward. Without AC 2 x (1 + 2 + 2) = 10 all-to-alls a step; full AC runs the
+    forward again: 2 x (2 + 4 + 2) = 16; selective keeps the two token exchanges'
+    outputs (``parallelize._selective_policy``), so its recomputation exchanges only the
+    counts again: 2 x (2 + 2 + 2) = 12. The compiled cell (``test_compiled_equals_eager``)
+    checks the same of a compiled block. Losses bitwise equal across the modes (AC
+    recomputes the same ops on the same inputs)."""
+    found = run_ranks(_exchanges_per_ac_mode, 2, str(tmp_path))
+    for per_rank in found:
+        assert {ac: n for ac, (_, n) in per_rank.items()} == \
+            {"none": 2 * 10, "selective": 2 * 12, "full": 2 * 16}, per_rank
+        assert per_rank["selective"][0] == per_rank["none"][0] == per_rank["full"][0]
+
+
 def test_ep_refusals_name_the_key():
     """EP on a dense model, an MoE key on a dense preset, ep not dividing the ranks the
     groups come from (dp_shard, times tp under TP; dp_replicate when dp_shard = 1) for the
@@ -376,7 +424,13 @@ def test_compiled_equals_eager(runs, name):
     model, ran the block eagerly, saving other tensors (``CheckpointError``: "Recomputed
     values ... have different metadata"); under selective AC the op counts also differed
     (AOTAutograd's first trace and the collectives' lazy waits). Each block's own call is
-    now compiled (``train/parallelize._compile_checkpointed_blocks``)."""
+    now compiled (``train/parallelize._compile_checkpointed_blocks``). Its graphs recompute
+    whole under selective, but the token exchanges between them are kept
+    (``_exchange_policy``): each of the 3 steps runs one routed block's counts exchange
+    twice (forward and recomputation) and its tokens' four times (dispatch and combine,
+    forward and backward), 6 all-to-alls, where full AC runs 8; without AC 5 (per
+    microstep: TP 2 x EP 4 runs 2 a step; ``test_selective_ac_keeps_the_token_exchanges``,
+    eager)."""
     out, results = runs
     layout, _, ac, blocks = COMPILED[name]
     twin = f"{layout}_{blocks}_eager"
@@ -384,6 +438,8 @@ def test_compiled_equals_eager(runs, name):
         eager, compiled = results[rank][twin], results[rank][name]
         assert compiled[0] == eager[0]
         assert compiled == pytest.approx(eager, rel=1e-6)
+        assert results[rank][f"{name}_exchanges"] \
+            == 3 * _microsteps(layout) * {"none": 5, "selective": 6}[ac]
     want, got = _params(out / twin), _params(out / name)
     assert set(got) == set(want)
     worst = max((got[n] - v).abs().max().item() for n, v in want.items())

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .._torch_compat import all_to_all_single_autograd, flatten_mesh
+from .._torch_compat import all_to_all_single_autograd, flatten_mesh, waited
 from ..mesh import CP_DIMS, ParallelDims
 from ..models.moe import MoE, expert_ffn, moe_layers
 
@@ -222,12 +222,36 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     received = received.view(ep, local_experts)
     send = counts.view(ep, local_experts).sum(1).tolist()
     recv = received.sum(1).tolist()
-    tokens = all_to_all_single_autograd(x, recv, send, group)
+    tokens = _exchange(x, recv, send, group)
     by_expert = _source_to_expert_order(received)
     out = expert_ffn(tokens[by_expert], received.sum(0).tolist(), gate_up, down)
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-    return all_to_all_single_autograd(out[back], send, recv, group)
+    return _exchange(out[back], send, recv, group)
+
+
+_exchanging = False  # True while _exchange runs (eager only: it is never traced)
+
+
+def exchanging() -> bool:
+    """Whether the op being run belongs to a token exchange of the expert dispatch: the
+    ops whose outputs selective activation checkpointing keeps
+    (``train.parallelize``), so that recomputing a block never repeats its all-to-alls."""
+    return _exchanging
+
+
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+              group: dist.ProcessGroup) -> torch.Tensor:
+    """One differentiable all-to-all of rows, waited for here: its ops (the collective and
+    its wait) run back to back inside the dispatch, where the checkpoint policy can tell
+    them apart (:func:`exchanging`); a lazy wait fell in whatever op read the rows first,
+    outside the dispatch too."""
+    global _exchanging
+    _exchanging = True
+    try:
+        return waited(all_to_all_single_autograd(x, output_splits, input_splits, group))
+    finally:
+        _exchanging = False
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -248,5 +272,5 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
-           "ep_forward", "is_moe", "moe_tp_plan", "set_token_group", "shard_experts",
-           "split_experts"]
+           "ep_forward", "exchanging", "is_moe", "moe_tp_plan", "set_token_group",
+           "shard_experts", "split_experts"]

@@ -9,16 +9,16 @@ added per routed block of the stage:
 
 * the token exchange of expert parallelism (``exchange_seconds``): dispatch and combine,
   one ``all_to_all`` each on the EP group in forward and in backward (and the forward's
-  again when AC recomputes the experts, ``FORWARDS``), each moving this rank's ``tokens x top_k x
+  again under full AC, ``EXCHANGE_FORWARDS``), each moving this rank's ``tokens x top_k x
   dim`` activations, exposed whole (the experts wait for their tokens, and the split
   sizes are read on the host first). A rank routes its own tokens (``routed_tokens``:
   under TP its part of the sequence, ``parallel.expert.moe_tp_plan``);
 * the token permutations (``permute_seconds``): the memory-bound passes over the
   dispatched activations that the dispatch and combine make (gather, regroup by expert,
   weight, sum back), counted from the code, at the bandwidth measured for them;
-* the routed copies kept for backward (``saved_bytes``): the gathered tokens the experts
-  multiply and the expert outputs the routing weights multiply, ``2 x tokens x top_k x
-  dim`` (none when AC recomputes the experts).
+* the routed copies kept for backward (``saved_bytes``): ``2 x tokens x top_k x dim``,
+  the gathered tokens the experts multiply and the expert outputs the routing weights
+  multiply without AC, the two exchanges' outputs under selective AC (none under full).
 
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
@@ -38,18 +38,22 @@ from ..compiler.cost.compute import roofline_seconds
 from ..models.llama import ModelArgs, ffn_hidden_dim
 from ..models.mla import MLAArgs
 
-# Times a step runs a routed block's routed experts (their exchange, permutations and
-# grouped matmuls): AC runs them again in backward, selective too (its policy keeps no
-# output of theirs: ``train.parallelize._saved_ops`` has neither ``_grouped_mm`` nor the
-# all-to-all, nor the gathers and index ops around them). The one owner of that rule
-# for the exchanges, the permutations and the saved copies below.
+# Times a step runs a routed block's routed experts (their permutations and grouped
+# matmuls): AC runs them again in backward, selective too (its policy keeps no output of
+# theirs: ``train.parallelize._saved_ops`` has neither ``_grouped_mm`` nor the gathers
+# and index ops around them). The one owner of that rule for the permutations below.
 FORWARDS = {"none": 1, "selective": 2, "full": 2}
+# Times a step runs a routed block's token exchanges forward: selective keeps their
+# outputs (``train.parallelize._selective_policy``, and ``_exchange_policy`` in a
+# compiled model), so only full AC exchanges the tokens again. The one owner of that rule
+# for the exchanges' time and the copies they keep (``saved_bytes``).
+EXCHANGE_FORWARDS = {"none": 1, "selective": 1, "full": 2}
 
 
 def exchanges(ac: str) -> int:
     """All-to-alls of one routed block per step: dispatch and combine in each forward run
-    (``FORWARDS``) and in backward."""
-    return 2 * (FORWARDS[ac] + 1)
+    (``EXCHANGE_FORWARDS``) and in backward."""
+    return 2 * (EXCHANGE_FORWARDS[ac] + 1)
 
 
 def stand_in(args: ModelArgs) -> ModelArgs:
@@ -139,10 +143,14 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
                             mem_efficiency=rate)
 
 
-def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str) -> int:
+def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
+                ep: int) -> int:
     """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
-    the rank's routed ones, ``routed_tokens``): none when AC recomputes the experts
-    (``FORWARDS``)."""
-    if FORWARDS[ac] > 1:
-        return 0
-    return routed_blocks(args, layers) * 2 * dispatch_bytes(args, tokens, elem)
+    the rank's routed ones, ``routed_tokens``), two copies of the dispatched activations
+    each: without AC, the gathered tokens the experts multiply and the expert outputs the
+    routing weights multiply; under selective with expert parallelism, the two exchanges'
+    outputs (``EXCHANGE_FORWARDS``: the tokens received and the expert outputs sent
+    back); nothing under full AC, or selective without exchanges."""
+    if FORWARDS[ac] == 1 or (EXCHANGE_FORWARDS[ac] == 1 and ep > 1):
+        return routed_blocks(args, layers) * 2 * dispatch_bytes(args, tokens, elem)
+    return 0

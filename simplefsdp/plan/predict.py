@@ -174,6 +174,9 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         raise ConfigError(f"parallel.tp = {cfg.parallel.tp} spans more than one node of "
                           f"{gpus_per_node} GPUs; keep tp <= --gpus-per-node")
     p = cfg.parallel.resolve(gpus)
+    # the MoE terms follow the mode asked for (a compiled MoE's selective keeps its
+    # exchanges while its graphs recompute whole: ``_as_run``)
+    moe_ac = cfg.activation_checkpoint.mode
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
     t, args = cfg.training, cfg.model.model_args()
     micro = p.microbatches
@@ -188,11 +191,10 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
         tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
         routed, elem = moe.routed_tokens(tokens, p.dims()), memory.activation_elem_bytes(t)
-        ac = cfg.activation_checkpoint.mode
-        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, ac, fabric)
+        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric)
         step = f["seconds"] + a2a + moe.permute_seconds(
-            args, f["layers"], routed, elem, ac, dev, cfg.compile.enable, p.ep)
-        kept = moe.saved_bytes(args, f["layers"], routed, elem, ac)
+            args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep)
+        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         before, after, saved = _role_memory(cfg, role, f, mb, micro, kept)

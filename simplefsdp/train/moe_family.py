@@ -134,8 +134,9 @@ COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its r
 # Compiled with graph breaks around the routed experts (COMPILE_NOTE)
 FULLGRAPH = False
 SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
-                  "each block whole here, as 'full' (a block's checkpoint runs around its "
-                  "compiled graphs, whose insides the selective policy cannot see)")
+                  "each block's compiled graphs whole here, as 'full' (a block's checkpoint "
+                  "runs around them: the selective policy cannot see inside); it keeps the "
+                  "outputs of the token all-to-alls between them, which are not repeated")
 
 
 def _parallelize(model, mesh, cfg: JobConfig):

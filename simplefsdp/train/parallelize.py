@@ -55,7 +55,7 @@ from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
 from ..parallel.context import apply_cp
-from ..parallel.expert import is_moe, moe_tp_plan
+from ..parallel.expert import exchanging, is_moe, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
@@ -157,7 +157,10 @@ def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func
     """torchtitan's op-level rule: save ``saved`` ops' outputs except every second
     ``aten.mm`` of a block's forward (its 2nd, 4th, ...; counted separately in the forward
     and in its recomputation, so both make the same decisions). In our Llama block that
-    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory."""
+    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory. An MoE
+    block's token exchanges are kept too (:func:`_exchange_policy`)."""
+    if exchanging():
+        return CheckpointPolicy.MUST_SAVE
     if func is torch.ops.aten.mm.default:
         mm_calls[ctx.is_recompute] += 1
         if mm_calls[ctx.is_recompute] % 2 == 0:
@@ -170,6 +173,19 @@ def _selective_context():
     policy = functools.partial(_selective_policy, frozenset(_saved_ops()),
                                collections.Counter())
     return create_selective_checkpoint_contexts(policy)
+
+
+def _exchange_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the outputs of the expert dispatch's token exchanges (each all-to-all and its
+    wait: ``parallel.expert.exchanging``), recompute the rest: recomputing an MoE block
+    then moves no token again (torchtitan's list saves the all-to-alls too). The policy
+    of a compiled MoE block under ``selective`` (:func:`_compile_checkpointed_blocks`):
+    its exchanges run eagerly, between graphs the op-level rule cannot see into."""
+    return CheckpointPolicy.MUST_SAVE if exchanging() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _exchange_context():
+    return create_selective_checkpoint_contexts(_exchange_policy)
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
@@ -277,9 +293,10 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
 
 
 def ac_mode_run(mode: str, compiled: bool, fullgraph: bool) -> str:
-    """The activation checkpointing a block gets for ``activation_checkpoint.mode``:
-    ``selective`` recomputes the whole block in a compiled model that leaves the graph
-    (``fullgraph = False``: an MoE's; :func:`_compile_checkpointed_blocks`)."""
+    """The activation checkpointing a block's graphs get for
+    ``activation_checkpoint.mode``: ``selective`` recomputes them whole in a compiled
+    model that leaves the graph (``fullgraph = False``: an MoE's; only the token exchanges
+    between them are kept, :func:`_compile_checkpointed_blocks`)."""
     return "full" if mode == "selective" and compiled and not fullgraph else mode
 
 
@@ -294,17 +311,19 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
     frames, broke too). Compiled on their own, the forward and its recomputation run the
     same graphs.
 
-    Such a block is recomputed whole also under ``selective``: the checkpoint drops the
-    tensors its graphs save and reruns them, and the op-level policy cannot see into an
-    Inductor graph (it met other ops in the recomputation than in the forward, which
-    also traced the graphs, and the collectives' waits fell in or after the block)."""
+    Under ``selective`` such a block's graphs are recomputed whole: the op-level policy
+    cannot see into an Inductor graph (before, it met other ops in the recomputation than
+    in the forward, and the exchanges' lazy waits fell in or after the block). What it
+    keeps is the outputs of the eager token exchanges between them
+    (:func:`_exchange_policy`), so the recomputation moves no token again."""
     for block in getattr(model, "layers", {}).values():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is None:
             continue
         inner.compile(backend=backend)
         fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
-        if keywords.pop("context_fn", None) is not None:  # selective: ac_mode_run's full
+        if keywords.get("context_fn") is not None:  # selective
+            keywords["context_fn"] = _exchange_context
             block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
 
 
