@@ -32,12 +32,11 @@ __all__ = [
     "custom_partitioner_base", "default_group", "default_store", "destroy_library",
     "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
     "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
-    "fake_store", "FakeTensor",
-    "FakeTensorMode", "flatten_mesh", "grouped_mm", "grouped_mm_aligned",
-    "missing_inductor_options", "nccl_flight_recorder", "op_schema", "OpOverload",
-    "profiler_events", "raise_recompile_limits", "register_work", "resolve_process_group",
-    "root_mesh", "slice_flattened", "storage_key", "StridedShard", "symint_hint",
-    "TorchDispatchMode", "tree_flatten", "tree_map",
+    "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
+    "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
+    "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
+    "resolve_process_group", "root_mesh", "slice_flattened", "storage_key", "StridedShard",
+    "symint_hint", "TorchDispatchMode", "tree_flatten", "tree_map",
 ]
 
 
@@ -55,8 +54,7 @@ def disable_current_modes():
 
 
 def op_schema(target: Any) -> torch.FunctionSchema | None:
-    """The schema of an ``OpOverload`` (None for other callables).
-    checked: 2.13."""
+    """The schema of an ``OpOverload`` (None for other callables). checked: 2.13."""
     return getattr(target, "_schema", None)
 
 
@@ -382,21 +380,15 @@ def grouped_mm_aligned(*tensors: torch.Tensor) -> bool:
 
 
 def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
-                               input_split_sizes: list[int],
-                               group: dist.ProcessGroup) -> torch.Tensor:
-    """``all_to_all_single`` with uneven splits whose backward is the reverse exchange.
-    checked: 2.13 (``_functional_collectives.all_to_all_single_autograd``, on gloo)."""
+                               input_split_sizes: list[int], group: dist.ProcessGroup,
+                               wait: bool = False) -> torch.Tensor:
+    """``all_to_all_single`` with uneven splits whose backward is the reverse exchange;
+    ``wait``: waited for now, not at its first read. checked: 2.13
+    (``_functional_collectives.all_to_all_single_autograd`` on gloo, ``wait_tensor``)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
-
-
-def waited(tensor: torch.Tensor) -> torch.Tensor:
-    """A functional collective's output, waited for now rather than at its first read
-    (checked: 2.13, ``_functional_collectives.wait_tensor``)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(tensor)
+    out = funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
+    return funcol.wait_tensor(out) if wait else out
 
 
 # --- Context parallelism (parallel/context.py). ---

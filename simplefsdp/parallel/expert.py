@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .._torch_compat import all_to_all_single_autograd, flatten_mesh, waited
+from .._torch_compat import all_to_all_single_autograd, flatten_mesh
 from ..mesh import CP_DIMS, ParallelDims
 from ..models.moe import MoE, expert_ffn, moe_layers
 
@@ -249,7 +249,7 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     global _exchanging
     _exchanging = True
     try:
-        return waited(all_to_all_single_autograd(x, output_splits, input_splits, group))
+        return all_to_all_single_autograd(x, output_splits, input_splits, group, wait=True)
     finally:
         _exchanging = False
 
