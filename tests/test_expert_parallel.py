@@ -64,9 +64,9 @@ def _expert_mesh_layout(rank: int, world: int):
     sent = []
     exchange = expert.all_to_all_single_autograd
 
-    def counting(x, recv, send, group):
+    def counting(x, recv, send, group, **kwargs):
         sent.append(sum(send))
-        return exchange(x, recv, send, group)
+        return exchange(x, recv, send, group, **kwargs)
 
     expert.all_to_all_single_autograd = counting
     inputs, targets = _batches(1)[0]
