@@ -111,7 +111,7 @@ def _exit_forward(module: nn.Module, args: object, output: object) -> None:
         _compiled_forward_depth -= 1
     # An exit with no eager enter happens when compiling a forward fails: its pre-hook was
     # traced (no count), then the always_call post-hook runs eagerly on the error path.
-    if not torch.compiler.is_compiling() and _forward_depth > 0:
+    elif _forward_depth > 0:
         _forward_depth -= 1
         if _forward_depth == 0:
             eager_reshard.end_forward()
