@@ -623,7 +623,8 @@ def _moe_section(name, ep, ac, compiled=False, layers=None):
 
 MOE = [_moe_section("moe_ep1_selective", 1, "selective"),
        *[_moe_section(f"moe_ep8_{ac}", 8, ac) for ac in ("selective", "full", "none")],
-       _moe_section("moe_ep8_selective_compiled", 8, "selective", compiled=True),
+       *[_moe_section(f"moe_ep8_{ac}_compiled", 8, ac, compiled=True)
+         for ac in ("selective", "full")],
        *[_moe_section(f"moe6_{ac}_{'compiled' if c else 'eager'}", 8, ac, c, layers=6)
          for ac in ("selective", "full") for c in (False, True)]]
 

@@ -30,6 +30,8 @@ experts (``models.moe.expert_ffn``: grouped matmuls or a loop) and sent back.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -230,28 +232,73 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     return _exchange(out[back], send, recv, group)
 
 
-_exchanging = False  # True while _exchange runs (eager only: it is never traced)
+class _KeptExchanges:
+    """The outputs of one checkpointed call's token exchanges: recorded in its forward,
+    served in order to its recomputation in place of exchanging again (a checkpoint's
+    ``context_fn``: :func:`keep_exchanges`). Plain contexts, no dispatch mode, so they
+    hold around compiled graphs too: a selective-checkpoint mode in a recomputation meets
+    the ops of Inductor's runtime wrappers, which need not repeat the forward's."""
+
+    def __init__(self):
+        self.rows: list[tuple[torch.Tensor, int]] = []  # (output, its version) per exchange
+        self.served: int | None = None  # in a recomputation, the exchanges served so far
+
+    @contextlib.contextmanager
+    def active(self, recomputing: bool):
+        global _kept
+        previous, _kept, self.served = _kept, self, 0 if recomputing else None
+        try:
+            yield
+        finally:
+            _kept = previous
+            if recomputing:  # recomputed once per backward: the rows are not needed again
+                self.rows.clear()
+
+    def exchange(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                 group: dist.ProcessGroup) -> torch.Tensor:
+        if self.served is None:
+            out = _all_to_all(x, output_splits, input_splits, group)
+            self.rows.append((out.detach(), out._version))
+            return out
+        if self.served >= len(self.rows):
+            raise RuntimeError("a recomputation ran more token exchanges than its forward "
+                               "(or a second backward through a checkpointed MoE block)")
+        rows, version = self.rows[self.served]
+        self.served += 1
+        if rows._version != version:
+            raise RuntimeError("a kept token exchange's output was modified in place "
+                               "after the forward; it cannot stand for the recomputation")
+        # The recomputation's graph only refills the forward's saved tensors (non-reentrant
+        # checkpointing): nothing flows back through it, only requires_grad must match.
+        return rows.detach().requires_grad_(x.requires_grad)
 
 
-def exchanging() -> bool:
-    """Whether the op being run belongs to a token exchange of the expert dispatch: the
-    ops whose outputs selective activation checkpointing keeps
-    (``train.parallelize``), so that recomputing a block never repeats its all-to-alls."""
-    return _exchanging
+_kept: _KeptExchanges | None = None  # the checkpointed call running now, if it keeps them
+
+
+def keep_exchanges() -> tuple:
+    """A checkpoint ``context_fn`` (forward context, recomputation context) that keeps the
+    outputs of the expert dispatch's token exchanges, so that recomputing an MoE block
+    moves no token again (``activation_checkpoint.mode = selective``; torchtitan's
+    policy saves the all-to-alls too). The counts' exchange runs again (a few bytes)."""
+    kept = _KeptExchanges()
+    return kept.active(recomputing=False), kept.active(recomputing=True)
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    """One differentiable all-to-all of rows, waited for here (its rows are read in the
+    dispatch at once)."""
+    return all_to_all_single_autograd(x, output_splits, input_splits, group, wait=True)
 
 
 def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
               group: dist.ProcessGroup) -> torch.Tensor:
-    """One differentiable all-to-all of rows, waited for here: its ops (the collective and
-    its wait) run back to back inside the dispatch, where the checkpoint policy can tell
-    them apart (:func:`exchanging`); a lazy wait fell in whatever op read the rows first,
-    outside the dispatch too."""
-    global _exchanging
-    _exchanging = True
-    try:
-        return all_to_all_single_autograd(x, output_splits, input_splits, group, wait=True)
-    finally:
-        _exchanging = False
+    """The dispatch's token exchange: through the running checkpoint's kept outputs when
+    it keeps them (:func:`keep_exchanges`), else an all-to-all."""
+    if _kept is None:
+        return _all_to_all(x, output_splits, input_splits, group)
+    return _kept.exchange(x, output_splits, input_splits, group)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -272,5 +319,5 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
-           "ep_forward", "exchanging", "is_moe", "moe_tp_plan", "set_token_group",
+           "ep_forward", "is_moe", "keep_exchanges", "moe_tp_plan", "set_token_group",
            "shard_experts", "split_experts"]

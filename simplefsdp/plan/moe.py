@@ -44,9 +44,9 @@ from ..models.mla import MLAArgs
 # and index ops around them). The one owner of that rule for the permutations below.
 FORWARDS = {"none": 1, "selective": 2, "full": 2}
 # Times a step runs a routed block's token exchanges forward: selective keeps their
-# outputs (``train.parallelize._selective_policy``, and ``_exchange_policy`` in a
-# compiled model), so only full AC exchanges the tokens again. The one owner of that rule
-# for the exchanges' time and the copies they keep (``saved_bytes``).
+# outputs (``parallel.expert.keep_exchanges``, eager and compiled), so only full AC
+# exchanges the tokens again. The one owner of that rule for the exchanges' time and the
+# copies they keep (``saved_bytes``).
 EXCHANGE_FORWARDS = {"none": 1, "selective": 1, "full": 2}
 
 

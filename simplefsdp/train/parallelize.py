@@ -32,6 +32,7 @@ Pipeline parallelism (splitting into stages) happens before all of this; see
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -55,7 +56,7 @@ from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
 from ..parallel.context import apply_cp
-from ..parallel.expert import exchanging, is_moe, moe_tp_plan
+from ..parallel.expert import is_moe, keep_exchanges, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
@@ -157,10 +158,7 @@ def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func
     """torchtitan's op-level rule: save ``saved`` ops' outputs except every second
     ``aten.mm`` of a block's forward (its 2nd, 4th, ...; counted separately in the forward
     and in its recomputation, so both make the same decisions). In our Llama block that
-    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory. An MoE
-    block's token exchanges are kept too (:func:`_exchange_policy`)."""
-    if exchanging():
-        return CheckpointPolicy.MUST_SAVE
+    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory."""
     if func is torch.ops.aten.mm.default:
         mm_calls[ctx.is_recompute] += 1
         if mm_calls[ctx.is_recompute] % 2 == 0:
@@ -169,23 +167,19 @@ def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func
 
 
 def _selective_context():
-    """A fresh policy per checkpointed call: the matmul count restarts with each block."""
+    """A fresh policy per checkpointed call (the matmul count restarts with each block),
+    and an MoE block's token exchanges kept (``parallel.expert.keep_exchanges``: the
+    recomputation is served their outputs, so it moves no token again)."""
     policy = functools.partial(_selective_policy, frozenset(_saved_ops()),
                                collections.Counter())
-    return create_selective_checkpoint_contexts(policy)
+    return tuple(_both(*pair) for pair in zip(create_selective_checkpoint_contexts(policy),
+                                              keep_exchanges(), strict=True))
 
 
-def _exchange_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Keep the outputs of the expert dispatch's token exchanges (each all-to-all and its
-    wait: ``parallel.expert.exchanging``), recompute the rest: recomputing an MoE block
-    then moves no token again (torchtitan's list saves the all-to-alls too). The policy
-    of a compiled MoE block under ``selective`` (:func:`_compile_checkpointed_blocks`):
-    its exchanges run eagerly, between graphs the op-level rule cannot see into."""
-    return CheckpointPolicy.MUST_SAVE if exchanging() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _exchange_context():
-    return create_selective_checkpoint_contexts(_exchange_policy)
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def apply_ac(model: nn.Module, mode: str) -> None:
@@ -312,10 +306,12 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
     same graphs.
 
     Under ``selective`` such a block's graphs are recomputed whole: the op-level policy
-    cannot see into an Inductor graph (before, it met other ops in the recomputation than
-    in the forward, and the exchanges' lazy waits fell in or after the block). What it
-    keeps is the outputs of the eager token exchanges between them
-    (:func:`_exchange_policy`), so the recomputation moves no token again."""
+    cannot see into an Inductor graph. What it keeps is the outputs of the eager token
+    exchanges between them (``parallel.expert.keep_exchanges``), so the recomputation
+    moves no token again. No selective-checkpoint mode runs around these graphs: in the
+    recomputation it met ops of Inductor's runtime wrappers that the forward had not run
+    (torch 2.13: "aten._unsafe_view.default encountered during backward but not found in
+    storage")."""
     for block in getattr(model, "layers", {}).values():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is None:
@@ -323,7 +319,7 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
         inner.compile(backend=backend)
         fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
         if keywords.get("context_fn") is not None:  # selective
-            keywords["context_fn"] = _exchange_context
+            keywords["context_fn"] = keep_exchanges
             block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
 
 
