@@ -35,8 +35,8 @@ __all__ = [
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
-    "resolve_process_group", "root_mesh", "slice_flattened", "storage_key", "StridedShard",
-    "symint_hint", "TorchDispatchMode", "tree_flatten", "tree_map",
+    "replay_after_graph", "resolve_process_group", "root_mesh", "slice_flattened", "storage_key",
+    "StridedShard", "symint_hint", "TorchDispatchMode", "tree_flatten", "tree_map",
 ]
 
 
@@ -48,8 +48,7 @@ c10d_functional = torch.ops._c10d_functional
 
 def disable_current_modes():
     """A context that leaves any active FakeTensorMode / proxy mode: compiler passes run
-    inside one, and measurements and collectives must touch real tensors.
-    checked: 2.13."""
+    inside one, and measurements and collectives must touch real tensors. checked: 2.13."""
     return _disable_current_modes()
 
 
@@ -114,8 +113,7 @@ def nccl_flight_recorder() -> bytes:
 
 
 def backend_name(pg: dist.ProcessGroup, device: torch.device) -> str | None:
-    """The name of ``pg``'s backend for ``device`` (e.g. "gloo"), None if it has none.
-    checked: 2.13."""
+    """``pg``'s backend for ``device`` (e.g. "gloo"), None if none. checked: 2.13."""
     try:
         return pg._get_backend(device).name()
     except RuntimeError:  # no backend for that device type in this group
@@ -124,14 +122,12 @@ def backend_name(pg: dist.ProcessGroup, device: torch.device) -> str | None:
 
 def allgather_base(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor):
     """``ProcessGroup._allgather_base``: the plain all-gather into one flat tensor (the
-    path ``dist.all_gather_into_tensor`` takes); returns its Work.
-    checked: 2.13."""
+    path ``dist.all_gather_into_tensor`` takes); returns its Work. checked: 2.13."""
     return pg._allgather_base(out, inp)
 
 
 def destroy_library(lib: torch.library.Library) -> None:
-    """Remove the registrations of a ``torch.library.Library``.
-    checked: 2.13."""
+    """Remove the registrations of a ``torch.library.Library``. checked: 2.13."""
     lib._destroy()
 
 
@@ -155,8 +151,7 @@ def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh):
 
 # --- Autograd (eager_reshard.py). ---
 def current_graph_task_id() -> int:
-    """-1 outside a backward pass, else the id of the running autograd graph task.
-    checked: 2.13."""
+    """-1 outside backward, else the running autograd graph task's id. checked: 2.13."""
     return torch._C._current_graph_task_id()
 
 
@@ -183,8 +178,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs, **kwargs: Any):
 
 
 def custom_graph_pass_base() -> type:
-    """The base class of an Inductor ``post_grad_custom_post_pass``.
-    checked: 2.13."""
+    """The base class of an Inductor ``post_grad_custom_post_pass``. checked: 2.13."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
@@ -273,18 +267,26 @@ def raise_recompile_limits(at_least: int) -> None:
 
 
 def dynamo_counters():
-    """Dynamo's global counters (e.g. ``["stats"]["unique_graphs"]``).
-    checked: 2.13."""
+    """Dynamo's global counters (e.g. ``["stats"]["unique_graphs"]``). checked: 2.13."""
     from torch._dynamo.utils import counters
 
     return counters
 
 
+def replay_after_graph(fn):
+    """Register ``fn`` (constant arguments, no result) with Dynamo as a reorderable
+    logging function: a traced call is not traced into (no guard on what it reads) but
+    replayed after the graph that holds it. checked: 2.11, 2.13."""
+    import torch._dynamo
+
+    torch._dynamo.config.reorderable_logging_functions.add(fn)
+    return fn
+
+
 # --- Activation checkpointing, profiler, fake process groups (train/, bench/). ---
 def checkpoint_wrapper(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """torch.distributed's activation-checkpoint wrapper (its prefix
-    ``_checkpoint_wrapped_module`` never reaches state dicts).
-    checked: 2.13."""
+    ``_checkpoint_wrapped_module`` never reaches state dicts). checked: 2.13."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper as wrap,
     )
@@ -299,17 +301,15 @@ def profiler_events(prof: torch.profiler.profile) -> list:
 
 
 def fake_store() -> dist.Store:
-    """A store for ``init_process_group("fake", ...)``: one process stands in for a
-    world of ranks. Raises ImportError where torch ships without its testing helpers.
-    checked: 2.13."""
+    """A store for ``init_process_group("fake", ...)``: one process stands in for a world
+    of ranks. ImportError where torch ships without its testing helpers. checked: 2.13."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
 
 
 def dynamo_reset() -> None:
-    """Forget every compiled frame (the planner traces many models in one process).
-    checked: 2.13."""
+    """Forget every compiled frame (the planner traces many models). checked: 2.13."""
     import torch._dynamo
 
     torch._dynamo.reset()

@@ -45,7 +45,13 @@ from torch.utils.checkpoint import (
 )
 
 from . import eager_reshard
-from ._torch_compat import StridedShard, c10d_functional, root_mesh, slice_flattened
+from ._torch_compat import (
+    StridedShard,
+    c10d_functional,
+    replay_after_graph,
+    root_mesh,
+    slice_flattened,
+)
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import ParallelDims
@@ -67,9 +73,9 @@ DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 # ---------------------------------------------------------------------------------------
 _forward_depth = 0  # > 0 while a data_parallel root runs forward in eager mode
 # > 0 while a compiled forward runs, for frames Dynamo leaves to eager inside it (a
-# ``torch.compiler.disable`` function, a frame past the recompile limit): the traced
-# hooks' updates of this global are replayed by Dynamo (at a graph break before the eager
-# frame, at the end of the graph), so those frames gather as the graphs around them do.
+# ``torch.compiler.disable`` function, a frame past the recompile limit), so that they
+# gather as the graphs around them do: the traced hooks' updates
+# (:func:`_count_compiled_forward`) are replayed after the graph holding them.
 _compiled_forward_depth = 0
 _parametrization_enabled = True
 
@@ -95,10 +101,21 @@ def _gather_on_read() -> bool:
                                          or _compiled_forward_depth > 0)
 
 
+@replay_after_graph
+def _count_compiled_forward(step: int) -> None:
+    """Move ``_compiled_forward_depth`` by ``step``. Dynamo does not trace this call: it
+    replays it after the graph that holds it (before the eager frame at a graph break).
+    Traced, the update put the counter's value in the guards of every frame with hooks,
+    and a block called at another depth (its recomputation, from backward) compiled
+    again, which past the recompile limit ran eagerly and saved other tensors."""
+    global _compiled_forward_depth
+    _compiled_forward_depth += step
+
+
 def _enter_forward(module: nn.Module, args: object) -> None:
-    global _forward_depth, _compiled_forward_depth
+    global _forward_depth
     if torch.compiler.is_compiling():
-        _compiled_forward_depth += 1
+        _count_compiled_forward(1)
     else:
         if _forward_depth == 0:
             eager_reshard.start_forward()
@@ -106,9 +123,9 @@ def _enter_forward(module: nn.Module, args: object) -> None:
 
 
 def _exit_forward(module: nn.Module, args: object, output: object) -> None:
-    global _forward_depth, _compiled_forward_depth
+    global _forward_depth
     if torch.compiler.is_compiling():
-        _compiled_forward_depth -= 1
+        _count_compiled_forward(-1)
     # An exit with no eager enter happens when compiling a forward fails: its pre-hook was
     # traced (no count), then the always_call post-hook runs eagerly on the error path.
     elif _forward_depth > 0:

@@ -348,6 +348,10 @@ def _exchanges_per_ac_mode(rank: int, world: int, out: str) -> dict:
                            *compiled,
                            "--metrics.output_dir", f"{out}/{run}"]).losses
         found[run] = (losses, exchanges())
+    from torch._dynamo.utils import guard_failures
+
+    found["depth_guards"] = [str(r) for rs in guard_failures.values() for r in rs
+                             if "_compiled_forward_depth" in str(r)]
     return found
 
 
@@ -366,10 +370,17 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
     in another order; measured 2026-11-27: bitwise equal, on both ranks). It used to fail
     at step 1's backward ("aten._unsafe_view.default encountered during backward but not
     found in storage": a selective-checkpoint mode around Inductor's graphs met ops of
-    their runtime wrappers in the recomputation that the forward had not run).
+    their runtime wrappers in the recomputation that the forward had not run). And no
+    frame recompiles for ``data_parallel._compiled_forward_depth``: when the traced hooks
+    updated it, its value entered the guards, a block's recomputation (from backward, at
+    another depth) compiled its frames again, and on DeepSeek-V3 16B's 27 blocks that
+    passed the recompile limit: the recomputation ran eagerly and saved other tensors
+    (torch 2.11 on an H200: "Recomputed values ... have different metadata", under full
+    AC too).
     ``test_compiled_equals_eager`` checks the aot_eager cell bitwise."""
     found = run_ranks(_exchanges_per_ac_mode, 2, str(tmp_path))
     for per_rank in found:
+        assert per_rank.pop("depth_guards") == []
         assert {run: n for run, (_, n) in per_rank.items()} == \
             {"none": 2 * 5, "selective": 2 * 6, "full": 2 * 8,
              "selective_inductor": 2 * 6}, per_rank
