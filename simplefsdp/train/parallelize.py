@@ -55,6 +55,7 @@ from simplefsdp.mesh import ParallelDims, stage_group
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
+from ..models.moe import moe_layers
 from ..parallel.context import apply_cp
 from ..parallel.expert import is_moe, keep_exchanges, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
@@ -306,12 +307,14 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
     same graphs.
 
     Under ``selective`` such a block's graphs are recomputed whole: the op-level policy
-    cannot see into an Inductor graph. What it keeps is the outputs of the eager token
-    exchanges between them (``parallel.expert.keep_exchanges``), so the recomputation
-    moves no token again. No selective-checkpoint mode runs around these graphs: in the
-    recomputation it met ops of Inductor's runtime wrappers that the forward had not run
-    (torch 2.13: "aten._unsafe_view.default encountered during backward but not found in
-    storage")."""
+    cannot see into an Inductor graph. What a routed block keeps is the outputs of the
+    eager token exchanges between them (``parallel.expert.keep_exchanges``), so the
+    recomputation moves no token again. No selective-checkpoint mode runs around these
+    graphs: in the recomputation it met ops of Inductor's runtime wrappers that the
+    forward had not run (torch 2.13: "aten._unsafe_view.default encountered during
+    backward but not found in storage"). A dense block (DeepSeek's first) has no break:
+    Dynamo traces its checkpoint into the graph, where ``context_fn`` must make dispatch
+    modes, so it gets none (full AC, as the graphs of a routed block)."""
     for block in getattr(model, "layers", {}).values():
         inner = getattr(block, "_checkpoint_wrapped_module", None)
         if inner is None:
@@ -319,7 +322,10 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
         inner.compile(backend=backend)
         fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
         if keywords.get("context_fn") is not None:  # selective
-            keywords["context_fn"] = keep_exchanges
+            if moe_layers(block):  # its checkpoint runs eagerly, around the dispatch
+                keywords["context_fn"] = keep_exchanges
+            else:  # traced whole: compile takes dispatch-mode contexts only; as full
+                del keywords["context_fn"]
             block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
 
 
