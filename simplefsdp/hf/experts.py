@@ -33,6 +33,7 @@ from torch import nn
 
 from .._torch_compat import current_graph_task_id
 from ..models.moe import expert_ffn, routed_combine
+from ..parallel.expert import holds_experts
 from . import HFError
 
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -44,9 +45,7 @@ _LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False,
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every fused experts module (a 3-D ``gate_up_proj``)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m._parameters.get("gate_up_proj"), torch.Tensor)
-            and m._parameters["gate_up_proj"].dim() == 3]
+    return [(name, m) for name, m in model.named_modules() if holds_experts(m)]
 
 
 def _refusal(name: str, module: nn.Module) -> str | None:

@@ -93,6 +93,13 @@ def shard_experts(model: nn.Module, experts_mesh: DeviceMesh, **data_parallel_kw
         data_parallel(layer.experts, experts_mesh, **data_parallel_kwargs)
 
 
+def holds_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a fused experts module, ours or Hugging Face's (a 3-D
+    ``gate_up_proj``, ``[experts, 2 x width, dim]``)."""
+    gate_up = module._parameters.get("gate_up_proj")
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
+
+
 def is_moe(module: nn.Module) -> bool:
     """Whether ``module`` is a routed FFN (``models.moe.MoE``)."""
     return isinstance(module, MoE)
@@ -319,5 +326,5 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
-           "ep_forward", "is_moe", "keep_exchanges", "moe_tp_plan", "set_token_group",
-           "shard_experts", "split_experts"]
+           "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
+           "set_token_group", "shard_experts", "split_experts"]

@@ -57,7 +57,7 @@ from simplefsdp.state_dict import unwrapped_name
 from ..models.llama import Transformer
 from ..models.moe import moe_layers
 from ..parallel.context import apply_cp
-from ..parallel.expert import is_moe, keep_exchanges, moe_tp_plan
+from ..parallel.expert import holds_experts, is_moe, keep_exchanges, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
@@ -168,13 +168,19 @@ def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func
 
 
 def _selective_context():
-    """A fresh policy per checkpointed call (the matmul count restarts with each block),
-    and an MoE block's token exchanges kept (``parallel.expert.keep_exchanges``: the
-    recomputation is served their outputs, so it moves no token again)."""
+    """A fresh policy per checkpointed call: the matmul count restarts with each block."""
     policy = functools.partial(_selective_policy, frozenset(_saved_ops()),
                                collections.Counter())
-    return tuple(_both(*pair) for pair in zip(create_selective_checkpoint_contexts(policy),
-                                              keep_exchanges(), strict=True))
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _routed_selective_context():
+    """:func:`_selective_context` for a block that routes tokens to experts, its token
+    exchanges kept as well (``parallel.expert.keep_exchanges``: the recomputation is
+    served their outputs, so it moves no token again). Eager only: a checkpoint traced
+    into a graph takes dispatch modes alone, and a routed block breaks the graph."""
+    return tuple(_both(*pair) for pair in zip(_selective_context(), keep_exchanges(),
+                                              strict=True))
 
 
 @contextlib.contextmanager
@@ -200,7 +206,9 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
     place the wrapper is built: our Llama's blocks and Hugging Face decoder layers)."""
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
-    kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
+    routed = any(holds_experts(m) for m in block.modules())
+    kwargs = {"context_fn": _routed_selective_context if routed else _selective_context} \
+        if mode == "selective" else {}
     return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
