@@ -55,7 +55,6 @@ from simplefsdp.mesh import ParallelDims, stage_group
 from simplefsdp.state_dict import unwrapped_name
 
 from ..models.llama import Transformer
-from ..models.moe import moe_layers
 from ..parallel.context import apply_cp
 from ..parallel.expert import holds_experts, is_moe, keep_exchanges, moe_tp_plan
 from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
@@ -183,6 +182,11 @@ def _routed_selective_context():
                                               strict=True))
 
 
+def _routes_tokens(block: nn.Module) -> bool:
+    """Whether ``block`` holds routed experts (its forward leaves the graph for them)."""
+    return any(holds_experts(m) for m in block.modules())
+
+
 @contextlib.contextmanager
 def _both(first, second):
     with first, second:
@@ -206,8 +210,8 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
     place the wrapper is built: our Llama's blocks and Hugging Face decoder layers)."""
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
-    routed = any(holds_experts(m) for m in block.modules())
-    kwargs = {"context_fn": _routed_selective_context if routed else _selective_context} \
+    kwargs = {"context_fn": _routed_selective_context if _routes_tokens(block)
+              else _selective_context} \
         if mode == "selective" else {}
     return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
@@ -330,7 +334,7 @@ def _compile_checkpointed_blocks(model: nn.Module, backend) -> None:
         inner.compile(backend=backend)
         fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
         if keywords.get("context_fn") is not None:  # selective
-            if moe_layers(block):  # its checkpoint runs eagerly, around the dispatch
+            if _routes_tokens(block):  # its checkpoint runs eagerly, around the dispatch
                 keywords["context_fn"] = keep_exchanges
             else:  # traced whole: compile takes dispatch-mode contexts only; as full
                 del keywords["context_fn"]
