@@ -272,7 +272,7 @@ def _graph_counts(cell: Cell, backend) -> tuple[dict, dict, int, int]:
 
 
 def _is_refusal(error: BaseException) -> bool:
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
 
     return isinstance(error, ValueError | ConfigError | NotImplementedError)
 

@@ -88,7 +88,7 @@ def _limit_above_manual(rank, world):
     from simplefsdp.compiler import auto_wrap
     from simplefsdp.compiler.plan_search import optimal_buckets
     from simplefsdp.compiler.simulate import simulate
-    from simplefsdp.train.config import load_config
+    from simplefsdp.config.job import load_config
 
     cfg = load_config(None, ["--model.name", "debug", "--training.batch_size", "4",
                              "--training.seq_len", "128"])
@@ -170,7 +170,7 @@ def _full_ac_plans(rank, world):
     Per compile: each graph's matmul count and (buckets, applied peak) as planned."""
     import simplefsdp
     from simplefsdp.compiler import auto_wrap
-    from simplefsdp.train.config import load_config
+    from simplefsdp.config.job import load_config
     from simplefsdp.train.step import token_loss_sum
 
     cfg = load_config(None, ["--training.batch_size", "2", "--training.seq_len", "32",

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from simplefsdp.train.config import ConfigError, JobConfig, load_config, parse_args
+from simplefsdp.config.job import JobConfig, load_config, parse_args
+from simplefsdp.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -309,8 +310,8 @@ def test_help_prints_each_fields_meaning(capsys):
 
     from simplefsdp.bench.__main__ import main as bench_main
     from simplefsdp.bench.config import BenchConfig
+    from simplefsdp.config.reader import field_docs
     from simplefsdp.plan.__main__ import main as plan_main
-    from simplefsdp.train.config_reader import field_docs
     from simplefsdp.train.trainer import main as train_main
 
     for schema in (JobConfig(), BenchConfig()):

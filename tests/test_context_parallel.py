@@ -54,10 +54,11 @@ import torch.nn.functional as F
 from rank_runner import run_ranks
 
 from simplefsdp._torch_compat import TorchDispatchMode
+from simplefsdp.config.job import load_config
+from simplefsdp.corpus.text import ByteTokenizer
+from simplefsdp.errors import ConfigError
 from simplefsdp.parallel.context import positions
 from simplefsdp.parallel.ring import RingCore, natural_order
-from simplefsdp.train.config import ConfigError, load_config
-from simplefsdp.train.data import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -164,7 +164,7 @@ def test_inductor_full_ac_refused_where_torch_lacks_the_partitioner_hook(monkeyp
     2.11-2.13 have it): full AC with Inductor is refused before any work, with the keys
     and the ways out; aot_eager, selective AC and eager are not refused."""
     from simplefsdp import _torch_compat
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
     from simplefsdp.train.parallelize import check_composition
 
     assert _torch_compat.custom_partitioner_base() is not None  # 2.13: present

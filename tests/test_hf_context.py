@@ -32,7 +32,8 @@ pytest.importorskip("transformers")  # the [hf] extra; CI installs it with .[dev
 
 from rank_runner import run_ranks  # noqa: E402
 
-from simplefsdp.train.config import ConfigError, load_config  # noqa: E402
+from simplefsdp.config.job import load_config  # noqa: E402
+from simplefsdp.errors import ConfigError
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 SEQ = 32

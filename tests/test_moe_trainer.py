@@ -13,7 +13,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
-from simplefsdp.train.config import ConfigError, load_config
+from simplefsdp.config.job import load_config
+from simplefsdp.errors import ConfigError
 
 # A tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2, a shared expert,
 # balance loss with a large coefficient (so that it moves the weights visibly).

@@ -152,8 +152,9 @@ def test_unmatched_glob_raises():
 def test_trainer_fp32_modules_key():
     """``[training] mixed_precision_fp32_modules``: globs become float32 overrides; one that
     matches nothing is a ConfigError naming the key."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
     from simplefsdp.models.llama import ModelArgs, Transformer
-    from simplefsdp.train.config import ConfigError, load_config
     from simplefsdp.train.parallelize import apply_ac, fp32_overrides
 
     model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64))

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from rank_runner import run_ranks
 
-from simplefsdp.train.config import ConfigError, parse_args
+from simplefsdp.config.job import parse_args
+from simplefsdp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_ERROR_EXIT = 78  # sysexits.h EX_CONFIG, as the README documents

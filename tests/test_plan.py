@@ -13,8 +13,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.config.job import load_config
 from simplefsdp.plan import predict
-from simplefsdp.train.config import load_config
 
 DEBUG = ["--compile.enable", "true", "--compile.backend", "aot_eager",
          "--compile.bucketing", "manual", "--training.batch_size", "4",

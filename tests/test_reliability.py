@@ -195,7 +195,8 @@ def test_non_finite_stops_the_run_and_keeps_the_good_checkpoint(startup):
 
 
 def test_config_rejects_non_finite_floats(tmp_path):
-    from simplefsdp.train.config import ConfigError, load_config
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
 
     toml = tmp_path / "lr.toml"
     toml.write_text("[training]\nlr = 1e400\n")  # TOML reads this as inf

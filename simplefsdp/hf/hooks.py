@@ -40,7 +40,7 @@ def validate_folder(cfg, folder: str) -> None:
 # ---------------------------------------------------------------------------------------
 def choose_tokenizer(cfg):
     """``data.tokenizer``: 'byte'; a path; 'auto' = the ``hf_path`` folder's own, or bytes."""
-    from ..train.data import build_tokenizer
+    from ..corpus.text import build_tokenizer
     from .tokenizer import load_tokenizer
 
     name = cfg.data.tokenizer

@@ -25,7 +25,7 @@ FAMILIES = {
     "moe": "simplefsdp.train.moe_family",
 }
 
-Config = Any  # a train.config.JobConfig; the registry does not import the trainer
+Config = Any  # a config.job.JobConfig; the registry imports no config
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict_isolated
-    from simplefsdp.train.config import load_config
 
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan.gpu_check")
     parser.add_argument("--config")

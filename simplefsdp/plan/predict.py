@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..config.job import JobConfig
+from ..errors import ConfigError
 from ..hardware import GiB, gpu_profile
 from ..models.llama import flops_per_token
-from ..train.config import ConfigError, JobConfig
 from ..train.parallelize import ac_mode_run
 from ..train.pipeline import stage_layers
 from . import context, memory, moe, timing

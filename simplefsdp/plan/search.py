@@ -30,9 +30,10 @@ import copy
 from collections.abc import Iterator
 from typing import get_args, get_type_hints
 
+from ..config.job import JobConfig, ParallelConfig
+from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
-from ..train.config import ConfigError, JobConfig, ParallelConfig
 from ..train.pipeline import stage_layers
 from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from ..config.job import JobConfig
 from ..models.llama import ModelArgs, Transformer
 from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
-from ..train.config import JobConfig
 from ..train.parallelize import parallelize
 from ..train.pipeline import split_stage
 from .moe import stand_in

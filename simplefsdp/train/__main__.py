@@ -36,8 +36,8 @@ import os
 import sys
 import time
 
+from ..errors import ConfigError
 from .checkpoint import CheckpointError
-from .config import ConfigError
 from .guard import NonFiniteError, Preempted
 from .trainer import main
 

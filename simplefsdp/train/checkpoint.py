@@ -53,8 +53,8 @@ import simplefsdp
 from simplefsdp.state_dict import ModelAndOptimizer, begin_save, commit_save, is_complete
 
 from ..agreement import broadcast_from_rank0
+from ..errors import ConfigError
 from .async_save import AsyncMode, CheckpointWriter
-from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.tmp$")

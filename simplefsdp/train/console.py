@@ -26,7 +26,7 @@ from torch import nn
 from .guard import Preempted
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config.job import JobConfig
     from .run import Setup, TrainResult
 
 

@@ -24,12 +24,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..config.job import JobConfig
+from ..corpus.text import build_tokenizer
+from ..errors import ConfigError
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
 from ..models.moe import MOE_PRESETS
-from .config import ConfigError, JobConfig
-from .data import build_tokenizer
 from .parallelize import parallelize
 from .pipeline import split_stage
 

@@ -38,11 +38,12 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ..config.job import JobConfig
+from ..errors import ConfigError, config_errors
 from ..mesh import ParallelDims
 from ..models import moe, registry
 from ..models.llama import flops_per_token
 from ..parallel.expert import apply_ep, check_ep, set_token_group, shard_experts
-from .config import ConfigError, JobConfig, config_errors
 from .llama_family import build_model
 from .metrics import MOE_COLUMNS, expert_figures
 from .parallelize import ac_mode_run, dp_options, parallelize, with_fp32_modules

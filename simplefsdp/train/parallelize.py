@@ -54,10 +54,11 @@ from simplefsdp.compiler.cost.state import optimizer_state_bytes
 from simplefsdp.mesh import ParallelDims, stage_group
 from simplefsdp.state_dict import unwrapped_name
 
+from ..config.job import PG_TIMEOUT_S, JobConfig, check_tp
+from ..errors import ConfigError
 from ..models.llama import Transformer
 from ..parallel.context import apply_cp
 from ..parallel.expert import holds_experts, is_moe, keep_exchanges, moe_tp_plan
-from .config import PG_TIMEOUT_S, ConfigError, JobConfig, check_tp
 from .step import OPTIMIZER
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

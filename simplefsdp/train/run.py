@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..config.job import JobConfig
+    from ..corpus.text import Tokenizer
     from ..mesh import Coords
     from .checkpoint import CheckpointManager
-    from .config import JobConfig
-    from .data import Tokenizer
     from .metrics import MetricsLogger
 
 

@@ -26,7 +26,7 @@ from .pipeline import aux_loss_stage
 from .watchdog import phase
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config.job import JobConfig
     from .run import Setup
 
 IGNORE_INDEX = -100

@@ -36,7 +36,10 @@ from torch import nn
 
 from simplefsdp.mesh import Coords
 
+from ..config.job import PG_TIMEOUT_S, JobConfig, config_help, parse_args
 from ..corpus import build_loader
+from ..corpus.text import Tokenizer
+from ..errors import ConfigError
 from ..models.llama import num_params
 from ..parallel.context import cp_batches
 from . import preflight
@@ -49,7 +52,6 @@ from .checkpoint import (
     export_safetensors,
     resume_point,
 )
-from .config import PG_TIMEOUT_S, ConfigError, JobConfig, config_help, parse_args
 from .console import (
     CompileReports,
     compile_start_note,
@@ -59,7 +61,6 @@ from .console import (
     quiet_our_checkpoint_warning,
     start_line,
 )
-from .data import Tokenizer
 from .elastic import init_distributed
 from .faults import Injector
 from .guard import StopOnSignal
@@ -182,7 +183,7 @@ def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: Coords):
         tokenizer = family.tokenizer(cfg)
     elif not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must have vocab_size and encode(text) (the "
-                        f"simplefsdp.train.data.Tokenizer protocol), got "
+                        f"simplefsdp.corpus.text.Tokenizer protocol), got "
                         f"{type(tokenizer).__name__}")
     family.check_tokenizer(cfg, tokenizer)
     loader = build_loader(cfg, tokenizer, at.dp, at.dp_size,

@@ -1,7 +1,7 @@
 """Job configuration: the trainer's TOML schema, its defaults and its range checks.
 
 Every section is a dataclass below; its field types are the schema, read and
-type-checked by ``config_reader`` (a TOML file, then ``--section.key value``
+type-checked by ``config.reader`` (a TOML file, then ``--section.key value``
 overrides; every error names the key). ``JobConfig.validate`` adds the ranges and the
 consistency rules that types cannot express. The defaults are the ``debug`` run, which
 trains a tiny model on a laptop CPU: ``load_config(None, [])`` is that run, and so is
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from ..errors import ConfigError, choices, config_errors, require
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
-from .config_reader import ConfigError, choices, config_errors, read_config, require, split_argv
-from .config_reader import config_help as help_text
+from .reader import config_help as help_text
+from .reader import read_config, split_argv
 
 DType = Literal["float32", "bfloat16"]
 Device = Literal["cpu", "cuda"]
