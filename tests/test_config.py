@@ -312,7 +312,7 @@ def test_help_prints_each_fields_meaning(capsys):
     from simplefsdp.bench.config import BenchConfig
     from simplefsdp.config.reader import field_docs
     from simplefsdp.plan.__main__ import main as plan_main
-    from simplefsdp.train.trainer import main as train_main
+    from simplefsdp.train.__main__ import main as train_main
 
     for schema in (JobConfig(), BenchConfig()):
         for section in fields(schema):

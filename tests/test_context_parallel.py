@@ -365,8 +365,8 @@ def _spawned(rank, world, cells, out):
 
 
 def _runs(rank, world, cells, out):
+    from simplefsdp.train.__main__ import main
     from simplefsdp.train.console import CompileReports
-    from simplefsdp.train.trainer import main
 
     results = {}
     for name, argv in cells.items():

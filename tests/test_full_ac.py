@@ -133,7 +133,7 @@ def test_compiled_full_ac_is_bitwise_eager_and_saves_least():
 
 
 def _trainer(rank: int, world: int, argv: list[str]) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     result = main(argv)
     return {"losses": result.losses, "grad_norms": result.grad_norms}

@@ -146,7 +146,7 @@ def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_fie
 
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     ours = main(argv).losses[0]
     dataset = DocumentDataset(data, load_tokenizer(model_dir), text_field)
@@ -168,7 +168,7 @@ def test_first_loss_equals_hf_loss(assets, tmp_path, name, data):
 
 
 def _eager_and_compiled(rank: int, world: int, argv: list[str], out: str):
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     eager = main([*argv, "--metrics.output_dir", f"{out}/eager"]).losses
     compiled = main([*argv, "--metrics.output_dir", f"{out}/compiled",
@@ -330,7 +330,7 @@ def train_keeping_model(argv: list[str]):
     import dataclasses
 
     from simplefsdp.models import registry
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     built = []
     family = registry.get("hf")
@@ -445,7 +445,7 @@ def test_our_llama_round_trips_through_hf_layout(tmp_path):
 # ---------------------------------------------------------------------------------------
 def _errors(rank: int, world: int, cases: list[tuple[list[str], str]]):
     from simplefsdp.errors import ConfigError
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     messages = []
     for argv, _ in cases:

@@ -101,7 +101,7 @@ def _direct(folder: str, seq: int):
 
 
 def _runs(rank, world, cells, out, direct):
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     results = {name: (run.losses, run.grad_norms) for name, run in
                ((name, main(argv + ["--metrics.output_dir", str(Path(out) / name)]))
@@ -115,7 +115,7 @@ def _reference(rank, world, argv, folder):
     global batch (captured as the trainer reads it)."""
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     seen = []
 

@@ -288,7 +288,7 @@ def _our_moe_exported(rank: int, out: str):
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.models import registry
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     family, built = registry.get("moe"), []
 
@@ -371,7 +371,7 @@ def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
 # ---------------------------------------------------------------------------------------
 def _moe_errors(rank: int, world: int, cases: list[list[str]]):
     from simplefsdp.errors import ConfigError
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     messages = []
     for argv in cases:
@@ -439,7 +439,7 @@ def _layouts(rank: int, world: int, argv: list[str], out: str):
 
     from simplefsdp.models import registry
     from simplefsdp.state_dict import unwrapped_name
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     def gathered(model):  # a collective
         state = {unwrapped_name(k): v for k, v in model.state_dict().items()}

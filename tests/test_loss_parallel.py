@@ -21,8 +21,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.train.__main__ import main
 from simplefsdp.train.step import IGNORE_INDEX
-from simplefsdp.train.trainer import main
 
 STEPS = 3
 

@@ -14,7 +14,8 @@ from torch import nn
 if TYPE_CHECKING:
     from ..config.job import JobConfig
     from ..corpus.text import Tokenizer
-    from ..mesh import Coords
+    from ..mesh import Coords, ParallelDims
+    from ..models.registry import ModelFamily
     from .checkpoint import CheckpointManager
     from .metrics import MetricsLogger
 
@@ -53,6 +54,8 @@ class Setup:
     metrics: MetricsLogger
     start_step: int
     n_params: int
+    dims: ParallelDims  # the run's layout, built once (cfg.parallel holds the TOML's sizes)
+    family: ModelFamily  # the model family's entry (models.registry)
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
