@@ -231,7 +231,7 @@ def test_parallel_dims_layouts():
 def test_pipeline_rules_have_one_owner():
     """``split_stage`` refuses what the config refuses, with the same message."""
     from simplefsdp.models.llama import Transformer
-    from simplefsdp.train.pipeline import split_stage, stage_layers
+    from simplefsdp.parallel.pipeline import split_stage, stage_layers
 
     for pp, model_flags in ((8, []), (2, ["--model.tie_embeddings"])):
         with pytest.raises(ConfigError) as at_load:
@@ -276,7 +276,7 @@ def _reshard_by_config(rank: int, world: int, cases: list[list[str]]) -> list[se
     a model the trainer's apply_dp builds (the config's pp is only read, never built)."""
     import simplefsdp as sf
     from simplefsdp.models.llama import ModelArgs, Transformer
-    from simplefsdp.train.parallelize import apply_dp
+    from simplefsdp.models.parallelize import apply_dp
 
     mesh = sf.make_mesh(dp_shard=world)
     found = []

@@ -46,7 +46,7 @@ def _variant(rank: int, name: str, saved: list) -> dict:
     """Train ``name`` (ac:eager or ac:bucketing, aot_eager) for STEPS AdamW steps: its
     losses, every step's full gradients, and its backward graph's collectives."""
     from simplefsdp.mesh import stage_group
-    from simplefsdp.train.parallelize import apply_ac
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     ac, how = name.split(":")
     torch._dynamo.reset()
@@ -165,7 +165,7 @@ def test_inductor_full_ac_refused_where_torch_lacks_the_partitioner_hook(monkeyp
     and the ways out; aot_eager, selective AC and eager are not refused."""
     from simplefsdp import _torch_compat
     from simplefsdp.errors import ConfigError
-    from simplefsdp.train.parallelize import check_composition
+    from simplefsdp.parallel.activation_checkpoint import check_composition
 
     assert _torch_compat.custom_partitioner_base() is not None  # 2.13: present
     monkeypatch.setattr(_torch_compat, "missing_inductor_options", lambda names: list(names))

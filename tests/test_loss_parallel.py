@@ -21,8 +21,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.parallel.tensor import IGNORE_INDEX
 from simplefsdp.train.__main__ import main
-from simplefsdp.train.step import IGNORE_INDEX
 
 STEPS = 3
 
@@ -52,7 +52,7 @@ def _logits(rank: int, world: int) -> list[tuple]:
     placements and local shape."""
     import simplefsdp
     from simplefsdp.config.job import load_config
-    from simplefsdp.train.llama_family import build_model
+    from simplefsdp.models.llama_family import build_model
 
     found = []
     for flag in ("true", "false"):

@@ -248,7 +248,7 @@ def _checkpoint_warnings(rank: int, world: int) -> dict[str, int]:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     import simplefsdp as sf
-    from simplefsdp.train.console import quiet_our_checkpoint_warning
+    from simplefsdp.parallel.activation_checkpoint import quiet_our_checkpoint_warning
 
     seen: list[str] = []
 

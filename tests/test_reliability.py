@@ -29,9 +29,9 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.parallel.tensor import IGNORE_INDEX
 from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import list_checkpoints
-from simplefsdp.train.step import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 

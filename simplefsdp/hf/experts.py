@@ -169,8 +169,8 @@ def expert_parallel(model: nn.Module, mesh, cfg) -> None:
     not dividing the experts."""
     from ..data_parallel import data_parallel
     from ..mesh import ParallelDims
+    from ..models.parallelize import dp_options
     from ..parallel.expert import split_experts
-    from ..train.parallelize import dp_options
 
     ep = cfg.parallel.ep
     found = experts_modules(model)

@@ -328,3 +328,24 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
            "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
            "set_token_group", "shard_experts", "split_experts"]
+
+
+# A mixture of experts' figures per step (our MoE and Hugging Face MoE folders):
+# ``expert_figures``.
+MOE_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
+
+
+def expert_figures(loads: torch.Tensor, step_aux: torch.Tensor | None,
+                   device: torch.device) -> dict[str, float]:
+    """A mixture of experts' step figures (:data:`MOE_COLUMNS`): ``aux_loss``, the
+    balance loss added to the step's loss (coefficient applied; ``step_aux`` is this
+    rank's token-weighted share, summed here over every rank: an all-reduce; None: 0),
+    ``expert_load_max_mean``, the busiest expert's slots over the mean per expert in the
+    worst layer (``loads``: (layers, E) slots per expert, already summed over the ranks;
+    1 is balanced), and ``tokens_dropped``, 0 (dropless routing)."""
+    aux = torch.zeros((), device=device) if step_aux is None else step_aux.clone()
+    dist.all_reduce(aux)
+    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
+        else torch.ones(())
+    return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
+            "tokens_dropped": 0.0}

@@ -157,7 +157,7 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
     of the activations over-counts it). Otherwise they are left out, since their traced
     size is not the planned one (an upper bound)."""
     from .._torch_compat import FakeTensorMode
-    from ..train.step import loss_context, token_loss_sum
+    from ..parallel.tensor import loss_context, token_loss_sum
     from .trace import (
         _job,
         build_model,

@@ -20,8 +20,8 @@ from ..config.job import JobConfig
 from ..errors import ConfigError
 from ..hardware import GiB, gpu_profile
 from ..models.llama import flops_per_token
-from ..train.parallelize import ac_mode_run
-from ..train.pipeline import stage_layers
+from ..parallel.activation_checkpoint import ac_mode_run
+from ..parallel.pipeline import stage_layers
 from . import context, memory, moe, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
@@ -158,7 +158,8 @@ def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int, micro: int,
 
 def _as_run(cfg: JobConfig) -> JobConfig:
     """``cfg`` with the activation checkpointing its blocks get (a compiled mixture of
-    experts recomputes whole blocks under ``selective``: ``parallelize.ac_mode_run``)."""
+    experts recomputes whole blocks under ``selective``:
+    ``parallel.activation_checkpoint.ac_mode_run``)."""
     mode = ac_mode_run(cfg.activation_checkpoint.mode, cfg.compile.enable,
                        fullgraph=cfg.model.family_entry().fullgraph)
     return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(

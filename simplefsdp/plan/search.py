@@ -34,7 +34,7 @@ from ..config.job import JobConfig, ParallelConfig
 from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
-from ..train.pipeline import stage_layers
+from ..parallel.pipeline import stage_layers
 from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict
 

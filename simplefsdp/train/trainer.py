@@ -41,7 +41,11 @@ from ..corpus.text import Tokenizer
 from ..errors import ConfigError
 from ..mesh import Coords
 from ..models.llama import num_params
+from ..optim import build_optimizer
+from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
 from ..parallel.context import cp_batches
+from ..parallel.pipeline import build_schedule
+from ..parallel.tensor import token_loss_sum
 from . import preflight
 from .checkpoint import (
     CheckpointManager,
@@ -58,16 +62,14 @@ from .console import (
     compile_summary,
     done_line,
     preempted,
-    quiet_our_checkpoint_warning,
     start_line,
 )
 from .elastic import init_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
-from .pipeline import build_schedule
 from .run import Setup, TrainResult
-from .step import build_optimizer, token_loss_sum, train_step
+from .step import train_step
 from .watchdog import Watchdog, phase
 
 

@@ -43,10 +43,17 @@ from ..errors import ConfigError, config_errors
 from ..mesh import ParallelDims
 from ..models import moe, registry
 from ..models.llama import flops_per_token
-from ..parallel.expert import apply_ep, check_ep, set_token_group, shard_experts
+from ..parallel.activation_checkpoint import ac_mode_run
+from ..parallel.expert import (
+    MOE_COLUMNS,
+    apply_ep,
+    check_ep,
+    expert_figures,
+    set_token_group,
+    shard_experts,
+)
 from .llama_family import build_model
-from .metrics import MOE_COLUMNS, expert_figures
-from .parallelize import ac_mode_run, dp_options, parallelize, with_fp32_modules
+from .parallelize import dp_options, parallelize, with_fp32_modules
 
 ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
 

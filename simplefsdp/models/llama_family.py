@@ -1,5 +1,5 @@
 """Our Llama as a model family of ``models.registry``: built on meta, split into pipeline
-stages, parallelized (``parallelize.py``), then initialized from ``training.seed`` or
+stages, parallelized (``models/parallelize.py``), then initialized from ``training.seed`` or
 loaded from a Hugging Face Llama folder (``model.init_from_hf``, converted by
 ``hf.convert``).
 
@@ -31,8 +31,8 @@ from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
 from ..models.moe import MOE_PRESETS
+from ..parallel.pipeline import split_stage
 from .parallelize import parallelize
-from .pipeline import split_stage
 
 
 @torch.no_grad()
