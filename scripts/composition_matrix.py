@@ -118,7 +118,8 @@ CI_CELLS = [  # 10 cells, 3 of them Inductor (the costly backend): the fewest fo
 
 def refused(cell: Cell) -> bool:
     """Cells the library refuses up front on this torch
-    (parallel.activation_checkpoint.check_composition): full AC under Inductor where Inductor has no ``custom_partitioner_fn`` (none on 2.13)."""
+    (parallel.activation_checkpoint.check_composition): full AC under Inductor where
+    Inductor has no ``custom_partitioner_fn`` (none on 2.13)."""
     from simplefsdp._torch_compat import custom_partitioner_base
 
     return cell.ac == "full" and cell.backend == "inductor" and custom_partitioner_base() is None
