@@ -122,11 +122,6 @@ def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(folder: str | Path) -> tuple[int, Path] | None:
-    found = list_checkpoints(folder)
-    return found[-1] if found else None
-
-
 def remove_partial(folder: str | Path) -> list[Path]:
     """Delete leftover ``step-<N>.tmp`` folders (saves that never finished); returns them.
     Call on one rank, before any save starts."""
