@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from ._torch_compat import flatten_mesh, slice_flattened
 
@@ -418,3 +419,8 @@ def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
             mine = group
     return mine
 
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (``to_local()``); a plain tensor as it is. The one
+    helper for code that works on sharded and unsharded tensors alike."""
+    return t.to_local() if isinstance(t, DTensor) else t

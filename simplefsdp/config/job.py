@@ -17,7 +17,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+import torch
 
 from ..errors import ConfigError, choices, config_errors, require
 from ..mesh import ParallelDims
@@ -29,6 +31,8 @@ from .reader import config_help as help_text
 from .reader import read_config, split_argv
 
 DType = Literal["float32", "bfloat16"]
+# The one map from a config's dtype name to torch's (derived from ``DType``).
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(DType)}
 Device = Literal["cpu", "cuda"]
 CompileBackend = Literal["inductor", "aot_eager"]
 # Every process group's timeout: a hung collective fails after this instead of waiting.

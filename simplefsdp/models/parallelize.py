@@ -34,7 +34,7 @@ import simplefsdp
 
 from .._torch_compat import raise_recompile_limits
 from ..compiler.cost.state import optimizer_state_bytes
-from ..config.job import PG_TIMEOUT_S, JobConfig
+from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
 from ..errors import ConfigError
 from ..mesh import ParallelDims, stage_group
 from ..optim import OPTIMIZER
@@ -48,8 +48,6 @@ from ..parallel.tensor import apply_tp
 from ..state_dict import unwrapped_name
 from .llama import Transformer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def dp_options(cfg: JobConfig) -> dict:
     """``data_parallel``'s keyword arguments from ``[training]`` and ``[parallel]`` (the
@@ -57,8 +55,8 @@ def dp_options(cfg: JobConfig) -> dict:
     sharded on their own mesh first (``moe_family``)."""
     t, p = cfg.training, cfg.parallel
     mp = simplefsdp.MixedPrecisionPolicy(
-        param_dtype=_DTYPES[t.mixed_precision_param],
-        reduce_dtype=_DTYPES[t.mixed_precision_reduce])
+        param_dtype=DTYPES[t.mixed_precision_param],
+        reduce_dtype=DTYPES[t.mixed_precision_reduce])
     return {"mode": p.dp_mode, "mp_policy": mp, "reshard_after_forward": p.reshard,
             "reduce_op": "sum"}
 

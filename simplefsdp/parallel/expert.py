@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._torch_compat import all_to_all_single_autograd, flatten_mesh
-from ..mesh import CP_DIMS, ParallelDims
+from ..mesh import CP_DIMS, ParallelDims, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers
 
 
@@ -210,7 +210,7 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> tor
     dim) grouped by global expert, ``counts`` (E,) -> the slots through their experts.
     The weights are read here (their data-parallel gathers) and exchanged in
     :func:`_dispatch`."""
-    return _dispatch(x, counts, _local(experts.gate_up_proj), _local(experts.down_proj),
+    return _dispatch(x, counts, local_shard(experts.gate_up_proj), local_shard(experts.down_proj),
                      experts._sf_ep_group)
 
 
@@ -306,10 +306,6 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     if _kept is None:
         return _all_to_all(x, output_splits, input_splits, group)
     return _kept.exchange(x, output_splits, input_splits, group)
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:

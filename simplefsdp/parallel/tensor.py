@@ -21,10 +21,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ..config.job import check_tp
 from ..errors import ConfigError
+from ..mesh import local_shard
 from ..models.llama import Transformer
 from .expert import is_moe, moe_tp_plan
 
@@ -110,7 +110,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     returned as a plain tensor, the same on every tensor-parallel rank."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return local_shard(loss)
 
 
 def loss_context(vocab_sharded: bool):

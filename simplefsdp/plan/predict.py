@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..config.job import JobConfig
 from ..errors import ConfigError
-from ..hardware import GiB, gpu_profile
+from ..hardware import GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
@@ -228,6 +228,6 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
-        tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
+        tps, model_flops_utilization(flops_per_token(args, t.seq_len), tps, dev.spec.bf16_flops),
         reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep,
         p.cp_ring, p.cp_ulysses, p.cp_rotate)

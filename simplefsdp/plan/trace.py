@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..config.job import JobConfig
+from ..config.job import DTYPES, JobConfig
 from ..models.llama import ModelArgs, Transformer
 from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
 from ..models.parallelize import parallelize
@@ -197,7 +197,7 @@ def build_model(key: TraceKey):
         if isinstance(module, MultiHeadLatentAttention):
             module.core = fused_kernel_attention
     mesh = key_mesh(key)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
+    dtype = DTYPES[key.param_dtype]
     return parallelize(model, mesh, _job(key)), args, dtype
 
 

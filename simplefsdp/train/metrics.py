@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..hardware import gpu_peak_flops
+from ..hardware import gpu_peak_flops, model_flops_utilization
 
 
 @functools.cache
@@ -162,7 +162,8 @@ class MetricsLogger:
         if not self.active:
             return None
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time_s, 1e-9)
-        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world)
+        mfu = model_flops_utilization(self.flops_per_token, tokens_per_s,
+                                      self.peak * self.world)
         _, mem = peak_memory(self.device)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                "tokens_per_s": tokens_per_s, "mfu_pct": 100 * mfu,

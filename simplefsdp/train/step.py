@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..mesh import local_shard
 from ..parallel.pipeline import aux_loss_stage
 from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
 from .guard import NonFiniteError, step_flags
@@ -45,7 +46,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
+        groups.setdefault(key, []).append(local_shard(g))
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for key, local in groups.items():
@@ -123,7 +124,7 @@ def scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
     for param in params:
         if param.grad is not None:
             grad = param.grad
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+            local_shard(grad).mul_(factor)
 
 
 def train_step(s: Setup, step: int, batches: list[Batch], stop_requested: bool
