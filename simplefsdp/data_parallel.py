@@ -20,7 +20,6 @@ collective on one rank only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal
@@ -56,6 +55,7 @@ from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .mesh import ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
+from .module_swap import derived_class
 
 Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
 MODES = ("fully_shard", "replicate", "hybrid_shard")
@@ -282,12 +282,11 @@ def _make_property(name: str) -> property:
     return property(get)
 
 
-@functools.cache
 def _parametrized_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
-    """A subclass of ``cls`` whose parameter names are gathering properties (cached, so
-    modules of one class share one subclass and pickling stays possible by class)."""
-    attrs = {name: _make_property(name) for name in names}
-    return type(f"{_CLASS_PREFIX}{cls.__name__}", (cls,), attrs)
+    """A subclass of ``cls`` whose parameter names are gathering properties (one per
+    class and names: ``module_swap.derived_class``)."""
+    return derived_class(cls, _CLASS_PREFIX, key=names,
+                         attrs={name: _make_property(name) for name in names})
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .._torch_compat import all_to_all_single_autograd, flatten_mesh
 from ..mesh import CP_DIMS, ParallelDims, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers
+from ..module_swap import derived_class
 
 
 def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
@@ -67,8 +68,8 @@ def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
     ep_mesh = experts_mesh["ep"]
     for layer in layers:
         split_experts(layer.experts, ep_mesh)
-        layer.experts.__class__ = _subclass(type(layer.experts), ExpertParallelExperts,
-                                             "ExpertParallel")
+        layer.experts.__class__ = derived_class(type(layer.experts), "ExpertParallel",
+                                                ExpertParallelExperts)
 
 
 def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -149,7 +150,7 @@ class _ReplicateRouter(ParallelStyle):
         module._parameters["weight"] = nn.Parameter(
             distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
             requires_grad=weight.requires_grad)
-        module.__class__ = _subclass(type(module), TensorParallelRouter, "TensorParallel")
+        module.__class__ = derived_class(type(module), "TensorParallel", TensorParallelRouter)
         return module
 
 
@@ -181,17 +182,6 @@ def set_token_group(model: nn.Module, mesh: DeviceMesh) -> None:
              ).get_group()
     for layer in moe_layers(model):
         layer.token_group, layer.loss_copies = group, mesh["tp"].size()
-
-
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def _subclass(cls: type[nn.Module], mixin: type[nn.Module], prefix: str) -> type[nn.Module]:
-    """``cls`` with ``mixin``'s methods first, named ``prefix`` + its name (one subclass per
-    pair: a module's class is swapped in place, its state and parameters kept)."""
-    if (cls, mixin) not in _SUBCLASSES:
-        _SUBCLASSES[cls, mixin] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
-    return _SUBCLASSES[cls, mixin]
 
 
 class ExpertParallelExperts(nn.Module):
