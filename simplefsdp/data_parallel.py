@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,8 @@ from .mesh import ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
 
-Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
-MODES = ("fully_shard", "replicate", "hybrid_shard")
+Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
+MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
 _CLASS_PREFIX = "SimpleFSDP"
 # The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
 # process groups of the collectives our parametrization issues: set at trace time
