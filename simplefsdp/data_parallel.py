@@ -53,19 +53,13 @@ from ._torch_compat import (
 )
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
-from .mesh import ParallelDims
+from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
 
 Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
 _CLASS_PREFIX = "SimpleFSDP"
-# The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
-# process groups of the collectives our parametrization issues: set at trace time
-# (``torch.fx.traceback.annotate``, which AOTAutograd carries onto the backward's
-# reductions and the recomputed gathers), read by the compiler's passes, which touch only
-# those collectives, never tensor/sequence-parallel, pipeline or user ones.
-DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,6 +43,14 @@ CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring
 DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
 
 
+# The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
+# process groups of the collectives our parametrization issues: set at trace time
+# (``torch.fx.traceback.annotate``, which AOTAutograd carries onto the backward's
+# reductions and the recomputed gathers), read by the compiler's passes, which touch only
+# those collectives, never tensor/sequence-parallel, pipeline or user ones.
+DP_GROUPS_META = "simplefsdp_data_parallel_groups"
+
+
 @dataclass(frozen=True)
 class Coords:
     """One rank's coordinates in the mesh, and what follows from them."""

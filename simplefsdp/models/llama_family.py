@@ -126,6 +126,17 @@ def _export(cfg: JobConfig, model: nn.Module, tokenizer) -> Path | None:
     return export_llama(cfg, model, tokenizer)
 
 
+def _flops_per_token(cfg: JobConfig, model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of the config's model (an MoE: its activated parameters,
+    ``MoEArgs.ffn_matmul_params``); the MoE family's entry too."""
+    return flops_per_token(cfg.model.model_args(), seq_len)
+
+
+def _fingerprint(cfg: JobConfig) -> dict:
+    """The model's arguments, which a checkpoint is written for; the MoE family's too."""
+    return dataclasses.asdict(cfg.model.model_args())
+
+
 registry.register(registry.ModelFamily(
     name="llama",
     validate=_validate,
@@ -134,9 +145,8 @@ registry.register(registry.ModelFamily(
     tokenizer=_tokenizer,
     check_tokenizer=_check_tokenizer,
     convert=_convert,
-    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
-                                                                seq_len),
-    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    flops_per_token=_flops_per_token,
+    fingerprint=_fingerprint,
     export=_export,
     context_parallel=True,
 ))

@@ -32,7 +32,6 @@ folder) or under PP.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -42,7 +41,6 @@ from ..config.job import JobConfig
 from ..errors import ConfigError, config_errors
 from ..mesh import ParallelDims
 from ..models import moe, registry
-from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.expert import (
     MOE_COLUMNS,
@@ -203,9 +201,8 @@ registry.register(registry.ModelFamily(
     check_tokenizer=_llama.check_tokenizer,
     convert=None,
     # activated parameters: router, top-k experts, shared expert (MoEArgs.ffn_matmul_params)
-    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
-                                                                seq_len),
-    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    flops_per_token=_llama.flops_per_token,
+    fingerprint=_llama.fingerprint,
     export=_export,
     fullgraph=FULLGRAPH,
     context_parallel=True,
