@@ -30,6 +30,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from .._torch_compat import profiler_events
+from .._torch_compat.internals import C10D_FUNCTIONAL
 from ..compiler.collectives import collective_kind
 from ..mesh import local_shard
 
@@ -94,7 +95,7 @@ def _blocks(name: str) -> bool:
     """Whether the caller is blocked in communication while this op runs: a c10d
     collective (eager or issued by a functional one) or a functional collective / its
     ``wait_tensor``."""
-    return name.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")) \
+    return name.startswith(("c10d::", f"{C10D_FUNCTIONAL}::", "c10d_functional::")) \
         or name.endswith("::wait_tensor")
 
 

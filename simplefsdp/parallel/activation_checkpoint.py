@@ -30,6 +30,14 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._torch_compat import checkpoint_wrapper, custom_partitioner_base
+from .._torch_compat.internals import (
+    CHECKPOINT_CONTEXT_FN_FRAME,
+    CHECKPOINT_CONTEXT_FN_LOGGER,
+    attention_ops,
+    checkpoint_keywords,
+    checkpointed_inner,
+    set_checkpoint_keywords,
+)
 from ..compiler.collectives import CollectiveKind
 from ..errors import ConfigError
 from .expert import holds_experts, keep_exchanges
@@ -40,11 +48,8 @@ def _saved_ops() -> set:
     reduce-scatters (not the FSDP all-gathers: those must be recomputed), ``max``; and
     matmuls, of which ``_selective_policy`` keeps every other one."""
     aten = torch.ops.aten
-    names = ["mm", "max", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
-    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
-    return ops | {CollectiveKind.REDUCE_SCATTER.op}
+    return {aten.mm.default, aten.max.default, *attention_ops(),
+            CollectiveKind.REDUCE_SCATTER.op}
 
 
 def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func,
@@ -142,17 +147,17 @@ def compile_checkpointed_blocks(model: nn.Module, backend) -> None:
     Dynamo traces its checkpoint into the graph, where ``context_fn`` must make dispatch
     modes, so it gets none (full AC, as the graphs of a routed block)."""
     for block in getattr(model, "layers", {}).values():
-        inner = getattr(block, "_checkpoint_wrapped_module", None)
+        inner = checkpointed_inner(block)
         if inner is None:
             continue
         inner.compile(backend=backend)
-        fn, keywords = block.checkpoint_fn, dict(block.checkpoint_fn.keywords)
+        keywords = checkpoint_keywords(block)
         if keywords.get("context_fn") is not None:  # selective
             if _routes_tokens(block):  # its checkpoint runs eagerly, around the dispatch
                 keywords["context_fn"] = keep_exchanges
             else:  # traced whole: compile takes dispatch-mode contexts only; as full
                 del keywords["context_fn"]
-            block.checkpoint_fn = functools.partial(fn.func, *fn.args, **keywords)
+            set_checkpoint_keywords(block, keywords)
 
 
 def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -> None:
@@ -178,7 +183,6 @@ def check_composition(ac_mode: str, compiled: bool, backend: str = "inductor") -
 # the planner print it on every rank, and the user can do nothing about it.
 _CONTEXT_FN_WARNING = re.compile(
     r"\s*Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile")
-_CONTEXT_FN_LOGGER = "torch._higher_order_ops.wrap"  # where torch logs it
 _IN_PLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
                        operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
                        operator.iand, operator.ior, operator.ixor, operator.ilshift,
@@ -227,8 +231,8 @@ class _OurCheckpointRegions(logging.Filter):
             return True
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code.co_name == "tag_activation_checkpoint_impl" and \
-                    frame.f_globals.get("__name__") == _CONTEXT_FN_LOGGER:
+            if frame.f_code.co_name == CHECKPOINT_CONTEXT_FN_FRAME and \
+                    frame.f_globals.get("__name__") == CHECKPOINT_CONTEXT_FN_LOGGER:
                 fn, region = frame.f_locals.get("context_fn"), frame.f_locals.get("gmod")
                 ours = any(fn is mine for mine in _our_context_fns())
                 return not (ours and isinstance(region, nn.Module) and
@@ -240,7 +244,7 @@ class _OurCheckpointRegions(logging.Filter):
 def quiet_our_checkpoint_warning() -> logging.Filter:
     """Install (once per process) the filter of torch's warning about our checkpointed
     regions; the trainer, the planner and the benchmark call it before compiling."""
-    logger = logging.getLogger(_CONTEXT_FN_LOGGER)
+    logger = logging.getLogger(CHECKPOINT_CONTEXT_FN_LOGGER)
     for existing in logger.filters:
         if isinstance(existing, _OurCheckpointRegions):
             return existing

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._torch_compat import all_to_all_single_autograd, flatten_mesh
+from .._torch_compat.internals import module_style
 from ..mesh import CP_DIMS, ParallelDims, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers
 from ..module_swap import derived_class
@@ -130,7 +130,7 @@ def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
     plan = {prefix: PrepareModuleInput(input_layouts=(Shard(1),),
                                        desired_input_layouts=(Shard(1),),
                                        use_local_output=True),
-            f"{prefix}.gate": _ReplicateRouter()}
+            f"{prefix}.gate": module_style(_replicate_router)}
     if moe.shared_expert is not None:
         plan.update({f"{prefix}.shared_expert": PrepareModuleInput(
                          input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -140,18 +140,16 @@ def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
     return plan
 
 
-class _ReplicateRouter(ParallelStyle):
+def _replicate_router(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """The router's weight becomes a ``Replicate`` DTensor on the TP mesh (the router
-    computes on local tokens: :class:`TensorParallelRouter`)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        weight = module._parameters["weight"]
-        src = None if weight.device.type == "meta" else 0
-        module._parameters["weight"] = nn.Parameter(
-            distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
-            requires_grad=weight.requires_grad)
-        module.__class__ = derived_class(type(module), "TensorParallel", TensorParallelRouter)
-        return module
+    computes on local tokens: :class:`TensorParallelRouter`); a ``ParallelStyle``'s work."""
+    weight = module._parameters["weight"]
+    src = None if weight.device.type == "meta" else 0
+    module._parameters["weight"] = nn.Parameter(
+        distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
+        requires_grad=weight.requires_grad)
+    module.__class__ = derived_class(type(module), "TensorParallel", TensorParallelRouter)
+    return module
 
 
 class TensorParallelRouter(nn.Module):
