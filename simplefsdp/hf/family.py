@@ -19,6 +19,11 @@ def _validate(cfg) -> None:
     context.check_config(cfg)  # parallel.cp_ring / cp_ulysses: does the model fit
 
 
+def _fingerprint(cfg) -> dict:
+    """What a checkpoint is written for: the model's folder."""
+    return {"hf_path": str(Path(cfg.model.hf_path).resolve())}
+
+
 def _export(cfg, model, tokenizer) -> Path | None:
     return hooks.export_hf_model(cfg, model, tokenizer) if cfg.checkpoint.export_hf else None
 
@@ -32,7 +37,7 @@ registry.register(registry.ModelFamily(
     check_tokenizer=hooks.check_vocab,
     convert=None,  # the folder's names, through transformers' own mapping (``hf.conversion``)
     flops_per_token=hooks.flops_per_token,
-    fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
+    fingerprint=_fingerprint,
     export=_export,
     context_parallel=True,  # Llama-family attention through hf.context
     expert_parallel=True,  # parallel.ep on a folder with fused MoE experts (hf.experts)
