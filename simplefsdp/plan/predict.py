@@ -70,15 +70,15 @@ def _extrapolate(one: float, two: float, n: int) -> float:
 
 # compiled graphs' peak -> the saved bytes it grows with, block by block. The eager
 # replay's peak keeps the linear rule: eager prefetches nothing, and the rule fits
-# the published eager runs better than the saved slope does (figures: README, Planning).
+# the eager runs better than the saved slope does (figures: docs/performance.md).
 PEAK_GROWS_WITH = {"forward_peak": "saved", "backward_peak": "saved"}
 
 
 def peak_extrapolation(one: dict, two: dict, n: int) -> dict:
     """Figures of an ``n``-block stage from its 1- and 2-block traces (module docstring).
-    Extrapolating peaks linearly counted one more transient per block: with reordering,
-    the 2-block trace holds two gathered blocks at its peak and the 1-block trace one
-    (the error it made: README, Planning)."""
+    Compiled peaks grow with the saved bytes, not linearly: with reordering, the 2-block
+    trace holds two gathered blocks at its peak and the 1-block trace one, so a linear
+    rule would count one more transient per block."""
     out = {k: _extrapolate(one[k], two[k], n) for k in one}
     if n >= 2:
         for peak, saved in PEAK_GROWS_WITH.items():
