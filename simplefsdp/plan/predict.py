@@ -22,7 +22,7 @@ from ..hardware import GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
-from . import context, memory, moe, timing
+from . import memory, moe, ring_pass, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
 
@@ -105,8 +105,8 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
                                       ffn_tp)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
-        # the ring pass's shifts, hidden behind each step's attention (``plan.context``)
-        ring = sum(context.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
+        # the ring pass's shifts, hidden behind each step's attention (``plan.ring_pass``)
+        ring = sum(ring_pass.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
         fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
                "exposed": sum(e for _, e in times) + ring, "ring_exposed": ring}
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps

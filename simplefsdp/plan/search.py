@@ -41,7 +41,7 @@ from .predict import CONTEXT_BYTES, Prediction, predict
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
 # neither wins everywhere: the ring pass hides its shifts behind attention and, eager,
 # keeps one K/V block for backward instead of the gathered sequence, but sends the blocks
-# again in backward with their gradients (``plan.context``)
+# again in backward with their gradients (``plan.ring_pass``)
 ROTATIONS = get_args(get_type_hints(ParallelConfig)["cp_rotate"])
 
 
