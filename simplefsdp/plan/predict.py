@@ -180,19 +180,20 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     # exchanges while its graphs recompute whole: ``_as_run``)
     moe_ac = cfg.activation_checkpoint.mode
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
+    dims = p.dims()  # the layout's one view
     t, args = cfg.training, cfg.model.model_args()
     micro = p.microbatches
     mb = t.batch_size // micro
-    fabric = timing.MeshLinks(dev, p.dims(), gpus_per_node)
+    fabric = timing.MeshLinks(dev, dims, gpus_per_node)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.rank_params(args, role, f["layers"], p.dims(), p.dp_mode)
+        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode)
         states = memory.states_bytes(params)
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
-        tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
-        routed, elem = moe.routed_tokens(tokens, p.dims()), memory.activation_elem_bytes(t)
+        tokens = memory.rank_tokens(mb, t.seq_len, dims)
+        routed, elem = moe.routed_tokens(tokens, dims), memory.activation_elem_bytes(t)
         a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric)
         step = f["seconds"] + a2a + moe.permute_seconds(
             args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep)
@@ -223,7 +224,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "routed_saved_gib": kept / GiB,
                         "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps}
     reserved = active * (1 + ALLOC_OVERHEAD)
-    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp
     tps = tokens / seconds / gpus
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
