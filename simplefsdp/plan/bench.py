@@ -65,4 +65,10 @@ def predicted_peaks(variants: list[str], model: ModelConfig, batch_size: int, se
     if all(cfg is None for cfg in jobs.values()):
         return dict.fromkeys(variants)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_peaks, (jobs, world_size))
+        peaks = pool.apply(_peaks, (jobs, world_size))
+        # The worker exits on its own: the with block's terminate() would kill it before
+        # its finalizers run, leaking the semaphore its tqdm lock holds (the resource
+        # tracker's "leaked semaphore objects" warning at the benchmark's end).
+        pool.close()
+        pool.join()
+    return peaks
