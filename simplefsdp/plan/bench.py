@@ -49,7 +49,12 @@ def predicted_peak_bytes(variant: str, model: ModelConfig, batch_size: int, seq_
 
 
 def _peaks(jobs: dict, world_size: int) -> dict[str, int | None]:
+    from ..train.console import quiet_our_checkpoint_warning
     from .predict import predict
+
+    # This runs in a fresh pool process, which has none of the caller's log filters:
+    # without it torch warns about our checkpointed gather on the benchmark's console.
+    quiet_our_checkpoint_warning()
 
     return {name: None if cfg is None else int(predict(cfg, world_size).peak_memory_gib
                                                * 2**30) for name, cfg in jobs.items()}
