@@ -353,6 +353,7 @@ def test_every_documented_command_passes_its_check(scratch):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.quick
 def test_every_path_the_docs_name_exists():
     problems = []
     for doc in [*DOCS, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md",
@@ -370,6 +371,7 @@ def test_config_reference_is_current():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.quick
 def test_readme_is_short_and_undated():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, len(lines)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.quick  # bare venvs, no torch import: seconds
 
 
 def _venv(folder: Path, torch_version: str | None) -> Path:
