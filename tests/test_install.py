@@ -8,6 +8,7 @@ installed (``quiet_pip`` is replaced by a function that prints what it was asked
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -83,3 +84,24 @@ def test_the_scripts_use_the_policy_and_pyproject_agrees():
     low = re.search(r'TORCH_MIN="([\d.]+)"', pip_sh).group(1)
     high = re.search(r'TORCH_BELOW="([\d.]+)"', pip_sh).group(1)
     assert f'"torch>={low},<{high}"' in pyproject  # one range, said in both places
+
+
+@pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the checkout")
+def test_pip_install_hf_resolves_against_the_tested_versions(tmp_path):
+    """``pip install -e ".[hf]"`` (docs/installation.md) with this environment's packages
+    (the versions CI tests: torch 2.13, transformers 5): pip's resolver, offline and in
+    dry-run, must find every bound of pyproject.toml satisfied, installing nothing but
+    the package itself. A bound that excludes a tested version fails here."""
+    import json
+
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PIP_ROOT_USER_ACTION="ignore", PIP_FIND_LINKS="",
+               PIP_EXTRA_INDEX_URL="", PIP_CONSTRAINT="")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+         "--no-build-isolation", "--quiet", "--report", str(report), "-e", ".[hf,train,dev]"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    planned = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert planned == ["simplefsdp"], planned
+    assert 'pip install -e ".[hf]"' in (ROOT / "docs" / "installation.md").read_text()
