@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Set up (CPU torch 2.13.0, the package, test tools) and run the whole test suite.
+# Set up (torch: a supported installed one is kept, 2.13.0 installed only where none is;
+# the package with its test tools), check style, and run the tests.
+#   bash scripts/test.sh            the whole suite (what CI runs; about 45 min on 2 cores)
+#   bash scripts/test.sh --quick    the tests marked `quick` (pytest -m quick): minutes
+# Other arguments go to pytest, e.g. bash scripts/test.sh tests/test_docs.py -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-source scripts/pip.sh  # quiet_pip: pip install -q, without the root warning
-quiet_pip "torch==2.13.0"
+source scripts/pip.sh  # ensure_torch, quiet_pip (pip install -q without the root warning)
+ensure_torch
 quiet_pip -e ".[dev]"
 ruff check .
-python -m pytest -q --durations=40 "$@"
+
+tier=()
+if [[ "${1:-}" == "--quick" ]]; then
+    shift
+    tier=(-m quick)
+fi
+python -m pytest -q --durations=40 "${tier[@]}" "$@"

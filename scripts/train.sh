@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Set up (CPU torch 2.13.0, the package with its training extras) and run the default
-# training job: the debug Llama on Shakespeare, 2 CPU processes, ~200 steps.
+# Set up (torch: a supported installed one is kept, 2.13.0 installed only where none is;
+# the package with its training extras) and run the default training job: the debug
+# Llama on Shakespeare, 2 CPU processes, 200 steps.
 # Extra arguments are config overrides, e.g.:
 #   bash scripts/train.sh --training.steps 50 --metrics.output_dir outputs/short
 # Output (metrics.csv, loss.png, memory.png) goes to outputs/ unless overridden; the last
 # two lines of a run say its loss and where everything went. A configuration error stops
-# before anything starts, with exit status 78.
+# before anything starts, with exit status 78. Exit statuses: docs/training.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-source scripts/pip.sh  # quiet_pip: pip install -q, without the root warning
-quiet_pip "torch==2.13.0"
+source scripts/pip.sh  # ensure_torch, quiet_pip (pip install -q without the root warning)
+ensure_torch
 quiet_pip -e ".[train]"
 
 NPROC=2

@@ -25,7 +25,7 @@ from .launch import run_fake, run_spawned, run_torchrun, under_torchrun
 from .variants import VARIANTS
 
 # Our compiled variants checkpoint the gather: torch's warning about our checkpointed
-# regions is noise, here and in the spawned ranks (which import this module again).
+# regions is noise (each rank installs the filter too: launch.main_for_rank).
 quiet_our_checkpoint_warning()
 
 

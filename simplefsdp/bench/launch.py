@@ -33,8 +33,15 @@ from .config import BenchConfig
 def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
                   backend: str) -> Path | None:
     """Run the benchmark on this rank; rank 0 prints the table and writes the outputs."""
+    from ..train.console import quiet_our_checkpoint_warning
+    from .measure import quiet_profiler_log
     from .report import format_table, header_lines, legend, summarize, write_outputs
     from .runner import run_benchmark
+
+    # In every rank however it was started: spawned ranks do not import __main__ again
+    # (multiprocessing skips a package's __main__), so its filter is not theirs.
+    quiet_our_checkpoint_warning()
+    quiet_profiler_log()
 
     raw = run_benchmark(cfg, rank, world, fake=backend == "fake", local_world=local_world)
     if raw is None:

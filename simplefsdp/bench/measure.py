@@ -22,6 +22,7 @@ variant are reused by the next and RSS high-water marks cannot be attributed.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -33,6 +34,20 @@ from .._torch_compat import profiler_events
 from .._torch_compat.internals import C10D_FUNCTIONAL
 from ..compiler.collectives import collective_kind
 from ..mesh import local_shard
+
+# Kineto (the profiler's C++ side) prints "USDT: ... profiler_start" and "profiler_stop"
+# on stderr around every profiled step. Its log level is read from KINETO_LOG_LEVEL when
+# the first profile starts; its levels run VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4,
+# USDT 5, so only 6 leaves the USDT lines out (and kineto's own errors with them; the
+# measurements check what they read). A level the user set is kept.
+KINETO_QUIET_LEVEL = "6"
+
+
+def quiet_profiler_log() -> None:
+    """Keep kineto's per-step start/stop lines off the benchmark's console (this process
+    only, before its first profile), unless ``KINETO_LOG_LEVEL`` is set already."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
+
 
 PROFILED_STEPS = 3  # CPU: the transient peak is the smallest of this many profiled steps
 CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "

@@ -177,14 +177,25 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
         except Exception as e:  # noqa: BLE001 - recorded, the others go on
             error = _error_text(e)
             expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting
-            detail = error if expected else traceback.format_exc()
-            print(f"[bench rank {rank}] building {name} failed: {detail}", file=sys.stderr)
+            if not expected:  # a bug: every rank's traceback
+                print(f"[bench rank {rank}] building {name} failed: "
+                      f"{traceback.format_exc()}", file=sys.stderr)
+            elif rank == 0:  # a refused setting: every rank refuses alike, say it once
+                print(f"[bench] {name} unavailable: {error}", flush=True)
         if _agree_failed(control, name, error, failed):
             continue
         live.append(_Live(spec, built, optimizer))
 
     profiled = range(2, cfg.bench.warmup)  # after the compile and the settling step
-    for i in range(cfg.bench.warmup + cfg.bench.steps):
+    total, started = cfg.bench.warmup + cfg.bench.steps, time.perf_counter()
+    if rank == 0:
+        print(f"[bench] {len(live)} variants: {', '.join(v.spec.name for v in live)}; "
+              f"{cfg.bench.warmup} warm-up steps (the first compiles), then "
+              f"{cfg.bench.steps} measured", flush=True)
+    for i in range(total):
+        if rank == 0 and i > 0:
+            print(f"[bench] step {i}/{total} of every variant done "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
         shift = i % max(len(live), 1)
         for v in live[shift:] + live[:shift]:
             error = None

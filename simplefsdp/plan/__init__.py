@@ -15,4 +15,7 @@ def predict_isolated(cfg, gpus: int, gpu: str = "h100-sxm",
     """``predict`` in a fresh process: the planner's fake process group must not meet
     the caller's (a benchmark or a test that has its own, or will create one)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(predict, (cfg, gpus, gpu, gpus_per_node))
+        prediction = pool.apply(predict, (cfg, gpus, gpu, gpus_per_node))
+        pool.close()  # the worker exits on its own, so its semaphores are released
+        pool.join()   # (terminate() would kill it first; see plan/bench.py)
+    return prediction

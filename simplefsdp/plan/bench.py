@@ -49,7 +49,12 @@ def predicted_peak_bytes(variant: str, model: ModelConfig, batch_size: int, seq_
 
 
 def _peaks(jobs: dict, world_size: int) -> dict[str, int | None]:
+    from ..train.console import quiet_our_checkpoint_warning
     from .predict import predict
+
+    # This runs in a fresh pool process, which has none of the caller's log filters:
+    # without it torch warns about our checkpointed gather on the benchmark's console.
+    quiet_our_checkpoint_warning()
 
     return {name: None if cfg is None else int(predict(cfg, world_size).peak_memory_gib
                                                * 2**30) for name, cfg in jobs.items()}
@@ -65,4 +70,10 @@ def predicted_peaks(variants: list[str], model: ModelConfig, batch_size: int, se
     if all(cfg is None for cfg in jobs.values()):
         return dict.fromkeys(variants)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_peaks, (jobs, world_size))
+        peaks = pool.apply(_peaks, (jobs, world_size))
+        # The worker exits on its own: the with block's terminate() would kill it before
+        # its finalizers run, leaking the semaphore its tqdm lock holds (the resource
+        # tracker's "leaked semaphore objects" warning at the benchmark's end).
+        pool.close()
+        pool.join()
+    return peaks
