@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import release_mesh_groups
 from .config_reader import ConfigError
 
 
@@ -64,3 +65,17 @@ def init_distributed(device_type: str, timeout_s: float) -> bool:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     return True
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group, and their backends with them, before returning.
+
+    ``destroy_process_group`` only forgets the groups: the device meshes that DTensor's
+    caches keep alive still hold theirs, so each gloo backend's worker threads would run
+    on into interpreter exit. A worker that drops its last collective's tensors there
+    (late: a loaded host descheduled it after the collective completed) takes the GIL
+    of a finalizing interpreter, and the process aborts ("terminate called without an
+    active exception", SIGABRT) after a finished run. Dropping the meshes' references
+    destroys the backends here, joining their threads while the interpreter is whole."""
+    dist.destroy_process_group()
+    release_mesh_groups()

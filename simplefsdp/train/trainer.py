@@ -60,7 +60,7 @@ from .console import (
     start_line,
 )
 from .data import Tokenizer
-from .elastic import init_distributed
+from .elastic import init_distributed, shutdown_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
@@ -96,7 +96,7 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             return _train(cfg, batch_transform, tokenizer)
     finally:
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_distributed()  # the backends' threads joined before returning
 
 
 def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
