@@ -5,7 +5,7 @@ A rank that printed its last lines could still die at exit with SIGABRT
 groups, but the device meshes that DTensor's caches keep alive still held them, so
 every gloo backend (a transport thread and two worker threads per group) ran on into
 interpreter exit, where a worker still holding its last collective's tensors
-(descheduled on a loaded host) touches a finalizing interpreter.
+(descheduled on a loaded host) would need the GIL of a finalizing interpreter.
 
 The check here is the cause, not the race: two real ranks (their own processes and
 process group, as torchrun starts them, so the trainer owns and shuts down the group)

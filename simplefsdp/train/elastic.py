@@ -71,11 +71,13 @@ def shutdown_distributed() -> None:
     """Destroy every process group, and their backends with them, before returning.
 
     ``destroy_process_group`` only forgets the groups: the device meshes that DTensor's
-    caches keep alive still hold theirs, so each gloo backend's worker threads would run
-    on into interpreter exit. A worker that drops its last collective's tensors there
-    (late: a loaded host descheduled it after the collective completed) takes the GIL
-    of a finalizing interpreter, and the process aborts ("terminate called without an
-    active exception", SIGABRT) after a finished run. Dropping the meshes' references
-    destroys the backends here, joining their threads while the interpreter is whole."""
+    caches keep alive still hold theirs, so every gloo backend's worker and transport
+    threads ran on into interpreter exit, the only threads left there that can touch
+    Python. A worker dropping its last collective's tensors late (a loaded host
+    descheduled it after the collective completed) needs the GIL of a finalizing
+    interpreter, the way torch's gloo backend is known to abort at exit ("terminate
+    called without an active exception", SIGABRT, after a finished run). Dropping the
+    meshes' references destroys the backends here, joining their threads while the
+    interpreter is whole."""
     dist.destroy_process_group()
     release_mesh_groups()
