@@ -35,7 +35,8 @@ __all__ = [
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
-    "replay_after_graph", "resolve_process_group", "root_mesh", "slice_flattened", "storage_key",
+    "release_mesh_groups", "replay_after_graph", "resolve_process_group", "root_mesh",
+    "slice_flattened", "storage_key",
     "StridedShard", "symint_hint", "TorchDispatchMode", "tree_flatten", "tree_map",
 ]
 
@@ -147,6 +148,31 @@ def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh):
     from torch.distributed.device_mesh import _mesh_resources
 
     return _mesh_resources.get_root_mesh(mesh)
+
+
+def release_mesh_groups() -> int:
+    """After ``destroy_process_group``: drop the process groups that DeviceMesh objects
+    still hold, and return how many were dropped.
+
+    A mesh keeps its groups in ``DeviceMesh._pg_registry`` (checked: 2.13; older
+    releases resolve groups by name and hold none), and DTensor's sharding caches keep
+    meshes alive after the model is gone, so ``destroy_process_group`` alone leaves every
+    mesh group's backend alive (on gloo: its worker and transport threads) until the
+    interpreter exits. Dropping the last reference here destroys each backend now,
+    joining its threads while the interpreter is whole. Every group is already destroyed
+    when this runs, so no mesh was usable anyway."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dropped = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if registry:
+                dropped += len(registry)
+                registry.clear()
+    return dropped
 
 
 # --- Autograd (eager_reshard.py). ---

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import release_mesh_groups
 from ..errors import ConfigError
 
 
@@ -64,3 +65,19 @@ def init_distributed(device_type: str, timeout_s: float) -> bool:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     return True
+
+
+def shutdown_distributed() -> None:
+    """Destroy every process group, and their backends with them, before returning.
+
+    ``destroy_process_group`` only forgets the groups: the device meshes that DTensor's
+    caches keep alive still hold theirs, so every gloo backend's worker and transport
+    threads ran on into interpreter exit, the only threads left there that can touch
+    Python. A worker dropping its last collective's tensors late (a loaded host
+    descheduled it after the collective completed) needs the GIL of a finalizing
+    interpreter, the way torch's gloo backend is known to abort at exit ("terminate
+    called without an active exception", SIGABRT, after a finished run). Dropping the
+    meshes' references destroys the backends here, joining their threads while the
+    interpreter is whole."""
+    dist.destroy_process_group()
+    release_mesh_groups()

@@ -64,7 +64,7 @@ from .console import (
     preempted,
     start_line,
 )
-from .elastic import init_distributed
+from .elastic import init_distributed, shutdown_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
@@ -97,7 +97,7 @@ def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
             return _train(cfg, batch_transform, tokenizer)
     finally:
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            shutdown_distributed()  # the backends' threads joined before returning
 
 
 def resolved(cfg: JobConfig, world: int) -> JobConfig:

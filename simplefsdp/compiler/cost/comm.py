@@ -314,7 +314,9 @@ def cache_key(group: dist.ProcessGroup | None = None,
         "device_name": name,
         "torch_version": torch.__version__,
         "group": list(group_layout(group)),
-        "format": 8,  # 8: the file holds its creation time and the probe's reference
+        # 8: the file holds its creation time and the probe's reference; 9: the reference
+        # holds collective_s (an older file, possibly timed under load, is not reused)
+        "format": 9,
     }
 
 
@@ -365,10 +367,12 @@ def _store_cached(key: dict[str, Any], model: CommModel,
 
 
 def cached_figures(record: dict[str, Any]) -> dict[str, float | None]:
-    """What the probe checks in a cache record: its ``compute_slowdown`` and the
-    ``matmul_s`` read right after it was calibrated (None when not stored)."""
+    """What the probe checks in a cache record: its ``compute_slowdown``, and the
+    ``matmul_s`` and ``collective_s`` read right after it was calibrated (None when not
+    stored)."""
+    probe = record.get("probe") or {}
     return {"compute_slowdown": float(record["model"].get("compute_slowdown", 1.0)),
-            "matmul_s": (record.get("probe") or {}).get("matmul_s")}
+            "matmul_s": probe.get("matmul_s"), "collective_s": probe.get("collective_s")}
 
 
 def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,

@@ -268,10 +268,15 @@ def estimate_graph_compute(gm: torch.fx.GraphModule | torch.fx.Graph, measure: b
 
 
 
+# What every CPU timing of the cost model reads (``time_callable``): tests replace it
+# with a fake clock to script a loaded or an idle host exactly.
+clock: Callable[[], float] = time.perf_counter
+
+
 def time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
                    device: torch.device | None) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs; CUDA events
-    (with a synchronize around each run) on a CUDA device, ``perf_counter`` otherwise."""
+    (with a synchronize around each run) on a CUDA device, ``clock`` otherwise."""
     for _ in range(warmup):
         fn()
     times = []
@@ -286,7 +291,7 @@ def time_callable(fn: Callable[[], Any], repeats: int, warmup: int,
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)

@@ -12,6 +12,14 @@ compares them with what the cache stored; beyond ``MARGIN`` the caller recalibra
 * ``matmul_s``: the fastest of a few 256x256 matmuls on this rank, the slowest rank's
   (the least time is the machine's speed: load from elsewhere only adds time); it
   tells a cache written with another thread count or on other hardware.
+* ``collective_s``: the median time of a small all-reduce plus a medium all-gather,
+  the slowest rank's. Neither figure above sees load from elsewhere (a ratio of two
+  loaded timings, a fastest run), but a collective's median does: both ranks must be
+  scheduled for it to finish. The reading taken right after a calibration is stored
+  with it, so it records the load the calibration was taken under; a later reading
+  faster by more than ``LOAD_MARGIN`` means the cached collective figures (the ones
+  the auto-wrapping estimate rests on) were timed on a busier host, and a slower one
+  that this host is busier now: either way the caller recalibrates.
 
 Collective on the group (every rank reads; the figures are agreed across ranks before
 the verdict, so every rank takes the same decision). Eager code only, where calibration
@@ -20,6 +28,7 @@ itself runs (when the backend is built), never inside a compiler pass.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -30,7 +39,7 @@ from ...agreement import agree_across_ranks
 from .compute import time_callable
 from .probes import measure_compute_slowdown
 
-__all__ = ["MARGIN", "disagreements", "read_probe"]
+__all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 
 # Relative disagreement beyond which a cached figure is refused. Idle calibrations of
 # compute_slowdown on 2 gloo ranks of a 2-core host spread 1.03-1.33 (up to 1.29x
@@ -39,6 +48,11 @@ __all__ = ["MARGIN", "disagreements", "read_probe"]
 MARGIN = 0.30
 PROBE_MATMUL = 256
 PROBE_SLOWDOWN_S = 0.02  # the calibration uses 0.05 s x 9 repeats; the probe 0.02 s x 5
+# Tighter than MARGIN: the collective figures feed the estimate directly, and the
+# estimate must land within MARGIN of the measured step, noise of its own included.
+LOAD_MARGIN = 0.20
+# (kind, full bytes): one latency-bound and one bandwidth-bound collective
+PROBE_COLLECTIVES = (("all_reduce", 64 * 2 ** 10), ("all_gather", 2 * 2 ** 20))
 
 
 def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
@@ -52,21 +66,35 @@ def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, floa
         fastest = min(time_callable(lambda: a @ a, 1, 0, device) for _ in range(9))
     matmul_s = agree_across_ranks([fastest], group, op="max")[0]
     return {"compute_slowdown": slowdown, "matmul_s": matmul_s,
+            "collective_s": _collective_seconds(group, device),
             "probe_s": time.perf_counter() - start}
 
 
+def _collective_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The summed medians of ``PROBE_COLLECTIVES`` (5 runs each, interleaved), the
+    slowest rank's. Collective."""
+    from .comm import measure_collective_samples  # comm imports this module
+
+    samples = measure_collective_samples(PROBE_COLLECTIVES, group, device, repeats=5,
+                                         warmup=1)
+    mine = sum(statistics.median(times) for times in samples)
+    return agree_across_ranks([mine], group, op="max")[0]
+
+
 def disagreements(cached: dict[str, float | None], reading: dict[str, float],
-                  margin: float = MARGIN) -> list[str]:
-    """Each figure of ``cached`` (``compute_slowdown``, ``matmul_s``; None: not stored)
-    off ``reading`` by more than ``margin`` either way, as a sentence; [] when the cache
-    holds. Pure arithmetic on agreed figures: the same verdict on every rank."""
+                  margin: float = MARGIN, load_margin: float = LOAD_MARGIN) -> list[str]:
+    """Each figure of ``cached`` (``compute_slowdown``, ``matmul_s``, ``collective_s``;
+    None: not stored) off ``reading`` by more than its margin either way (``margin``;
+    ``load_margin`` for ``collective_s``), as a sentence; [] when the cache holds. Pure
+    arithmetic on agreed figures: the same verdict on every rank."""
     out = []
-    for name in ("compute_slowdown", "matmul_s"):
-        was, now = cached.get(name), reading[name]
-        if was is None:
+    for name in ("compute_slowdown", "matmul_s", "collective_s"):
+        was, now = cached.get(name), reading.get(name)
+        if was is None or now is None:
             continue
+        margin_here = load_margin if name == "collective_s" else margin
         ratio = max(was, 1e-12) / max(now, 1e-12)
-        if ratio > 1 + margin or ratio < 1 / (1 + margin):
+        if ratio > 1 + margin_here or ratio < 1 / (1 + margin_here):
             out.append(f"{name} cached {was:.4g}, probe reads {now:.4g} "
-                       f"({ratio:.2f}x, margin {margin:.0%})")
+                       f"({ratio:.2f}x, margin {margin_here:.0%})")
     return out
