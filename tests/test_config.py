@@ -8,6 +8,8 @@ import pytest
 
 from simplefsdp.train.config import ConfigError, JobConfig, load_config, parse_args
 
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
