@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+
 PACKAGE = Path(__file__).resolve().parent.parent / "simplefsdp"
 COMPAT = PACKAGE / "_torch_compat"
 

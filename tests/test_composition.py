@@ -107,6 +107,7 @@ def test_hybrid_shard_compiles_with_manual_and_auto_bucketing():
         assert rs == ar, "each all-reduce bucket must hold its reduce-scatter's shards"
 
 
+@pytest.mark.quick
 def test_replicate_compiles_into_size_capped_all_reduce_buckets():
     nbytes = sum(p.numel() * 4 for p in Toy(n_layers=2).parameters())  # 2200 B, fp32
     cap_mb = 500 / 1e6  # 500 B: several buckets
@@ -133,6 +134,7 @@ def test_replicate_compiles_into_size_capped_all_reduce_buckets():
 # ---------------------------------------------------------------------------------------
 # The pairwise composition subset.
 # ---------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_ci_cells_cover_every_pair_within_four_processes():
     assert all(c.world <= 4 for c in matrix.CI_CELLS)
     # Full AC under compile trains (issue 27): no cell is refused on a torch whose

@@ -9,6 +9,8 @@ import pytest
 from simplefsdp.config.job import JobConfig, load_config, parse_args
 from simplefsdp.errors import ConfigError
 
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 

@@ -98,6 +98,7 @@ def _ring_equals_sdpa(ring: int, seq: int, doc: torch.Tensor | None = None) -> N
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ring", [2, 3])
 def test_ring_core_is_exact_attention_forward_and_backward(ring):
     """Causal attention, float64, 1e-12."""

@@ -59,6 +59,7 @@ def _folders(cache: Path) -> list[str]:
     return sorted(p.name for p in cache.iterdir())
 
 
+@pytest.mark.quick
 def test_cache_hit_miss_and_invalidation(tmp_path: Path, monkeypatch):
     data = _jsonl(tmp_path / "a.jsonl", DOCS)
     cfg = _data(tmp_path, str(data), tokenize_workers=2)  # two workers: the forked pool
@@ -251,6 +252,7 @@ def test_a_killed_build_leaves_no_usable_cache(tmp_path: Path):
     assert _folders(cache) == [f.folder.name]  # the dead build's temporary folder is gone
 
 
+@pytest.mark.quick
 def test_mapped_loader_equals_in_memory_and_resumes(tmp_path: Path):
     """Windows, per-rank slices and exact resume read from the map equal those of an
     in-memory ``TextDataset`` over the hand-built token list."""

@@ -307,6 +307,7 @@ def test_cache_is_keyed(tmp_path, monkeypatch):
     assert comm._load_cached(key) is None
 
 
+@pytest.mark.quick
 def test_fit_and_defaults():
     sizes = [4096 * 4 ** i for i in range(6)]
     alpha, beta = fit.fit_alpha_beta(sizes, [5e-5 + 2e-10 * n for n in sizes])
@@ -381,6 +382,7 @@ def test_estimate_node_time(one_thread):
         assert compute.estimate_node_time(mm) > 0
 
 
+@pytest.mark.quick
 def test_zero_cost_nodes():
     def f(x):
         y = x.view(4, 4).t()
@@ -401,6 +403,7 @@ def _mm_slice_relu(x, w):
     return r * 2       # 128 B
 
 
+@pytest.mark.quick
 def test_peak_memory_estimate():
     gm = make_fx(_mm_slice_relu, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 32))
     names = [n.name for n in gm.graph.nodes]

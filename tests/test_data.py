@@ -16,6 +16,8 @@ from simplefsdp.corpus.text import (
     read_corpus,
 )
 
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+
 
 @pytest.fixture(scope="module")
 def dataset() -> TextDataset:

@@ -69,6 +69,7 @@ def _parity_vs_reference(rank: int, world: int) -> dict[str, tuple[float, float]
     return figures
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_with_single_process_reference(world):
     figures = run_ranks(_parity_vs_reference, world)[0]
@@ -99,6 +100,7 @@ def _parity_vs_fsdp2(rank: int, world: int, mixed: bool) -> tuple[list[float], f
     return our_losses
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-fp32"])
 def test_bitwise_parity_with_fsdp2(mixed):
     losses = run_ranks(_parity_vs_fsdp2, 2, mixed)[0]
@@ -228,6 +230,7 @@ def _meta_init_and_checkpoint(rank: int, world: int, tmp: str) -> None:
         assert full == {}
 
 
+@pytest.mark.quick
 def test_meta_init_and_dcp_round_trip(tmp_path):
     run_ranks(_meta_init_and_checkpoint, 2, str(tmp_path))
 

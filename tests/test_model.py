@@ -19,6 +19,8 @@ from simplefsdp.models.llama import (
     rope_cache,
 )
 
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                  multiple_of=16, max_seq_len=32)
 

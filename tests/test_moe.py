@@ -31,6 +31,7 @@ def _pair(norm_topk_prob: bool, seed: int = 0):
     return theirs, ours
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("grouped", [False, True])
 def test_matches_transformers_qwen3_moe_block(monkeypatch, norm_topk_prob: bool, grouped: bool):
@@ -64,6 +65,7 @@ def test_matches_transformers_qwen3_moe_block(monkeypatch, norm_topk_prob: bool,
         torch.testing.assert_close(param.grad, theirs_grads[name].grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_aux_loss_matches_transformers():
     """One layer's Switch balance loss equals transformers' ``load_balancing_loss_func``
     on that layer's router logits (float32 sums of 15 tokens: 1e-6)."""
@@ -75,6 +77,7 @@ def test_aux_loss_matches_transformers():
     torch.testing.assert_close(ours.aux_loss, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_bias_steers_the_choice_not_the_weights():
     """Bias balancing by hand: two experts, top-1, one token whose softmax scores are
     (0.8, 0.2). A bias of +1 on expert 1 makes the router pick it, with weight 0.2 (its
@@ -174,6 +177,7 @@ def _mla_by_hand(x: torch.Tensor, w: dict, a) -> torch.Tensor:
     return torch.einsum("bse,de->bsd", out, w["wo.weight"])
 
 
+@pytest.mark.quick
 def test_mla_matches_a_computation_by_hand():
     """Our MLA module (models/mla.py) against the einsum computation above on the same
     random weights (the latent's norm weight random too, so a lost norm shows), through a
@@ -216,6 +220,7 @@ def test_mla_refusals_name_the_key():
             load_config(None, [*base, *flags])
 
 
+@pytest.mark.quick
 def test_bad_args_refused():
     with pytest.raises(ValueError, match="top_k=9 must be between 1 and num_experts=8"):
         moe.MoEArgs(num_experts=8, top_k=9)

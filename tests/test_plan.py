@@ -156,6 +156,7 @@ def test_cli_json_fields(tmp_path):
     assert row["fits"] and 0 < row["mfu"] < 1
 
 
+@pytest.mark.quick
 def test_cli_bad_input_is_named():
     run = subprocess.run([sys.executable, "-m", "simplefsdp.plan", "--gpus", "8",
                           "--gpu", "h100"], capture_output=True, text=True, timeout=300)
@@ -172,6 +173,7 @@ def _rescaled_vs_traced(overrides):
     return vars(graph_memory(two, 4)), vars(graph_memory(four, 4))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("compiled", ["false", "true"])
 def test_shard_rescaling_matches_a_trace_at_that_size(planner, compiled):
     overrides = ["--compile.enable", compiled, "--compile.bucketing", "manual",
@@ -180,6 +182,7 @@ def test_shard_rescaling_matches_a_trace_at_that_size(planner, compiled):
     assert rescaled == traced  # exact: shard sizes divide evenly here
 
 
+@pytest.mark.quick
 def test_layouts_cover_the_gpus():
     from simplefsdp.plan.search import layouts
 

@@ -4,6 +4,7 @@ spawned rank would."""
 
 import os
 
+import pytest
 from rank_runner import run_ranks
 
 
@@ -16,6 +17,7 @@ def _report(rank: int, world: int, speak: bool) -> tuple[str | None, int, str]:
     return os.environ.get("RANK_RUNNER_PROBE"), dist.get_world_size(), os.getcwd()
 
 
+@pytest.mark.quick
 def test_ranks_see_the_callers_environment_folder_and_output(monkeypatch, capfd, tmp_path):
     # the server starts (if no test started it) outside this test's capture, and with
     # the probe set: neither may leak into the ranks below
@@ -39,6 +41,7 @@ def _tensor(rank: int, world: int):
     return {"x": torch.arange(1000.0) + rank}
 
 
+@pytest.mark.quick
 def test_a_returned_tensor_outlives_its_rank():
     # The rank has exited before its result is read: the tensor's data must travel in the
     # message, not as shared memory served by the rank process.

@@ -73,6 +73,7 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
     return out, run_ranks(_run, 2, argv)[0]
 
 
+@pytest.mark.quick
 def test_end_to_end_loss_falls_and_writes_metrics(reference):
     out, ref = reference
     losses = ref["losses"]
@@ -94,6 +95,7 @@ def test_end_to_end_loss_falls_and_writes_metrics(reference):
     assert "tok_embeddings.weight" in weights and "output.weight" in weights
 
 
+@pytest.mark.quick
 def test_resume_reproduces_losses_exactly(reference, tmp_path):
     out, ref = reference
     # A run that stopped after step 4: its folder holds the step-4 checkpoint only.
