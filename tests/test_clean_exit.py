@@ -27,7 +27,7 @@ from simplefsdp.net import free_port
 
 _RANK = """
 import os, sys
-from simplefsdp.train.trainer import main
+from simplefsdp.train.__main__ import main
 main(sys.argv[1:])
 names = []
 for task in os.listdir("/proc/self/task"):

@@ -211,3 +211,99 @@ def test_ep2_fsdp2_matches_single_process():
     assert mesh_names == ("dp_shard", "ep") and local == (2, 64, 64)
     assert [type(p).__name__ for p in places] == ["_StridedShard", "Shard"]
     assert placements["layers.1.feed_forward.gate.weight"][:2] == (("dp_shard",), (Shard(0),))
+
+
+# An idle expert and an EP rank that receives no rows: 6 experts, top-2, on EP 2 (rank 0
+# holds experts 0-2, rank 1 experts 3-5). The router's weights send every token to
+# experts 0 and 2 (``_forced_routing``): expert 1 idles next to busy ones, and EP rank 1
+# holds only idle experts and receives zero rows.
+IDLE_ARGS = moe.MoEArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64,
+                        num_experts=6, top_k=2, moe_hidden_dim=32, load_balance="none")
+ROUTED_TO, IDLE_TOKENS = (0, 2), 12
+
+
+def _forced_routing(path: str):
+    """The MoE block (seed 0), its router weights set so that every token's top 2 are
+    experts 0 and 2, and ``world`` ranks' inputs: feature 0 is 4 on every token, where
+    the chosen experts' router rows have +1 and the others -1 (logits 8 apart, beyond the
+    other features' +-0.1 router weights). ``path``: "loop" turns the grouped matmul off."""
+    torch.manual_seed(0)
+    block = moe.MoE(IDLE_ARGS)
+    block.init_weights(0.02)
+    with torch.no_grad():
+        block.gate.weight.uniform_(-0.1, 0.1)
+        block.gate.weight[:, 0] = -1.0
+        block.gate.weight[list(ROUTED_TO), 0] = 1.0
+    if path == "loop":
+        moe.grouped_mm = lambda device, dtype: None
+    inputs = torch.randn(2, IDLE_TOKENS, IDLE_ARGS.dim)
+    inputs[..., 0] = 4.0
+    return block, inputs, torch.randn(IDLE_ARGS.dim)
+
+
+def _idle_loss(block, x, projection) -> torch.Tensor:
+    return (block(x.unsqueeze(0)) * projection).sum()
+
+
+def _idle_ep(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    block, inputs, projection = _forced_routing(path)
+    holder = torch.nn.ModuleDict({"moe": block})
+    expert.apply_ep(holder, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    received = []
+    original = expert.expert_ffn
+    expert.expert_ffn = lambda x, counts, *w: received.append(counts) or original(x, counts, *w)
+    loss = _idle_loss(block, inputs[rank], projection)
+    loss.backward()
+    grads = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for n, p in block.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "received": received,
+            "grads": {n: g.tolist() for n, g in grads.items()},
+            "no_grad": [n for n, p in block.named_parameters() if p.grad is None]}
+
+
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+def test_idle_experts_and_a_rank_without_rows(path):
+    """EP 2 on 2 gloo ranks with routing forced through the router's weights: EP rank 1
+    receives zero rows (its 3 experts idle) and rank 0's expert 1 idles between busy
+    ones, on the grouped-matmul path (dim 32: 16-byte strides; rank 1's empty batch takes
+    the loop) and on the loop path, against one process running each rank's tokens
+    through the unsplit block: the same finite losses and gradients (within 1e-6: each
+    expert's rows from both ranks in one matmul, rounding differs by the rows' place,
+    ``test_hf_moe.test_blas_rounding_depends_on_where_the_rows_start``), every expert's
+    gradient present, exactly zero for the 4 idle experts (nonzero for the busy ones)."""
+    from simplefsdp._torch_compat import grouped_mm
+
+    if path == "grouped":  # the grouped path is real here: torch has the kernel on CPU
+        assert grouped_mm(torch.device("cpu"), torch.float32) is not None
+    results = run_ranks(_idle_ep, 2, path)
+    import simplefsdp.models.moe as moe_module
+
+    saved = moe_module.grouped_mm
+    try:
+        block, inputs, projection = _forced_routing(path)
+        want = [_idle_loss(block, inputs[r], projection) for r in range(2)]
+        for loss in want:
+            loss.backward()
+    finally:
+        moe_module.grouped_mm = saved
+    # what each EP rank's experts received: rank 0 both ranks' 2 x 12 slots for experts 0
+    # and 2, none for 1; rank 1 none at all
+    assert results[0]["received"] == [[2 * IDLE_TOKENS, 0, 2 * IDLE_TOKENS]]
+    assert results[1]["received"] == [[0, 0, 0]]
+    for rank, got in enumerate(results):
+        assert got["no_grad"] == [] and torch.isfinite(torch.tensor(got["loss"]))
+        assert got["loss"] == pytest.approx(want[rank].item(), rel=1e-6)
+        local = slice(3 * rank, 3 * rank + 3)
+        for name in ("gate_up_proj", "down_proj"):
+            mine = torch.tensor(got["grads"][f"experts.{name}"])
+            whole = getattr(block.experts, name).grad[local]
+            torch.testing.assert_close(mine, whole, rtol=0, atol=1e-6)
+            for e in range(3):
+                idle = 3 * rank + e not in ROUTED_TO
+                assert (mine[e] == 0).all() == idle, (rank, e, name)
+    # the router: each rank's gradient from its own tokens (no data-parallel sum here),
+    # together the reference's over both ranks' tokens
+    router = sum(torch.tensor(got["grads"]["gate.weight"]) for got in results)
+    torch.testing.assert_close(router, block.gate.weight.grad, rtol=0, atol=1e-6)

@@ -6,9 +6,10 @@ Tiny Qwen3-MoE and Mixtral models are made here with ``save_pretrained``; no net
 Their hidden size (30) keeps ``expert_ffn`` on its loop path (the grouped matmul wants
 16-byte strides): transformers' own per-expert matmuls on the same rows, compared with
 transformers' loop (``experts_implementation="eager"``, :data:`EAGER`). Not bitwise: the
-CPU BLAS rounds a 2- or 3-row product differently when its rows start 8 bytes off a
+CPU BLAS rounds a 2- or 3-row product differently when its rows do not start on a
 16-byte boundary (ours: one buffer of every expert's rows; transformers: a fresh buffer
-per expert), checked here on 64 offsets of a (rows, 30) x (30, 36) product.
+per expert), checked here on 64 offsets of a (rows, 30) x (30, 36) product
+(``test_blas_rounding_depends_on_where_the_rows_start``).
 Its default on CPU, ``grouped_mm``, fails on such shapes in transformers 5.24 with torch
 2.13 ("strides should be multiple of 16 bytes": it checks the alignment only up to torch
 2.10).
@@ -638,3 +639,32 @@ def test_moe_router_aux_loss_coef_refused(moe_assets, tmp_path):
             load_config(None, flags + (["--model.router_aux_loss_coef", "0.1"]
                                        if "-1" not in flags else []))
         assert message in str(info.value), str(info.value)
+
+
+def test_blas_rounding_depends_on_where_the_rows_start():
+    """The module docstring's reason for comparing with transformers' loop within 1e-5,
+    not bitwise: the same (rows, 30) x (30, 36) product (an expert's ``linear`` at this
+    file's hidden size) of the same values, its rows placed at 64 float offsets in a
+    buffer. Starting on a 16-byte boundary (every 4th float) it is bitwise equal to a
+    fresh tensor's; elsewhere, for 2 and 3 rows, the CPU BLAS takes another path and
+    rounds differently (on this x86 MKL build every unaligned offset; also under
+    MKL_ENABLE_INSTRUCTIONS=AVX2 and SSE4_2), within float32 rounding of the 30-term dot
+    products (1e-6 of the sum of |terms|)."""
+    torch.manual_seed(0)
+    weight = torch.randn(36, 30)
+    for rows in (2, 3):
+        x = torch.randn(rows, 30)
+        fresh = torch.nn.functional.linear(x, weight)
+        bound = 1e-6 * (x.abs() @ weight.abs().T)
+        unaligned_differ = []
+        for offset in range(64):
+            buffer = torch.zeros(offset + rows * 30)
+            placed = buffer[offset:].view(rows, 30)
+            placed.copy_(x)
+            got = torch.nn.functional.linear(placed, weight)
+            assert ((got - fresh).abs() <= bound).all(), (rows, offset)
+            if offset % 4 == 0:
+                assert torch.equal(got, fresh), (rows, offset)
+            else:
+                unaligned_differ.append(not torch.equal(got, fresh))
+        assert any(unaligned_differ), f"{rows} rows: bitwise at every offset here"

@@ -4,7 +4,11 @@ split over the vocabulary on the TP ranks and the cross-entropy runs over the pi
 
 The reference is the same trainer with ``parallel.loss_parallel = false`` (logits
 gathered, the plain float32 cross-entropy) on the same 2 gloo ranks, global batch, seed
-and masked targets. The math is the same; the log-sum-exp is summed in a different
+and masked targets; the text is relabelled so that kept and ignored targets fall in both
+TP ranks' vocabulary halves (the shipped text is ASCII: all in rank 0's half otherwise).
+``test_loss_parallel_matches_one_process_cross_entropy`` checks the loss and each
+shard's logit gradients against one process's ``F.cross_entropy``, also on a vocabulary
+that does not split evenly. The math is the same; the log-sum-exp is summed in a different
 order (each rank's vocabulary half, then an all-reduce of the maxima, the sums of
 exponentials and the target logits), so the losses agree to float32 rounding (~1e-7
 relative per op). Tolerances: losses 1e-6 relative over 3 steps; parameters after 3
@@ -20,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from rank_runner import run_ranks
+from toy import VOCAB_SPLIT, relabel_odd_bytes
 
 from simplefsdp.parallel.tensor import IGNORE_INDEX
 from simplefsdp.train.__main__ import main
@@ -37,14 +42,26 @@ def _argv(out: Path, *extra: str) -> list[str]:
             "true", "--parallel.tp", "2", *extra]
 
 
-def _mask_vowels(inputs: torch.Tensor, targets: torch.Tensor):
-    """Ignored targets (``IGNORE_INDEX``) on both vocabulary halves' ids."""
-    vowels = torch.tensor([ord(c) for c in "aeiouAEIOU"])
-    return inputs, targets.masked_fill(torch.isin(targets, vowels), IGNORE_INDEX)
+# Ignored targets on both vocabulary halves (after ``relabel_odd_bytes``): the vowels
+# (odd bytes: ids 128 and up) and the space and newline (even: below 128).
+MASKED = "aeiouAEIOU \n"
+
+
+def _mask_on_both_halves(inputs: torch.Tensor, targets: torch.Tensor):
+    """The text relabelled so that the targets fall on both TP ranks' vocabulary halves
+    (``toy.relabel_odd_bytes``), then the targets in ``MASKED`` ignored (``IGNORE_INDEX``).
+    Asserts that each half holds kept targets and ignored ones."""
+    inputs, targets = relabel_odd_bytes(inputs, targets)
+    _, masked_ids = relabel_odd_bytes(*[torch.tensor([ord(c) for c in MASKED])] * 2)
+    masked = torch.isin(targets, masked_ids)
+    upper = targets >= VOCAB_SPLIT
+    for half in (upper, ~upper):
+        assert (half & masked).any() and (half & ~masked).any(), targets
+    return inputs, targets.masked_fill(masked, IGNORE_INDEX)
 
 
 def _train(rank: int, world: int, argv: list[str]) -> list[float]:
-    return main(argv, batch_transform=_mask_vowels).losses
+    return main(argv, batch_transform=_mask_on_both_halves).losses
 
 
 def _logits(rank: int, world: int) -> list[tuple]:
@@ -135,3 +152,75 @@ def test_planner_counts_an_eighth_of_the_logits_on_70b(planner):
     assert full["activations_gib"] - full["saved_per_microbatch_gib"] \
         == pytest.approx(loss, rel=1e-9)
     assert r.fits
+
+
+def _sharded_loss_and_grads(rank: int, world: int, vocab: int) -> dict:
+    """The trainer's loss (``token_loss_sum`` under ``loss_context(True)``) on logits
+    split over the vocabulary on ``world`` ranks as torch splits a ``Shard(2)`` DTensor
+    (uneven: the first ranks one column more), against one process's ``F.cross_entropy``
+    on the whole logits: this rank's loss and its shard's logit gradients."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from simplefsdp.parallel.tensor import loss_context, token_loss_sum
+
+    torch.manual_seed(0)  # the same logits and targets on every rank
+    logits = torch.randn(2, 16, vocab) * 3
+    targets = torch.randint(0, vocab, (2, 16))
+    sizes = [len(c) for c in torch.arange(vocab).chunk(world)]  # torch's Shard split
+    starts = [sum(sizes[:r]) for r in range(world + 1)]
+    owner = torch.bucketize(targets, torch.tensor(starts[1:]), right=True)
+    # Every shard owns kept and ignored targets: position 2r (kept) and 2r + 1 (ignored)
+    # of sequence 0 take a target id from shard r; then a random quarter ignored too.
+    for r in range(world):
+        targets[0, 2 * r:2 * r + 2] = starts[r] + torch.arange(2) % sizes[r]
+        owner[0, 2 * r:2 * r + 2] = r
+    ignored = torch.rand(2, 16) < 0.25
+    ignored[0, :2 * world] = torch.arange(2 * world) % 2 == 1
+    for r in range(world):
+        assert ((owner == r) & ignored).any() and ((owner == r) & ~ignored).any()
+    targets = targets.masked_fill(ignored, IGNORE_INDEX)
+
+    whole = logits.clone().requires_grad_()
+    want = F.cross_entropy(whole.flatten(0, 1), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+    want.backward()
+    mesh = init_device_mesh("cpu", (world,))
+    local = logits[..., starts[rank]:starts[rank + 1]].clone().requires_grad_()
+    sharded = DTensor.from_local(local, mesh, [Shard(2)], shape=logits.shape,
+                                 stride=logits.stride())
+    with loss_context(True):
+        got = token_loss_sum(sharded, targets)
+        got.backward()
+    return {"loss": (float(got), float(want)), "columns": local.shape[-1],
+            "grad_diff": float((local.grad - whole.grad[..., starts[rank]:starts[rank + 1]])
+                               .abs().max()),
+            "ignored_grad": float(local.grad[ignored].abs().max())}
+
+
+@pytest.mark.parametrize("vocab", [256, 321])
+def test_loss_parallel_matches_one_process_cross_entropy(vocab):
+    """Loss parallel's cross-entropy on 2 gloo ranks, each holding its vocabulary shard
+    (256: 128 + 128; 321: 161 + 160, torch's uneven ``Shard`` split), with kept and
+    ignored targets owned by each shard, against ``F.cross_entropy`` in one process: the
+    summed loss within 1e-6 relative (float32, the log-sum-exp reduced over the ranks in
+    another order: ~1e-7 per op) and each shard's logit gradients within 1e-6 absolute
+    (softmax probabilities below 1, minus the one-hot: rounding ~1e-7), the ignored
+    positions' exactly zero. The trainer refuses a vocabulary TP does not divide (its
+    embedding and output projection, not the loss): a ConfigError naming both keys."""
+    from simplefsdp.models.llama import ModelArgs
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.parallel.tensor import check_sequence_parallel
+
+    results = run_ranks(_sharded_loss_and_grads, 2, vocab)
+    assert [r["columns"] for r in results] == ([128, 128] if vocab == 256 else [161, 160])
+    for r in results:
+        got, want = r["loss"]
+        assert got == pytest.approx(want, rel=1e-6), r
+        assert r["grad_diff"] <= 1e-6 and r["ignored_grad"] == 0, r
+    if vocab % 2:
+        args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=vocab)
+        with pytest.raises(ConfigError, match="parallel.tp = 2 does not divide "
+                                              "model.vocab_size = 321"):
+            check_sequence_parallel(args, 2)

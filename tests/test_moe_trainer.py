@@ -1,7 +1,10 @@
 """The MoE model family in the trainer (train/moe_family.py): ``--parallel.ep`` with every
 ``dp_mode`` on 4 gloo ranks against the same run without expert parallelism, the balance
 loss and expert load in ``metrics.csv`` against a computation by hand, the router kept
-float32 under bf16, and the bad input refused at config load."""
+float32 under bf16, and the bad input refused at config load.
+
+Every run reads the shipped text relabelled (``toy.relabel_odd_bytes``: odd bytes + 128),
+so that the TP cells' vocabulary-sharded loss has targets on both TP ranks' halves."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rank_runner import run_ranks
+from toy import relabel_odd_bytes
 
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
@@ -86,13 +90,14 @@ def _runs(rank: int, world: int, out: str) -> dict:
     results, batches = {}, []
 
     def keep(inputs, targets):  # this rank's batches, for the reference by hand
+        inputs, targets = relabel_odd_bytes(inputs, targets)
         # plain lists: a tensor would travel as shared memory that dies with this process
         batches.append((inputs.tolist(), targets.tolist()))
         return inputs, targets
 
     for name, flags in {**LAYOUTS, **MLA_LAYOUTS}.items():
         result = main([*TINY, *flags, "--metrics.output_dir", f"{out}/{name}"],
-                      batch_transform=keep if name == "ep1" else None)
+                      batch_transform=keep if name == "ep1" else relabel_odd_bytes)
         results[name] = result.losses
     return {"losses": results, "batches": batches, "dtypes": _bf16_dtypes(out),
             **_compiled(out)}
@@ -145,17 +150,23 @@ def _compiled(out: str) -> dict:
         flags = [*TINY, *LAYOUTS[layout], *BLOCKS[blocks]]
         twin = f"{layout}_{blocks}_eager"
         if twin not in found:
-            found[twin] = main([*flags, "--metrics.output_dir", f"{out}/{twin}"]).losses
+            found[twin] = main([*flags, "--metrics.output_dir", f"{out}/{twin}"],
+                               batch_transform=relabel_odd_bytes).losses
         torch._dynamo.reset()
         with CompileReports() as reports, _exchange_counter() as exchanges:
             losses = main([*flags, "--compile.enable", "true", "--compile.backend",
                            "aot_eager", "--compile.bucketing", bucketing,
                            "--activation_checkpoint.mode", ac,
-                           "--metrics.output_dir", f"{out}/{name}"]).losses
+                           "--metrics.output_dir", f"{out}/{name}"],
+                          batch_transform=relabel_odd_bytes).losses
         found[name] = losses
         found[f"{name}_exchanges"] = exchanges()
-        found[f"{name}_graphs"] = [(r.graph, sorted((b["kind"], b["bytes"])
-                                                    for b in r.buckets))
+        # per compiled graph: its buckets (kind, bytes, the modules they gather, named
+        # from the frame's root: "" is the root's own parameters) and every collective it
+        # held before bucketing, data-parallel (by kind) or not (a count)
+        found[f"{name}_graphs"] = [(r.graph, sorted((b["kind"], b["bytes"], tuple(b["modules"]))
+                                                    for b in r.buckets),
+                                    dict(r.collectives_before), r.other_collectives)
                                    for r in reports.reports]
     return found
 
@@ -477,18 +488,25 @@ def test_compiled_equals_eager(runs, name):
         # the non-expert weights' FSDP gathers (dp_shard 2) ran in compiled graphs, e.g. the
         # embedding's and the output's (128 TP rows of 32, float32: 16384 B); the experts
         # (one whole expert per rank: ep 4 = dp_shard 2 x tp 2) have no data parallel
-        forward = [b for g, b in graphs if g == "forward"]
+        forward = [[(k, n) for k, n, _ in b] for g, b, *_ in graphs if g == "forward"]
         assert any(("all_gather", 16384) in b for b in forward), forward
         return
     # The experts' frame compiles to graphs of their own: the forward gathers this rank's
     # 2 experts' gate_up_proj (2 x 64 x 32 float32: 16384 B) and down_proj (2 x 32 x 32:
     # 8192 B) over the experts' dp_shard, the backward reduce-scatters their gradients,
-    # in one or two buckets (auto may merge them) and nothing else.
+    # in one or two buckets (auto may merge them) and nothing else. Their graphs are the
+    # ones whose frame is rooted at the experts module (its own parameters: buckets of
+    # module ""; every other frame here gathers named submodules, e.g. "gate",
+    # "shared_expert.w1"); each is checked whole: its buckets and every collective it
+    # held before bucketing (data-parallel or not: an all-to-all, a TP collective).
     for graph, kind in (("forward", "all_gather"), ("backward", "reduce_scatter")):
-        experts = [b for g, b in graphs if g == graph and sum(n for _, n in b) == 24576
-                   and {k for k, _ in b} == {kind}]
-        assert experts and experts[0] in ([(kind, 8192), (kind, 16384)], [(kind, 24576)]), \
-            graphs
+        experts = [(b, before, other) for g, b, before, other in graphs
+                   if g == graph and any(mods == ("",) for _, _, mods in b)]
+        assert len(experts) == 1, graphs
+        buckets, before, other = experts[0]
+        assert other == 0 and before == {kind: 2}, experts  # gate_up_proj's, down_proj's
+        assert [(k, n, mods) for k, n, mods in buckets] in (
+            [(kind, 8192, ("",)), (kind, 16384, ("",))], [(kind, 24576, ("",))]), experts
 
 
 def test_grouped_mm_probe_under_no_grad(monkeypatch):

@@ -82,7 +82,6 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from simplefsdp.hardware import GPU_PROFILES
-    from simplefsdp.models.llama import attention_flops
     from simplefsdp.plan.timing import _flops, node_seconds
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -99,7 +98,9 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     plain = graph.call_function(op, qkv, causal)
     saved = graph.call_function(run_and_save_rng_state, (op, *qkv), causal)
     replayed = graph.call_function(run_with_rng_state, (nodes["state"], op, *qkv), causal)
-    expected = ("attention", attention_flops(4, 64, 128, 16, causal=True))
+    # by hand: scores (2 x 64 x 128 x 16) and values (the same) for 4 heads, halved by
+    # the causal mask: 2 x 4 x 64 x 128 x (16 + 16) / 2 = 1,048,576 FLOPs
+    expected = ("attention", 1_048_576)
     assert _flops(plain) == _flops(saved) == _flops(replayed) == expected
     # and timed as the op they run (they used to cost nothing, as higher-order ops)
     dev = GPU_PROFILES["h100-96gb"]
@@ -154,9 +155,11 @@ def test_long_context_prediction_matches_a_measured_h200_run(planner):
     8B, FSDP 1 x CP 8, one sequence of 262,144 tokens, full AC, eager, under a fake
     process group of 8 (real kernels and memory, no communication): 34.05 s a step,
     ``torch.cuda.max_memory_allocated`` 67.52 GiB. The planner's prediction of the same
-    run on the ``h200`` profile, its step less the exposed communication, within the
-    bounds ``test_plan.py::test_published_runs`` uses (12% time, 8% memory); measured
-    here: 35.40 s (+4.0%), 67.20 GiB (-0.5%)."""
+    run on the ``h200`` profile, its step less the exposed communication: 35.40 s
+    (+4.0%), 67.20 GiB (-0.5%). Bounds just outside those errors: time 5% (attention
+    is most of this step: its backward costed 10% high fails it, where the 12% it had
+    let that pass), memory 2% (a point and a half for the graphs' differences between
+    torch 2.11 and 2.13; one more saved 262k x 4096 bf16 block input, 2 GiB, is 3%)."""
     from simplefsdp.plan import predict
 
     cfg = load_config("configs/llama3_8b.toml", [
@@ -164,8 +167,8 @@ def test_long_context_prediction_matches_a_measured_h200_run(planner):
         "262144", "--model.max_seq_len", "262144", "--training.batch_size", "1",
         "--activation_checkpoint.mode", "full", "--compile.enable", "false"])
     got = planner(predict, cfg, 8, "h200")
-    assert got.step_time_s - got.exposed_comm_s == pytest.approx(34.05, rel=0.12)
-    assert got.peak_memory_gib == pytest.approx(67.52, rel=0.08)
+    assert got.step_time_s - got.exposed_comm_s == pytest.approx(34.05, rel=0.05)
+    assert got.peak_memory_gib == pytest.approx(67.52, rel=0.02)
 
 
 # The ring pass (parallel.cp_rotate = "ring", issue 29): the debug Llama (4 query heads,

@@ -314,8 +314,14 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s
     recompute a compiled MoE model's blocks whole, ``parallelize.ac_mode_run``); selective
     keeps the 26 routed blocks' exchanged rows, 26 x 768 MiB = 19.5 GiB, the measured
     difference. Predicted: the step less the exposed communication 1.011 s for both
-    (-11.2%; within ``test_plan.py::test_published_runs``' 12%), memory 62.56 GiB (+0.6%)
-    and 43.06 GiB (+0.9%; within its 8%)."""
+    (-11.3% and -11.2%), memory 62.56 GiB (+0.6%) and 43.06 GiB (+0.9%).
+
+    Bounds just outside those errors, so that the terms this test is about fail it: time
+    12% (the measured error is 11.3%: a lost or doubled routed-block term moves it by
+    more than a point); memory 2% (the measured errors are under 1%; 2% leaves a point for
+    the graphs' small differences between torch 2.11 and 2.13, where the H200 run and
+    this prediction were made, while a quarter of the 19.5 GiB kept-exchange term, 4.9
+    GiB, is 7.8% of the selective figure and 11% of the full one)."""
     from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict
 
@@ -324,7 +330,7 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s
         "--compile.enable", "true", "--compile.bucketing", "manual"])
     got = planner(predict, cfg, 8, "h200")
     assert got.step_time_s - got.exposed_comm_s == pytest.approx(step_s, rel=0.12)
-    assert got.peak_memory_gib == pytest.approx(allocated_gib, rel=0.08)
+    assert got.peak_memory_gib == pytest.approx(allocated_gib, rel=0.02)
 
 
 @pytest.mark.parametrize("ac, published_gib", [("selective", 84.78), ("full", 52.02)])

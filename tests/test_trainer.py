@@ -109,6 +109,62 @@ def test_resume_reproduces_losses_exactly(reference, tmp_path):
         assert [int(r["step"]) for r in csv.DictReader(f)] == [6, 8]
 
 
+def test_two_rank_checkpoint_resumes_on_one_rank_with_twice_the_batch(reference, tmp_path):
+    """README, "Data at scale": a checkpoint written by 2 data-parallel ranks resumed on 1
+    rank with twice the per-rank batch (the same global batch of 8) continues the same
+    global sample order: steps 5-8 give the losses and grad norms of an uninterrupted
+    1-rank run of batch 8. Not bitwise: the 2-rank run's first 4 steps summed each
+    gradient over 2 ranks (another float32 order), so the resumed weights are a few ulps
+    off the 1-rank run's; measured 1e-7 relative at most; 1e-5 allowed (another window
+    in a batch moves the loss by about 1e-2)."""
+    out, ref = reference
+    shutil.copytree(out / "ckpt" / "step-4", tmp_path / "resumed" / "ckpt" / "step-4")
+    resumed = run_ranks(_run, 1, _argv(tmp_path / "resumed", "--checkpoint.enable", "true",
+                                       "--checkpoint.every", "4", "--resume",
+                                       batch_size=8))[0]
+    alone = run_ranks(_run, 1, _argv(tmp_path / "alone", batch_size=8))[0]
+    assert resumed["start_step"] == 4
+    print(f"resumed {resumed}, uninterrupted {alone}: losses "
+          f"{_rel_diff(resumed['losses'], alone['losses'][4:]):.1e}, grad norms "
+          f"{_rel_diff(resumed['grad_norms'], alone['grad_norms'][4:]):.1e} relative")
+    assert _rel_diff(resumed["losses"], alone["losses"][4:]) <= 1e-5
+    assert _rel_diff(resumed["grad_norms"], alone["grad_norms"][4:]) <= 1e-5
+    # the uninterrupted 1-rank run's first 4 steps are the 2-rank run's, within rounding
+    assert _rel_diff(alone["losses"][:4], ref["losses"][:4]) <= 1e-5
+
+
+def _run_in_memory(rank: int, world: int, argv: list[str]) -> dict:
+    """``_run`` with the corpus encoded in memory, as before the token cache: the loader
+    built over ``TextDataset(source)`` instead of the memory-mapped cache's tokens."""
+    from simplefsdp.corpus import setup
+    from simplefsdp.corpus.text import TextDataset
+
+    replaced = []
+
+    def in_memory(source, tokenizer, val_fraction, tokens=None):
+        replaced.append(type(tokens).__name__)
+        return TextDataset(source, tokenizer, val_fraction)
+
+    setup.TextDataset = in_memory
+    return {**_run(rank, world, argv), "replaced": replaced}
+
+
+def test_memory_mapped_cache_and_in_memory_corpus_give_the_same_metrics(reference, tmp_path):
+    """README, "Data at scale": the trainer on the memory-mapped token cache (the
+    reference run) and on the corpus encoded in memory give bitwise-equal
+    ``metrics.csv`` loss, grad norm and LR columns (the others time and measure memory)."""
+    out, _ = reference
+    run = run_ranks(_run_in_memory, 2, _argv(tmp_path, "--checkpoint.export_safetensors",
+                                             "true"))
+    assert [r["replaced"] for r in run] == [["memmap"]] * 2  # the mapped cache, replaced
+
+    def columns(folder: Path) -> list[tuple]:
+        with open(folder / "metrics.csv") as f:
+            return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in csv.DictReader(f)]
+
+    assert columns(tmp_path) == columns(out) and len(columns(out)) == STEPS // 2
+
+
 def _config_error(rank: int, world: int, argv: list[str]) -> str:
     from simplefsdp.errors import ConfigError
 

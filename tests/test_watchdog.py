@@ -2,8 +2,11 @@
 (its batch transform sleeps); within ``training.hang_watchdog_s`` every rank must write
 its Python stacks to ``hang-rank<r>.txt``, headed by the step and the phase or
 collective it was in, and the job must fail (exit status ``HANG_EXIT``) instead of
-waiting for the process-group timeout (120 s in the rank runner). The limit, 15 s, is
-ten times a step of this tiny model on the loaded 2-core host: a slow step is not a hang."""
+waiting for the process-group timeout (120 s in the rank runner).
+
+No wall-clock margin: the watchdog's clock (``_HeldClock``) stands still until the hang
+begins, so a slow step on a loaded host is never taken for one; the assertions are on
+which rank, step and phase each dump names."""
 
 from __future__ import annotations
 
@@ -17,20 +20,61 @@ from simplefsdp.train.__main__ import main
 from simplefsdp.train.watchdog import HANG_EXIT
 
 _calls = 0
+_PEER_WAITING = "test/rank0-in-step3-token-count"  # a store key: rank 0 reached the hang
+
+
+class _HeldClock:
+    """The watchdog module's ``time``: ``monotonic`` stands still until ``release``, then
+    runs from there; ``sleep`` is the real one."""
+
+    def __init__(self):
+        self.base, self.released_at = time.monotonic(), None
+
+    def monotonic(self) -> float:
+        if self.released_at is None:
+            return self.base
+        return self.base + time.monotonic() - self.released_at
+
+    def release(self) -> None:
+        self.released_at = time.monotonic()
+
+    sleep = staticmethod(time.sleep)
+
+
+_clock: _HeldClock | None = None
 
 
 def _hang_on_rank1_in_step3(inputs, targets):
-    """The batch transform: on rank 1, the third call (step 3) never returns."""
+    """The batch transform: on rank 1, the third call (step 3) never returns; it starts
+    the watchdog's clock once rank 0 waits in step 3's first collective."""
     import torch.distributed as dist
+
+    from simplefsdp._torch_compat import default_store
 
     global _calls
     _calls += 1
     if dist.get_rank() == 1 and _calls == 3:
+        default_store().wait([_PEER_WAITING])
+        _clock.release()
         time.sleep(600)
     return inputs, targets
 
 
 def _train(rank: int, world: int, argv: list[str]) -> None:
+    from simplefsdp._torch_compat import default_store
+    from simplefsdp.train import watchdog
+
+    global _clock
+    _clock = _HeldClock()
+    watchdog.time = _clock
+    enter = watchdog.Watchdog.enter
+
+    def enter_and_tell(self, name, step, limit_s):
+        enter(self, name, step, limit_s)
+        if rank == 0 and self.step == 3 and name == "token-count all-reduce":
+            default_store().set(_PEER_WAITING, "1")
+
+    watchdog.Watchdog.enter = enter_and_tell
     main(argv, batch_transform=_hang_on_rank1_in_step3)
 
 
@@ -39,17 +83,20 @@ def test_a_hung_rank_makes_every_rank_dump_its_stacks(tmp_path):
     argv = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
             "--model.n_kv_heads", "2", "--training.seq_len", "32",
             "--training.batch_size", "2", "--training.steps", "6",
-            "--training.hang_watchdog_s", "15", "--metrics.output_dir", str(out)]
+            "--training.hang_watchdog_s", "2", "--metrics.output_dir", str(out)]
     with pytest.raises(RankFailure) as failure:
         run_ranks(_train, 2, argv, timeout_s=300)
     assert f"exit code {HANG_EXIT}" in str(failure.value)
     hung, waiting = (Path(out / f"hang-rank{r}.txt").read_text() for r in (1, 0))
     # The hung rank: in step 3's "next batch" phase, its stack inside the transform.
     assert hung.startswith("[simplefsdp] hang watchdog: rank 1 at step 3, in next batch for")
+    assert "training.hang_watchdog_s = 2)" in hung.splitlines()[0]
     assert "_hang_on_rank1_in_step3" in hung and 'File "' in hung
-    # Its peer: waiting in step 3's first collective, the token count all-reduce.
+    # Its peer: waiting in step 3's first collective, the token count all-reduce; its own
+    # clock never ran, so it learnt the hang from rank 1's announcement.
     assert waiting.startswith("[simplefsdp] hang watchdog: rank 0 at step 3, in token-count "
                               "all-reduce for"), waiting[:300]
+    assert "first seen by rank 1, step 3, next batch" in waiting.splitlines()[0]
     assert "in global_tokens" in waiting
 
 
