@@ -209,8 +209,8 @@ def test_loss_parallel_matches_one_process_cross_entropy(vocab):
     (softmax probabilities below 1, minus the one-hot: rounding ~1e-7), the ignored
     positions' exactly zero. The trainer refuses a vocabulary TP does not divide (its
     embedding and output projection, not the loss): a ConfigError naming both keys."""
-    from simplefsdp.models.llama import ModelArgs
     from simplefsdp.errors import ConfigError
+    from simplefsdp.models.llama import ModelArgs
     from simplefsdp.parallel.tensor import check_sequence_parallel
 
     results = run_ranks(_sharded_loss_and_grads, 2, vocab)
