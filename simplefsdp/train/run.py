@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .config import JobConfig
     from .data import Tokenizer
     from .metrics import MetricsLogger
+    from .validation import HeldOutBatches
 
 
 @dataclass
@@ -31,6 +32,7 @@ class TrainResult:
     num_params: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     output_dir: str = ""
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Setup:
     metrics: MetricsLogger
     start_step: int
     n_params: int
+    validation: HeldOutBatches | None = None  # ``[validation]``'s held-out batches
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:

@@ -67,6 +67,8 @@ from .metrics import MetricsLogger
 from .pipeline import build_schedule
 from .run import Setup, TrainResult
 from .step import build_optimizer, token_loss_sum, train_step
+from .validation import COLUMNS as VALIDATION_COLUMNS
+from .validation import held_out_batches, validate
 from .watchdog import Watchdog, phase
 
 # ---------------------------------------------------------------------------------------
@@ -124,6 +126,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
     phase("start-up: data (tokenizer, token cache)")  # named for a hang's stack dump
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
+    held_out = held_out_batches(cfg, tokenizer, at)  # too few held-out windows: refused now
     phase("start-up: building the model (and loading its weights)")
     runnable, model = family.build(cfg, mesh, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
@@ -161,9 +164,10 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                             flops_per_token=family.flops_per_token(cfg, model, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard,
-                            extra_columns=columns)
+                            extra_columns=columns,
+                            sparse_columns=VALIDATION_COLUMNS if held_out else ())
     s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
-              scheduler, schedule, ckpt, metrics, start_step, n_params)
+              scheduler, schedule, ckpt, metrics, start_step, n_params, held_out)
     if rank == 0:
         print(start_line(s, world, tokens_per_step), flush=True)
     return s
@@ -238,12 +242,17 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 else:
                     contribution, grad_norm, stop, stats = train_step(s, step, batches,
                                                                       signal_.requested)
-                pending.append((contribution, grad_norm, lr, stats))
+                phase("validation (held-out forward, loss all-reduce)")
+                evaluating = time.perf_counter()
+                held_out = validate(s, step)  # {} unless this step evaluates
+                window_start += time.perf_counter() - evaluating  # tokens/s: training's
+                result.val_losses.update({step: held_out["val_loss"]} if held_out else {})
+                pending.append((contribution, grad_norm, lr, {**stats, **held_out}))
                 window_steps += 1
                 metrics.advance()
 
                 is_last = step == t.steps or stop
-                logs = step % cfg.metrics.log_every == 0 or is_last
+                logs = step % cfg.metrics.log_every == 0 or is_last or bool(held_out)
                 if logs or (ckpt and ckpt.due(step)):
                     # One all-reduce for every step since the last flush.
                     phase("metrics all-reduce")
