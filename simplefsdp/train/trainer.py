@@ -119,6 +119,8 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     if cfg.checkpoint.enable:  # decided before anything is built: a refusal is cheap
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint)
     preflight.before_build(cfg, ckpt_folder, rank)
+    if cfg.checkpoint.enable and rank == 0:
+        _record_config(cfg, ckpt_folder)
     if resume_from is not None and checkpoint_step(resume_from) >= t.steps:
         raise ConfigError(f"training.steps = {t.steps}, but the checkpoint to resume from "
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
@@ -171,6 +173,15 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     if rank == 0:
         print(start_line(s, world, tokens_per_step), flush=True)
     return s
+
+
+def _record_config(cfg: JobConfig, ckpt_folder: Path) -> None:
+    """The job config next to the checkpoints (``config.json``): ``simplefsdp.generate``
+    rebuilds the run's model and tokenizer from it."""
+    import json
+
+    ckpt_folder.mkdir(parents=True, exist_ok=True)
+    (ckpt_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
 
 def _fingerprint(cfg: JobConfig) -> str:
