@@ -255,6 +255,9 @@ class MetricsConfig:
     log_every: int = 10  # steps between metrics rows (metrics.csv, the console)
     output_dir: str = "outputs"  # metrics.csv, TensorBoard logs, checkpoints and exports
     tensorboard: bool = False  # also write TensorBoard event files
+    # Also send every metrics row (and the whole config) to Weights & Biases, from rank 0
+    # (pip install wandb; WANDB_MODE=offline records without a network).
+    wandb: bool = False
 
 
 @dataclass

@@ -96,11 +96,13 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, *, rank: int, world: int, device: torch.device,
                  flops_per_token: float, tokens_per_step: int, total_steps: int,
                  start_step: int = 0, tensorboard: bool = False, progress: bool = True,
-                 extra_columns: tuple[str, ...] = (), sparse_columns: tuple[str, ...] = ()):
+                 extra_columns: tuple[str, ...] = (), sparse_columns: tuple[str, ...] = (),
+                 tracker=None):
         self.out = Path(output_dir)
         self.extra_columns = tuple(extra_columns)  # the model family's (MoE: expert load)
         # Filled only on some rows, empty on the others (validation's val_loss, val_ppl).
         self.sparse_columns = tuple(sparse_columns)
+        self.tracker = tracker  # rank 0's experiment tracker (tracker.py), or None
         self.rank, self.world, self.device = rank, world, device
         self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
         self.active = rank == 0
@@ -201,6 +203,8 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step":
                     self._tb.add_scalar(key, value, step)
+        if self.tracker is not None:
+            self.tracker.log(row)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}",
                                   mfu=f"{100 * mfu:.2f}%", refresh=False,
@@ -221,6 +225,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
         self.written = self.plot()
 
     def plot(self) -> list[Path]:

@@ -67,6 +67,7 @@ from .metrics import MetricsLogger
 from .pipeline import build_schedule
 from .run import Setup, TrainResult
 from .step import build_optimizer, token_loss_sum, train_step
+from .tracker import build_tracker
 from .validation import COLUMNS as VALIDATION_COLUMNS
 from .validation import held_out_batches, validate
 from .watchdog import Watchdog, phase
@@ -167,7 +168,8 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard,
                             extra_columns=columns,
-                            sparse_columns=VALIDATION_COLUMNS if held_out else ())
+                            sparse_columns=VALIDATION_COLUMNS if held_out else (),
+                            tracker=build_tracker(cfg, rank))
     s = Setup(cfg, device, mesh, at, loader, tokenizer, runnable, model, params, optimizer,
               scheduler, schedule, ckpt, metrics, start_step, n_params, held_out)
     if rank == 0:
