@@ -117,8 +117,9 @@ CI_CELLS = [  # 10 cells, 3 of them Inductor (the costly backend): the fewest fo
 
 
 def refused(cell: Cell) -> bool:
-    """Cells the library refuses up front on this torch (parallelize.check_composition):
-    full AC under Inductor where Inductor has no ``custom_partitioner_fn`` (none on 2.13)."""
+    """Cells the library refuses up front on this torch
+    (parallel.activation_checkpoint.check_composition): full AC under Inductor where
+    Inductor has no ``custom_partitioner_fn`` (none on 2.13)."""
     from simplefsdp._torch_compat import custom_partitioner_base
 
     return cell.ac == "full" and cell.backend == "inductor" and custom_partitioner_base() is None
@@ -167,8 +168,9 @@ class _Built:
         import simplefsdp as sf
         from simplefsdp.mesh import ParallelDims, stage_group
         from simplefsdp.models.llama import Transformer
-        from simplefsdp.train.parallelize import apply_ac, apply_tp, check_composition
-        from simplefsdp.train.pipeline import build_schedule, split_stage
+        from simplefsdp.parallel.activation_checkpoint import apply_ac, check_composition
+        from simplefsdp.parallel.pipeline import build_schedule, split_stage
+        from simplefsdp.parallel.tensor import apply_tp
 
         check_composition(cell.ac, compiled, cell.backend)
         replicate, shard = cell.dp
@@ -272,7 +274,7 @@ def _graph_counts(cell: Cell, backend) -> tuple[dict, dict, int, int]:
 
 
 def _is_refusal(error: BaseException) -> bool:
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
 
     return isinstance(error, ValueError | ConfigError | NotImplementedError)
 

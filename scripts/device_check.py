@@ -528,9 +528,10 @@ def _step(config, overrides, gpus, steps, profiled=False):
     import torch.distributed as dist
 
     from simplefsdp._torch_compat import fake_store
+    from simplefsdp.config.job import load_config
+    from simplefsdp.optim import build_optimizer
     from simplefsdp.parallel.context import cp_batches
-    from simplefsdp.train.config import load_config
-    from simplefsdp.train.step import build_optimizer, loss_context, token_loss_sum
+    from simplefsdp.parallel.tensor import loss_context, token_loss_sum
     cfg = load_config(config, overrides)
     dev = torch.device(ARGS.device, 0) if ARGS.device == "cuda" else torch.device("cpu")
     if ARGS.device == "cuda":

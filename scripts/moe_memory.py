@@ -39,8 +39,8 @@ def _local_bytes(t: torch.Tensor | None) -> int:
 
 
 def _measure(rank: int, world: int, out: str) -> list[dict]:
+    from simplefsdp.config.job import load_config
     from simplefsdp.train import trainer
-    from simplefsdp.train.config import load_config
     from simplefsdp.train.step import forward_backward, global_tokens
 
     rows = []

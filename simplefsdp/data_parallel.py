@@ -20,10 +20,9 @@ collective on one rank only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -54,18 +53,13 @@ from ._torch_compat import (
 )
 from .checks import check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
-from .mesh import ParallelDims
+from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
+from .module_swap import derived_class
 
-Mode = Literal["fully_shard", "replicate", "hybrid_shard"]
-MODES = ("fully_shard", "replicate", "hybrid_shard")
+Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
+MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
 _CLASS_PREFIX = "SimpleFSDP"
-# The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
-# process groups of the collectives our parametrization issues: set at trace time
-# (``torch.fx.traceback.annotate``, which AOTAutograd carries onto the backward's
-# reductions and the recomputed gathers), read by the compiler's passes, which touch only
-# those collectives, never tensor/sequence-parallel, pipeline or user ones.
-DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,12 +276,11 @@ def _make_property(name: str) -> property:
     return property(get)
 
 
-@functools.cache
 def _parametrized_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
-    """A subclass of ``cls`` whose parameter names are gathering properties (cached, so
-    modules of one class share one subclass and pickling stays possible by class)."""
-    attrs = {name: _make_property(name) for name in names}
-    return type(f"{_CLASS_PREFIX}{cls.__name__}", (cls,), attrs)
+    """A subclass of ``cls`` whose parameter names are gathering properties (one per
+    class and names: ``module_swap.derived_class``)."""
+    return derived_class(cls, _CLASS_PREFIX, key=names,
+                         attrs={name: _make_property(name) for name in names})
 
 
 # ---------------------------------------------------------------------------------------

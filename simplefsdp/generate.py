@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .train.config_reader import ConfigError
+from .errors import ConfigError
 
 # A callable that takes the next tokens (1, new) and returns their logits (1, new, vocab),
 # remembering what it was given before (a key/value cache).
@@ -75,8 +75,8 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 def job_config(checkpoint: Path, flags: list[str]):
     """The run's job config: ``<checkpoint>/../config.json`` (if the trainer recorded
     it), then ``flags`` (the trainer's); validated for one process."""
-    from .train.config import JobConfig, parse_args
-    from .train.config_reader import apply_toml
+    from .config.job import JobConfig, parse_args
+    from .config.reader import apply_overrides, apply_toml, split_argv
 
     recorded = checkpoint.parent / RECORDED_CONFIG
     if not recorded.is_file():
@@ -86,8 +86,6 @@ def job_config(checkpoint: Path, flags: list[str]):
     data["parallel"] = {}  # one process here, whatever the run's layout was
     apply_toml(cfg, {section: {k: v for k, v in keys.items() if v is not None}
                      for section, keys in data.items()})
-    from .train.config_reader import apply_overrides, split_argv
-
     path, overrides = split_argv(flags)
     if path is not None:
         raise ConfigError(f"--config {path}: the checkpoint's run recorded its config in "
@@ -167,7 +165,7 @@ class HFDecoder:
 
 def hf_tokenizer(folder: Path):
     """The folder's tokenizer.json, else bytes (our byte-level runs export none)."""
-    from .train.data import ByteTokenizer
+    from .corpus.text import ByteTokenizer
 
     if (folder / "tokenizer.json").is_file():
         from .hf.tokenizer import HFTokenizer

@@ -44,6 +44,7 @@ from ._torch_compat import (
     register_work,
     resolve_process_group,
 )
+from ._torch_compat.internals import C10D_FUNCTIONAL
 
 __all__ = ["install_gloo_collectives", "installed", "uninstall_gloo_collectives", "uses_gloo"]
 
@@ -104,7 +105,7 @@ def install_gloo_collectives() -> None:
     global _lib
     if _lib is not None:
         return
-    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib = torch.library.Library(C10D_FUNCTIONAL, "IMPL")
     lib.impl("all_gather_into_tensor", _all_gather_into_tensor_cpu, "CPU")
     _lib = lib
 

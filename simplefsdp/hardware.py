@@ -47,6 +47,13 @@ def gpu_spec(device_name: str) -> GpuSpec | None:
     return None
 
 
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float,
+                            peak_flops: float) -> float:
+    """MFU: the model's FLOP/s over the devices' peak (``peak_flops``: all the devices
+    the tokens ran on, summed); one definition for the trainer and the planner."""
+    return flops_per_token * tokens_per_s / peak_flops
+
+
 def gpu_peak_flops(device_name: str) -> float | None:
     """Peak bf16 dense FLOP/s of a GPU from its name, or None if not in the table."""
     spec = gpu_spec(device_name)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from ._torch_compat import flatten_mesh, slice_flattened
 
@@ -40,8 +41,14 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
 CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring across
 DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
-# Degrees whose parallelism is not implemented yet: only 1 is accepted.
-NOT_YET: dict[str, str] = {}
+
+
+# The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
+# process groups of the collectives our parametrization issues: set at trace time
+# (``torch.fx.traceback.annotate``, which AOTAutograd carries onto the backward's
+# reductions and the recomputed gathers), read by the compiler's passes, which touch only
+# those collectives, never tensor/sequence-parallel, pipeline or user ones.
+DP_GROUPS_META = "simplefsdp_data_parallel_groups"
 
 
 @dataclass(frozen=True)
@@ -104,17 +111,23 @@ class ParallelDims:
                 extra = " or -1 (the rest of the world size)" if name == "dp_shard" else ""
                 raise ValueError(f"{self.prefix}{name} = {size!r} is out of range: it must be "
                                  f"a positive integer{extra}")
-        if self.dp_shard != -1 and self.expert_ranks > 1 and self.expert_ranks % self.ep:
-            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self._expert_names()} = "
-                             f"{self.expert_ranks} (the experts are sharded over those ranks)")
-        if self.dp_shard != -1 and self.expert_ranks == 1 and self.dp_replicate % self.ep:
-            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {self.prefix}"
-                             f"dp_replicate = {self.dp_replicate} (with {self.prefix}dp_shard "
-                             f"= 1 the expert-parallel groups are carved out of the replicas)")
-        for name, what in NOT_YET.items():
-            if getattr(self, name) > 1:
-                raise ValueError(f"{self.prefix}{name} = {getattr(self, name)} needs {what}, "
-                                 f"which is not implemented yet; set {self.prefix}{name} = 1")
+        if self.dp_shard != -1:
+            self._check_ep_source()
+
+    def _check_ep_source(self) -> None:
+        """``ep`` divides the ranks its groups are carved out of: :attr:`expert_ranks`, or
+        ``dp_replicate`` where those are 1 (the one statement of the rule for sizes;
+        :meth:`check_ep` states it for a built mesh's ranks)."""
+        if self.expert_ranks > 1:
+            source, names = self.expert_ranks, self._expert_names()
+            why = "the experts are sharded over those ranks"
+        else:
+            source, names = self.dp_replicate, f"{self.prefix}dp_replicate"
+            why = (f"with {self.prefix}dp_shard = 1 the expert-parallel groups are carved "
+                   f"out of the replicas")
+        if source % self.ep:
+            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {names} = {source} "
+                             f"({why})")
 
     @property
     def resolved(self) -> bool:
@@ -414,3 +427,8 @@ def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
             mine = group
     return mine
 
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (``to_local()``); a plain tensor as it is. The one
+    helper for code that works on sharded and unsharded tensors alike."""
+    return t.to_local() if isinstance(t, DTensor) else t

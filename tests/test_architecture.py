@@ -437,7 +437,7 @@ def test_import_train_does_not_import_hf():
     import subprocess
     import sys
 
-    code = ("import sys, simplefsdp.train, simplefsdp.train.trainer, simplefsdp.train.config;"
+    code = ("import sys, simplefsdp.train, simplefsdp.train.trainer, simplefsdp.config;"
             "print(sorted(m for m in sys.modules if m.startswith('simplefsdp.hf')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()

@@ -44,8 +44,8 @@ def test_outside_bytes_shrink_the_budget():
 def _build(cfg, mesh, make_backend):
     """The debug model on ``mesh`` compiled with ``make_backend(model)``, the model, the
     trainer's AdamW and the backend."""
-    from simplefsdp.train.llama_family import build_model
-    from simplefsdp.train.step import build_optimizer
+    from simplefsdp.models.llama_family import build_model
+    from simplefsdp.optim import build_optimizer
 
     runnable, model = build_model(cfg, mesh, torch.device("cpu"))
     optimizer, _ = build_optimizer(model, cfg)
@@ -57,7 +57,7 @@ def _measured_step_peak(runnable, model, optimizer, x) -> int:
     """Held state + the profiled transient peak of the third training step (the first
     compiles, the second creates the optimizer state)."""
     from simplefsdp.bench.measure import held_bytes, least_transient
-    from simplefsdp.train.step import token_loss_sum
+    from simplefsdp.parallel.tensor import token_loss_sum
 
     def step():
         logits = runnable(x)  # held through backward, as a training loop does
@@ -88,7 +88,7 @@ def _limit_above_manual(rank, world):
     from simplefsdp.compiler import auto_wrap
     from simplefsdp.compiler.plan_search import optimal_buckets
     from simplefsdp.compiler.simulate import simulate
-    from simplefsdp.train.config import load_config
+    from simplefsdp.config.job import load_config
 
     cfg = load_config(None, ["--model.name", "debug", "--training.batch_size", "4",
                              "--training.seq_len", "128"])
@@ -170,8 +170,8 @@ def _full_ac_plans(rank, world):
     Per compile: each graph's matmul count and (buckets, applied peak) as planned."""
     import simplefsdp
     from simplefsdp.compiler import auto_wrap
-    from simplefsdp.train.config import load_config
-    from simplefsdp.train.step import token_loss_sum
+    from simplefsdp.config.job import load_config
+    from simplefsdp.parallel.tensor import token_loss_sum
 
     cfg = load_config(None, ["--training.batch_size", "2", "--training.seq_len", "32",
                              "--activation_checkpoint.mode", "full"])

@@ -17,7 +17,7 @@ import pytest
 from torch import nn
 
 from simplefsdp.bench.config import bench_help, load_config, parse_args
-from simplefsdp.train.config_reader import ConfigError
+from simplefsdp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE_VARIANTS = ["simplefsdp-eager", "simplefsdp-reordering", "simplefsdp-auto",
@@ -51,8 +51,8 @@ def _single_process_losses(flags: list[str]) -> list[float]:
     import torch
     import torch.nn.functional as F
 
+    from simplefsdp.corpus.text import TextDataset
     from simplefsdp.models.llama import Transformer
-    from simplefsdp.train.data import TextDataset
 
     cfg = parse_args(flags)
     t, world = cfg.training, cfg.bench.world_size

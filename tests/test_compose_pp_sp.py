@@ -56,7 +56,7 @@ PP_TP = ("--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_microbatches
 
 
 def _trainer(rank: int, world: int, argv: list[str]) -> tuple[list[float], list[float]]:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     result = main(argv)
     return result.losses, result.grad_norms

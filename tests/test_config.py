@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from simplefsdp.train.config import ConfigError, JobConfig, load_config, parse_args
+from simplefsdp.config.job import JobConfig, load_config, parse_args
+from simplefsdp.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -230,7 +231,7 @@ def test_parallel_dims_layouts():
 def test_pipeline_rules_have_one_owner():
     """``split_stage`` refuses what the config refuses, with the same message."""
     from simplefsdp.models.llama import Transformer
-    from simplefsdp.train.pipeline import split_stage, stage_layers
+    from simplefsdp.parallel.pipeline import split_stage, stage_layers
 
     for pp, model_flags in ((8, []), (2, ["--model.tie_embeddings"])):
         with pytest.raises(ConfigError) as at_load:
@@ -275,7 +276,7 @@ def _reshard_by_config(rank: int, world: int, cases: list[list[str]]) -> list[se
     a model the trainer's apply_dp builds (the config's pp is only read, never built)."""
     import simplefsdp as sf
     from simplefsdp.models.llama import ModelArgs, Transformer
-    from simplefsdp.train.parallelize import apply_dp
+    from simplefsdp.models.parallelize import apply_dp
 
     mesh = sf.make_mesh(dp_shard=world)
     found = []
@@ -309,9 +310,9 @@ def test_help_prints_each_fields_meaning(capsys):
 
     from simplefsdp.bench.__main__ import main as bench_main
     from simplefsdp.bench.config import BenchConfig
+    from simplefsdp.config.reader import field_docs
     from simplefsdp.plan.__main__ import main as plan_main
-    from simplefsdp.train.config_reader import field_docs
-    from simplefsdp.train.trainer import main as train_main
+    from simplefsdp.train.__main__ import main as train_main
 
     for schema in (JobConfig(), BenchConfig()):
         for section in fields(schema):

@@ -54,10 +54,11 @@ import torch.nn.functional as F
 from rank_runner import run_ranks
 
 from simplefsdp._torch_compat import TorchDispatchMode
+from simplefsdp.config.job import load_config
+from simplefsdp.corpus.text import ByteTokenizer
+from simplefsdp.errors import ConfigError
 from simplefsdp.parallel.context import positions
 from simplefsdp.parallel.ring import RingCore, natural_order
-from simplefsdp.train.config import ConfigError, load_config
-from simplefsdp.train.data import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -364,8 +365,8 @@ def _spawned(rank, world, cells, out):
 
 
 def _runs(rank, world, cells, out):
+    from simplefsdp.train.__main__ import main
     from simplefsdp.train.console import CompileReports
-    from simplefsdp.train.trainer import main
 
     results = {}
     for name, argv in cells.items():

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
+from simplefsdp.config.job import load_config
 from simplefsdp.corpus import cache as cache_mod
 from simplefsdp.corpus import open_caches
 from simplefsdp.corpus.mixture import MixtureLoader
-from simplefsdp.train.config import load_config
-from simplefsdp.train.config_reader import ConfigError
-from simplefsdp.train.data import ByteTokenizer, TextDataset
+from simplefsdp.corpus.text import ByteTokenizer, TextDataset
+from simplefsdp.errors import ConfigError
 
 DOCS = ["first doc", "", "second, longer document", "third ☃"]
 
@@ -363,8 +363,8 @@ def test_bad_data_found_while_tokenizing_names_the_key(tmp_path: Path):
 def _shared_build(rank: int, world: int, data: str, cache: str):
     import torch.distributed.checkpoint as dcp
 
+    from simplefsdp.config.job import load_config
     from simplefsdp.corpus import build_loader
-    from simplefsdp.train.config import load_config
 
     # Streaming: the ranks' positions go through a DCP checkpoint (one table, gathered).
     stream = _stream(data, rank, world)
@@ -535,7 +535,7 @@ def test_document_mask_equals_each_document_alone():
 def test_feistel_order_is_a_seeded_permutation():
     """Every index once (sizes incl. non powers of two and a cycle-walked 4**k + 1), the
     same order for the same key and for any subset of positions, another for another key."""
-    from simplefsdp.train.data import feistel_permute
+    from simplefsdp.corpus.text import feistel_permute
 
     for n in [1, 2, 3, 5, 7, 64, 100, 1000, 4097]:
         perm = feistel_permute(torch.arange(n), n, key=11)
@@ -551,7 +551,7 @@ def test_feistel_order_is_a_seeded_permutation():
 def test_large_corpus_order_is_computed_and_resumes(monkeypatch):
     """Above PERMUTATION_MAX_WINDOWS the loader stores no permutation, still reads each
     window once per epoch, and resumes exactly (across an epoch end, 2 DP ranks)."""
-    from simplefsdp.train import data as data_mod
+    from simplefsdp.corpus import text as data_mod
 
     monkeypatch.setattr(data_mod, "PERMUTATION_MAX_WINDOWS", 50)
     tokens = torch.arange(60 * 8 + 1)  # 60 windows of 8 + 1; window w starts at token 8 w

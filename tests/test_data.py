@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from simplefsdp.train.data import (
+from simplefsdp.corpus.text import (
     BatchLoader,
     ByteTokenizer,
     TextDataset,
@@ -118,7 +118,7 @@ def test_val_is_deterministic_and_separate(dataset: TextDataset):
 def test_bad_corpus_files_name_the_key_and_the_size_needed(tmp_path: Path):
     """Empty, tiny and binary files used to give a raw ValueError / UnicodeDecodeError, and
     a file smaller than one global batch was repeated within the batch."""
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
 
     empty, tiny, binary = tmp_path / "empty.txt", tmp_path / "tiny.txt", tmp_path / "x.bin"
     empty.write_text("")

@@ -43,7 +43,7 @@ def test_bad_input_refused():
 
 
 def _expert_mesh_layout(rank: int, world: int):
-    from simplefsdp.train.parallelize import apply_tp
+    from simplefsdp.parallel.tensor import apply_tp
 
     mesh = sf.make_mesh(dp_shard=2, tp=2)  # ranks [[[[0, 1], [2, 3]]]]: tp inside dp_shard
     experts = ParallelDims.expert_mesh(mesh, 2)

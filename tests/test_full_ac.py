@@ -46,7 +46,7 @@ def _variant(rank: int, name: str, saved: list) -> dict:
     """Train ``name`` (ac:eager or ac:bucketing, aot_eager) for STEPS AdamW steps: its
     losses, every step's full gradients, and its backward graph's collectives."""
     from simplefsdp.mesh import stage_group
-    from simplefsdp.train.parallelize import apply_ac
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     ac, how = name.split(":")
     torch._dynamo.reset()
@@ -133,7 +133,7 @@ def test_compiled_full_ac_is_bitwise_eager_and_saves_least():
 
 
 def _trainer(rank: int, world: int, argv: list[str]) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     result = main(argv)
     return {"losses": result.losses, "grad_norms": result.grad_norms}
@@ -164,8 +164,8 @@ def test_inductor_full_ac_refused_where_torch_lacks_the_partitioner_hook(monkeyp
     2.11-2.13 have it): full AC with Inductor is refused before any work, with the keys
     and the ways out; aot_eager, selective AC and eager are not refused."""
     from simplefsdp import _torch_compat
-    from simplefsdp.train.config import ConfigError
-    from simplefsdp.train.parallelize import check_composition
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.parallel.activation_checkpoint import check_composition
 
     assert _torch_compat.custom_partitioner_base() is not None  # 2.13: present
     monkeypatch.setattr(_torch_compat, "missing_inductor_options", lambda names: list(names))

@@ -15,9 +15,9 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.errors import ConfigError
 from simplefsdp.generate import generate, job_config, load_checkpoint_model, main
 from simplefsdp.models.kv_cache import KVCache
-from simplefsdp.train.config_reader import ConfigError
 
 TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
         "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.batch_size", "4",
@@ -32,7 +32,7 @@ PROMPT, NEW = "ROMEO:", 24
 
 
 def _train(rank: int, world: int, argv: list[str]) -> None:
-    from simplefsdp.train.trainer import main as train_main
+    from simplefsdp.train.__main__ import main as train_main
 
     train_main(argv)
 

@@ -27,7 +27,7 @@ TOKENIZER_VOCAB = 300
 # Assets.
 # ---------------------------------------------------------------------------------------
 def _documents() -> list[str]:
-    from simplefsdp.train.data import read_corpus
+    from simplefsdp.corpus.text import read_corpus
 
     text = read_corpus("shakespeare")[:60_000]
     return [d.strip() for d in text.split("\n\n") if d.strip()]
@@ -146,7 +146,7 @@ def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_fie
 
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     ours = main(argv).losses[0]
     dataset = DocumentDataset(data, load_tokenizer(model_dir), text_field)
@@ -168,7 +168,7 @@ def test_first_loss_equals_hf_loss(assets, tmp_path, name, data):
 
 
 def _eager_and_compiled(rank: int, world: int, argv: list[str], out: str):
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     eager = main([*argv, "--metrics.output_dir", f"{out}/eager"]).losses
     compiled = main([*argv, "--metrics.output_dir", f"{out}/compiled",
@@ -247,9 +247,9 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
     import safetensors
 
     import simplefsdp
+    from simplefsdp.config.job import load_config
     from simplefsdp.hf import weights
     from simplefsdp.state_dict import unwrapped_name
-    from simplefsdp.train.config import load_config
 
     loads = []
     real_load = weights.load_sharded
@@ -330,7 +330,7 @@ def train_keeping_model(argv: list[str]):
     import dataclasses
 
     from simplefsdp.models import registry
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     built = []
     family = registry.get("hf")
@@ -444,8 +444,8 @@ def test_our_llama_round_trips_through_hf_layout(tmp_path):
 # Bad input: clear errors before any step.
 # ---------------------------------------------------------------------------------------
 def _errors(rank: int, world: int, cases: list[tuple[list[str], str]]):
-    from simplefsdp.train.config import ConfigError
-    from simplefsdp.train.trainer import main
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.train.__main__ import main
 
     messages = []
     for argv, _ in cases:
@@ -460,7 +460,8 @@ def test_bad_inputs_fail_before_any_step(assets, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from simplefsdp.train.config import ConfigError, parse_args
+    from simplefsdp.config.job import parse_args
+    from simplefsdp.errors import ConfigError
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -32,7 +32,8 @@ pytest.importorskip("transformers")  # the [hf] extra; CI installs it with .[dev
 
 from rank_runner import run_ranks  # noqa: E402
 
-from simplefsdp.train.config import ConfigError, load_config  # noqa: E402
+from simplefsdp.config.job import load_config  # noqa: E402
+from simplefsdp.errors import ConfigError
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 SEQ = 32
@@ -100,7 +101,7 @@ def _direct(folder: str, seq: int):
 
 
 def _runs(rank, world, cells, out, direct):
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     results = {name: (run.losses, run.grad_norms) for name, run in
                ((name, main(argv + ["--metrics.output_dir", str(Path(out) / name)]))
@@ -114,7 +115,7 @@ def _reference(rank, world, argv, folder):
     global batch (captured as the trainer reads it)."""
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     seen = []
 

@@ -119,10 +119,10 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
 
     from transformers import AutoModelForCausalLM
 
+    from simplefsdp.config.job import load_config
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.train import trainer
-    from simplefsdp.train.config import load_config
 
     result = trainer.main(argv)
     dataset = DocumentDataset(data, load_tokenizer(model_dir), "body")
@@ -206,9 +206,9 @@ def _load_moe(rank: int, world: int, folder: str):
     """Load ``folder`` in both modes; per mode: every tensor's full value (rank 0) and
     the file tensors this rank read (names, as ``WeightFiles`` handed them out)."""
     import simplefsdp
+    from simplefsdp.config.job import load_config
     from simplefsdp.hf import weights
     from simplefsdp.state_dict import unwrapped_name
-    from simplefsdp.train.config import load_config
 
     read: list[str] = []
     real_tensor, real_rows = weights.WeightFiles.tensor, weights.WeightFiles.rows
@@ -288,7 +288,7 @@ def _our_moe_exported(rank: int, out: str):
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.models import registry
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     family, built = registry.get("moe"), []
 
@@ -370,8 +370,8 @@ def test_moe_two_ranks_train_then_export_round_trips(moe_assets, tmp_path):
 # Refusals, before any step.
 # ---------------------------------------------------------------------------------------
 def _moe_errors(rank: int, world: int, cases: list[list[str]]):
-    from simplefsdp.train.config import ConfigError
-    from simplefsdp.train.trainer import main
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.train.__main__ import main
 
     messages = []
     for argv in cases:
@@ -439,7 +439,7 @@ def _layouts(rank: int, world: int, argv: list[str], out: str):
 
     from simplefsdp.models import registry
     from simplefsdp.state_dict import unwrapped_name
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     def gathered(model):  # a collective
         state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
@@ -544,7 +544,8 @@ def test_moe_ep2_compiled_matches_eager(layouts):
 def test_our_moe_export_refused_where_mixtral_differs(tmp_path):
     """Config load refuses ``checkpoint.export_hf`` for our MoE settings Mixtral does not
     compute (a shared expert, sigmoid scores, bias balancing), naming each key."""
-    from simplefsdp.train.config import ConfigError, load_config
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         load_config(None, [*OUR_MOE, "--model.shared_hidden_dim", "32", "--model.score_func",
@@ -597,9 +598,9 @@ def test_moe_router_aux_loss_coef_overrides_the_folder(moe_assets, coef):
     loss of the folder's model on the same tokens (the same ops: bitwise)."""
     from transformers import AutoModelForCausalLM
 
+    from simplefsdp.config.job import load_config
     from simplefsdp.hf.hooks import aux_loss
     from simplefsdp.hf.model import causal_lm_call, job_config
-    from simplefsdp.train.config import load_config
 
     folder = moe_assets["qwen3_moe"]
     flags = ["--model.hf_path", str(folder)]
@@ -622,7 +623,8 @@ def test_moe_router_aux_loss_coef_refused(moe_assets, tmp_path):
     model.aux_loss_coef), below 0, and on a folder whose model has no balance loss."""
     from transformers import LlamaConfig
 
-    from simplefsdp.train.config import ConfigError, load_config
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
 
     LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                 intermediate_size=64).save_pretrained(tmp_path)

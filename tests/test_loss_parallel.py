@@ -21,8 +21,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
-from simplefsdp.train.step import IGNORE_INDEX
-from simplefsdp.train.trainer import main
+from simplefsdp.parallel.tensor import IGNORE_INDEX
+from simplefsdp.train.__main__ import main
 
 STEPS = 3
 
@@ -51,8 +51,8 @@ def _logits(rank: int, world: int) -> list[tuple]:
     """The logits the TP model returns, with and without loss parallel: their type,
     placements and local shape."""
     import simplefsdp
-    from simplefsdp.train.config import load_config
-    from simplefsdp.train.llama_family import build_model
+    from simplefsdp.config.job import load_config
+    from simplefsdp.models.llama_family import build_model
 
     found = []
     for flag in ("true", "false"):
@@ -123,8 +123,8 @@ def test_planner_counts_an_eighth_of_the_logits_on_70b(planner):
     hand (without loss parallel all 128,256 at 12 B: 187.9 GiB, and 215 GiB active: it
     did not fit). The layout fits the 96 GB H100 (58.79 GiB active), as torchtitan ran
     it (71.9 GiB, with Float8)."""
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict
-    from simplefsdp.train.config import load_config
 
     r = planner(predict, load_config("configs/llama3_70b.toml", LLAMA_70B), 256, "h100-96gb")
     full = r.detail["full"]

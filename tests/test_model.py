@@ -174,7 +174,7 @@ def test_activation_checkpointing_keeps_the_math_and_recomputes_its_matmuls(mode
     7 linears, each 2 matmuls in backward; ``full`` recomputes the first 6 forward
     matmuls (its recomputation stops early: w2's output is not needed by backward),
     ``selective`` (torchtitan's rule) the 2nd, 4th and 6th of each block (wk, wo, w3)."""
-    from simplefsdp.train.parallelize import apply_ac
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     reference = _model()
     wrapped = copy.deepcopy(reference)

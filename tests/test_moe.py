@@ -198,7 +198,8 @@ def test_mla_matches_a_computation_by_hand():
 def test_mla_refusals_name_the_key():
     """MLA's sizes are checked; tensor / context parallelism and the Hugging Face export
     are refused at config load, naming the key."""
-    from simplefsdp.train.config import ConfigError, load_config
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
 
     with pytest.raises(ValueError, match="qk_rope_head_dim=3 must be even"):
         moe.MoEArgs(**{**MLA, "qk_rope_head_dim": 3})

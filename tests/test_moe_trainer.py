@@ -13,7 +13,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
-from simplefsdp.train.config import ConfigError, load_config
+from simplefsdp.config.job import load_config
+from simplefsdp.errors import ConfigError
 
 # A tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2, a shared expert,
 # balance loss with a large coefficient (so that it moves the weights visibly).
@@ -80,7 +81,7 @@ PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2", "hs
 def _runs(rank: int, world: int, out: str) -> dict:
     """Every layout's 3 steps on these 4 ranks (one process group), then a bf16 model's
     parameter dtypes as its modules see them in forward."""
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     results, batches = {}, []
 
@@ -136,8 +137,8 @@ def _compiled(out: str) -> dict:
     reports of every compiled graph."""
     import torch._dynamo
 
+    from simplefsdp.train.__main__ import main
     from simplefsdp.train.console import CompileReports
-    from simplefsdp.train.trainer import main
 
     found = {}
     for name, (layout, bucketing, ac, blocks) in COMPILED.items():
@@ -336,7 +337,7 @@ def test_moe_bad_input_refused(flags, message):
 
 
 def _exchanges_per_ac_mode(rank: int, world: int, out: str) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     found = {}
     for run, ac in (("none", "none"), ("selective", "selective"), ("full", "full"),

@@ -35,7 +35,7 @@ OVERRIDES = {"layers.?.up": sf.MixedPrecisionPolicy(param_dtype=FP32, reduce_dty
 
 
 def _model(ac: str = "none") -> Toy:
-    from simplefsdp.train.parallelize import checkpointed
+    from simplefsdp.parallel.activation_checkpoint import checkpointed
 
     torch.manual_seed(0)
     model = Toy(tie=False, frozen=False)
@@ -152,9 +152,11 @@ def test_unmatched_glob_raises():
 def test_trainer_fp32_modules_key():
     """``[training] mixed_precision_fp32_modules``: globs become float32 overrides; one that
     matches nothing is a ConfigError naming the key."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
     from simplefsdp.models.llama import ModelArgs, Transformer
-    from simplefsdp.train.config import ConfigError, load_config
-    from simplefsdp.train.parallelize import apply_ac, fp32_overrides
+    from simplefsdp.models.parallelize import fp32_overrides
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64))
     apply_ac(model, "full")  # the checkpoint wrapper's name is not part of the globs

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from rank_runner import run_ranks
 
-from simplefsdp.train.config import ConfigError, parse_args
+from simplefsdp.config.job import parse_args
+from simplefsdp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_ERROR_EXIT = 78  # sysexits.h EX_CONFIG, as the README documents
@@ -49,7 +50,7 @@ def _first_line(fn, argv) -> str:
 def test_usage_lines_name_the_program():
     from simplefsdp.bench.__main__ import main as bench_main
     from simplefsdp.plan.__main__ import main as plan_main
-    from simplefsdp.train.trainer import main as train_main
+    from simplefsdp.train.__main__ import main as train_main
 
     assert _first_line(train_main, ["--help"]).startswith(
         "usage: python -m simplefsdp.train [--config FILE.toml]")
@@ -60,7 +61,7 @@ def test_usage_lines_name_the_program():
 
 # ---------------------------------------------------------- configuration errors, --check
 def test_world_size_is_checked_before_the_head_count(monkeypatch):
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     # tp 4 on 2 processes: the sizes cannot fill the world; that is said first ...
     with pytest.raises(ConfigError, match=r"^world size 2 is not divisible by .* = 4;"):
@@ -149,7 +150,7 @@ def test_config_error_under_torchrun_is_said_once_and_last(tmp_path):
 
 # --------------------------------------------------------------- the end-of-run lines
 def _train_and_capture(rank: int, world: int, argv: list[str]) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     said = io.StringIO()  # stdout and stderr (tqdm's bar) in the order they were written
     with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -190,7 +191,7 @@ def test_end_of_run_lines_say_which_loss_and_where_outputs_went(tmp_path):
 def _compiled_twice(rank: int, world: int, argv: list[str], cache: str) -> list[str]:
     os.environ["SIMPLEFSDP_CACHE_DIR"] = cache  # no plans in it: the first run decides
     from simplefsdp.compiler.cost import drift
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     # one calibration for both runs: the start-up probe's verdict pinned to "holds" (on a
     # loaded host it may legitimately recalibrate between the runs, which changes the plan
@@ -247,7 +248,7 @@ def _checkpoint_warnings(rank: int, world: int) -> dict[str, int]:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     import simplefsdp as sf
-    from simplefsdp.train.console import quiet_our_checkpoint_warning
+    from simplefsdp.parallel.activation_checkpoint import quiet_our_checkpoint_warning
 
     seen: list[str] = []
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.config.job import load_config
 from simplefsdp.plan import predict
-from simplefsdp.train.config import load_config
 
 DEBUG = ["--compile.enable", "true", "--compile.backend", "aot_eager",
          "--compile.bucketing", "manual", "--training.batch_size", "4",
@@ -27,8 +27,9 @@ def _measured_peak(rank, world, overrides):
 
     import simplefsdp
     from simplefsdp.bench.measure import held_bytes, least_transient
-    from simplefsdp.train.llama_family import build_model
-    from simplefsdp.train.step import build_optimizer, token_loss_sum
+    from simplefsdp.models.llama_family import build_model
+    from simplefsdp.optim import build_optimizer
+    from simplefsdp.parallel.tensor import token_loss_sum
 
     cfg = load_config(None, overrides)
     p = cfg.parallel.resolve(world)
@@ -324,10 +325,10 @@ def _loss_time_bytes() -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
+    from simplefsdp.parallel.tensor import loss_context, token_loss_sum
     from simplefsdp.plan.eager import _Tracker, peak_of
     from simplefsdp.plan.memory import loss_peaks
     from simplefsdp.plan.trace import ensure_fake_world
-    from simplefsdp.train.step import loss_context, token_loss_sum
 
     ensure_fake_world()
     mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size() // 2, 2),

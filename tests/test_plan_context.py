@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from simplefsdp.train.config import load_config
+from simplefsdp.config.job import load_config
 
 DEBUG = ["--training.seq_len", "64", "--training.batch_size", "2", "--compile.enable",
          "true", "--compile.bucketing", "manual", "--activation_checkpoint.mode", "none"]

@@ -149,9 +149,9 @@ def test_prediction_holds_the_tp_ep_layout(planner):
     16 x 16.091 us and the routed copies kept for backward, 4 x 2 x 65,536 B
     (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
     selective AC)."""
+    from simplefsdp.config.job import load_config
     from simplefsdp.hardware import GiB
     from simplefsdp.plan import predict
-    from simplefsdp.train.config import load_config
 
     cfg = load_config("configs/debug_moe.toml", [
         "--parallel.tp", "2", "--parallel.ep", "2", "--training.batch_size", "2",
@@ -214,8 +214,8 @@ def test_mla_attention_costs_the_kernel_a_gpu_runs():
 
 
 def _mla_forward_attention():
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan.trace import trace, trace_key
-    from simplefsdp.train.config import load_config
 
     cfg = load_config(None, [
         "--model.name", "debug_moe", "--model.attention", "mla", "--model.n_kv_heads", "4",
@@ -263,7 +263,7 @@ def test_permute_seconds_by_hand():
 
 
 def _ffn_tp_seconds():
-    from simplefsdp.train.config import load_config
+    from simplefsdp.config.job import load_config
 
     cfg = load_config(None, ["--model.name", "debug_moe", "--parallel.tp", "2",
                              "--training.seq_len", "64", "--training.batch_size", "1",
@@ -316,8 +316,8 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s
     difference. Predicted: the step less the exposed communication 1.011 s for both
     (-11.2%; within ``test_plan.py::test_published_runs``' 12%), memory 62.56 GiB (+0.6%)
     and 43.06 GiB (+0.9%; within its 8%)."""
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict
-    from simplefsdp.train.config import load_config
 
     cfg = load_config("configs/deepseek_v3_16b.toml", [
         "--training.batch_size", "4", "--activation_checkpoint.mode", ac,
@@ -339,8 +339,8 @@ def test_deepseek_published_memory(planner, ac, published_gib):
     outputs: the selective row's remaining gap. Not checked here (README, "Validation"):
     the tokens/s, 8,325 and 7,444 published, 10,803 and 10,444 predicted (+30%, +40%, out
     of the issue's 20%: our trainer on this layout is predicted faster than that run)."""
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict
-    from simplefsdp.train.config import load_config
 
     cfg = load_config("configs/deepseek_v3_16b.toml", [
         "--training.batch_size", "4", "--activation_checkpoint.mode", ac,

@@ -8,7 +8,7 @@ caches emptied per call) and traces as little as it can.
 
 from __future__ import annotations
 
-from simplefsdp.train.config import load_config
+from simplefsdp.config.job import load_config
 
 # The anomaly's own layout: 405B, tp 8 (sequence parallel), bf16 compute, selective AC,
 # batch 2 (fake tensors: tracing costs the same at any width).

@@ -29,9 +29,9 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.parallel.tensor import IGNORE_INDEX
+from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import list_checkpoints
-from simplefsdp.train.step import IGNORE_INDEX
-from simplefsdp.train.trainer import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +195,8 @@ def test_non_finite_stops_the_run_and_keeps_the_good_checkpoint(startup):
 
 
 def test_config_rejects_non_finite_floats(tmp_path):
-    from simplefsdp.train.config import ConfigError, load_config
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
 
     toml = tmp_path / "lr.toml"
     toml.write_text("[training]\nlr = 1e400\n")  # TOML reads this as inf

@@ -28,8 +28,8 @@ from test_reliability import tiny_run
 
 from simplefsdp.net import free_port
 from simplefsdp.train import elastic
+from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import MANIFEST, CheckpointManager, TrainerState
-from simplefsdp.train.trainer import main
 
 REPO = Path(__file__).resolve().parents[1]
 

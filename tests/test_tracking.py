@@ -31,8 +31,8 @@ ARGV = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
 
 
 def _train(rank: int, world: int, argv: list[str], hide_wandb: bool = False) -> str:
-    from simplefsdp.train.config import ConfigError
-    from simplefsdp.train.trainer import main
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.train.__main__ import main
 
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
     if hide_wandb:

@@ -27,9 +27,9 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+from simplefsdp.parallel.tensor import IGNORE_INDEX
+from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import list_checkpoints
-from simplefsdp.train.step import IGNORE_INDEX
-from simplefsdp.train.trainer import main
 
 STEPS = 8
 
@@ -108,7 +108,7 @@ def test_resume_reproduces_losses_exactly(reference, tmp_path):
 
 
 def _config_error(rank: int, world: int, argv: list[str]) -> str:
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         main(argv)
@@ -252,7 +252,7 @@ class _FoldedBytes:
 
 
 def _custom_tokenizer(rank: int, world: int, argv: list[str]) -> tuple[list[float], str]:
-    from simplefsdp.train.config import ConfigError
+    from simplefsdp.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:  # the byte tokenizer does not fit 64 ids
         main(argv)

@@ -113,7 +113,7 @@ def _plain_loop(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
 
 
 def _trainer_and_plain(rank: int, world: int, out: Path) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
 

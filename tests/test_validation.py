@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from rank_runner import run_ranks
 
-from simplefsdp.train.config import ConfigError, load_config
+from simplefsdp.config.job import load_config
+from simplefsdp.errors import ConfigError
 
 STEPS, EVERY, VAL_STEPS, SEQ_LEN, BATCH = 4, 2, 2, 32, 4
 
@@ -48,7 +49,7 @@ def _validating(out: Path, *extra: str) -> list[str]:
 
 
 def _train(rank: int, world: int, argv: list[str]) -> dict:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     result = main(argv)
     return {"losses": result.losses, "grad_norms": result.grad_norms,
@@ -135,7 +136,7 @@ def test_training_bitwise_unchanged_by_validation(tmp_path, fsdp_run, model):
 
 
 def _start_error(rank: int, world: int, argv: list[str]) -> str:
-    from simplefsdp.train.trainer import main
+    from simplefsdp.train.__main__ import main
 
     try:
         main(argv)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rank_runner import RankFailure, run_ranks
 
-from simplefsdp.train.trainer import main
+from simplefsdp.train.__main__ import main
 from simplefsdp.train.watchdog import HANG_EXIT
 
 _calls = 0

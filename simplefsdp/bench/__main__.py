@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..train.config_reader import ConfigError
-from ..train.console import quiet_our_checkpoint_warning
+from ..errors import ConfigError
+from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
 from .config import BenchConfig, bench_help, parse_args
 from .launch import run_fake, run_spawned, run_torchrun, under_torchrun
 from .variants import VARIANTS

@@ -1,6 +1,6 @@
 """Benchmark settings: the trainer's TOML schema and override syntax, plus ``[bench]``.
 
-A benchmark config is read by the trainer's reader (``train.config_reader``): the same
+A benchmark config is read by the package's reader (``config.reader``): the same
 file format and the same ``--section.key value`` overrides. Keys that mean the same
 thing as in a training job keep the trainer's section and name (``[model]``,
 ``[training] batch_size``, ``[compile] backend``, ``[job] device``); settings only a
@@ -21,10 +21,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from ..config.job import CompileBackend, Device, ModelConfig, check_seq_len
+from ..config.reader import config_help, read_config, split_argv
+from ..errors import ConfigError, require
 from ..models.llama import ModelArgs
 from ..models.moe import MOE_PRESETS
-from ..train.config import CompileBackend, Device, ModelConfig, check_seq_len
-from ..train.config_reader import ConfigError, config_help, read_config, require, split_argv
 
 
 @dataclass

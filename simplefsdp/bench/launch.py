@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import fake_store
+from ..errors import ConfigError
 from ..net import free_port
-from ..train.config_reader import ConfigError
 from .config import BenchConfig
 
 

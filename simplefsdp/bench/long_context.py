@@ -56,8 +56,8 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, profile
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=30))
     try:
+        from ..config.job import parse_args
         from ..parallel.context import cp_batches
-        from ..train.config import parse_args
         from ..train.step import train_step
         from ..train.trainer import setup
         from .measure import held_bytes, least_transient

@@ -27,11 +27,12 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from .._torch_compat import profiler_events
+from .._torch_compat.internals import C10D_FUNCTIONAL
 from ..compiler.collectives import collective_kind
+from ..mesh import local_shard
 
 PROFILED_STEPS = 3  # CPU: the transient peak is the smallest of this many profiled steps
 CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + peak of torch "
@@ -40,10 +41,6 @@ CPU_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + pea
                       "approximate")
 CUDA_MEMORY_MEASURE = ("held state (params+buffers+optimizer, local shards) + CUDA allocator "
                        "peak above the step's starting allocation (max_memory_allocated)")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -57,7 +54,7 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         nonlocal total
         if t is None or not isinstance(t, torch.Tensor):
             return
-        t = _local(t)
+        t = local_shard(t)
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()
@@ -98,7 +95,7 @@ def _blocks(name: str) -> bool:
     """Whether the caller is blocked in communication while this op runs: a c10d
     collective (eager or issued by a functional one) or a functional collective / its
     ``wait_tensor``."""
-    return name.startswith(("c10d::", "_c10d_functional::", "c10d_functional::")) \
+    return name.startswith(("c10d::", f"{C10D_FUNCTIONAL}::", "c10d_functional::")) \
         or name.endswith("::wait_tensor")
 
 

@@ -88,10 +88,8 @@ def _predicted_peaks(cfg: BenchConfig, names: list[str]) -> dict[str, int | None
 
 def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
     """The full results document (what ``results.json`` holds)."""
-    args = cfg.model_args()
     tokens = cfg.bench.world_size * cfg.training.batch_size * cfg.training.seq_len
     measured = raw["variants"]
-    baseline = measured.get(BASELINE)
     reference_name = LOSS_REFERENCE if LOSS_REFERENCE in measured else next(
         (n for n in measured if VARIANTS[n].communicates), None)
     reference = measured.get(reference_name) if reference_name else None
@@ -99,84 +97,99 @@ def summarize(cfg: BenchConfig, raw: dict, backend: str) -> dict:
     predicted = _predicted_peaks(cfg, [n for n in cfg.selected_variants()
                                        if n not in raw["failed"]])
     for name in cfg.selected_variants():
-        spec = VARIANTS[name]
-        row: dict = {"name": name, "description": spec.description}
+        row: dict = {"name": name, "description": VARIANTS[name].description}
         if name in raw["failed"]:
             row.update(status="failed", error=raw["failed"][name])
-            rows.append(row)
-            continue
-        m = measured[name]
-        median = m["median_step_s"]
-        tps = tokens / median
-        row.update(status="ok", error=None, median_step_s=median, tokens_per_s=tps,
-                   min_step_s=min(m["step_times_s"]), max_step_s=max(m["step_times_s"]),
-                   step_times_s=m["step_times_s"], first_step_s=m["first_step_s"])
-        row["ratio_vs_fsdp2"] = tps / (tokens / baseline["median_step_s"]) if baseline else None
-        compute = measured.get(COMPUTE_ONLY[spec.compiled]) or \
-            measured.get(COMPUTE_ONLY[False])
-        row["exposed_comm_s"] = (median - compute["median_step_s"]
-                                 if compute and spec.communicates else None)
-        row["compile_s"] = max(m["first_step_s"] - median, 0.0) if spec.compiled else None
-        row["predicted_peak_mib"] = (None if predicted.get(name) is None
-                                     else predicted[name] / MIB)
-        row.update(peak_mem_mib=m["peak_bytes"] / MIB, held_mib=m["held_bytes"] / MIB,
-                   transient_mib=m["transient_bytes"] / MIB,
-                   collectives_per_step=m["collectives_per_step"],
-                   collectives_total=sum(m["collectives_per_step"].values()),
-                   losses=m["losses"], final_loss=m["losses"][-1])
-        row["compiles_in_measured_steps"] = m["compiles_in_measured_steps"]
-        row["comm_blocked_s"] = m["comm_blocked_s"]
-        # the MoE exchange: all-to-alls per step and the host time spent in them (None
-        # for a variant without any)
-        a2a = m["collectives_per_step"].get("all_to_all", 0)
-        row["all_to_alls_per_step"] = a2a or None
-        row["all_to_all_s"] = m["all_to_all_s"] if a2a else None
-        estimates = [p["estimated_exposed_s"] for p in m.get("passes") or []
-                     if p.get("estimated_exposed_s") is not None]
-        row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
-        # the estimate covers the compiled graphs: compare it with their exposed time,
-        # the steps' without the optimizer step (the sharded DTensor AdamW costs more
-        # host time than the compute-only model's plain one: not communication)
-        measured_exposed = (m["median_graphs_s"] - compute["median_graphs_s"]
-                            if compute and spec.communicates else None)
-        row["exposed_graphs_s"] = measured_exposed
-        row["estimate_ratio"] = (row["estimated_exposed_comm_s"] / measured_exposed
-                                 if estimates and measured_exposed and measured_exposed > 0
-                                 else None)
-        row["plan"] = "/".join(f"{p['graph'][0].upper()}{p['buckets']}"
-                               for p in m.get("passes") or []) or None
-        if m.get("passes") is not None:
-            row["passes"] = m["passes"]
-        if m.get("calibration") is not None:
-            row["calibration"] = m["calibration"]
-        same_data = spec.communicates or cfg.bench.world_size == 1
-        if same_data and reference is not None and not cfg.bench.fake_pg:
-            diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
-            row.update(max_loss_diff=diff, loss_match=diff <= cfg.bench.loss_tolerance)
-        else:  # compute-only trains on rank 0's data alone; a fake group returns garbage
-            row.update(max_loss_diff=None, loss_match=None)
+        else:
+            _measured_row(row, cfg, measured, tokens, reference, predicted.get(name))
         rows.append(row)
+    return {"meta": _meta(cfg, raw, backend, tokens, reference_name), "variants": rows}
+
+
+def _measured_row(row: dict, cfg: BenchConfig, measured: dict, tokens: int,
+                  reference: dict | None, predicted: float | None) -> None:
+    """Fill ``row`` with one measured variant's figures, against the FSDP2 baseline, the
+    compute-only run and the loss reference."""
+    name = row["name"]
+    spec, m, baseline = VARIANTS[name], measured[name], measured.get(BASELINE)
+    median = m["median_step_s"]
+    tps = tokens / median
+    row.update(status="ok", error=None, median_step_s=median, tokens_per_s=tps,
+               min_step_s=min(m["step_times_s"]), max_step_s=max(m["step_times_s"]),
+               step_times_s=m["step_times_s"], first_step_s=m["first_step_s"])
+    row["ratio_vs_fsdp2"] = tps / (tokens / baseline["median_step_s"]) if baseline else None
+    compute = measured.get(COMPUTE_ONLY[spec.compiled]) or \
+        measured.get(COMPUTE_ONLY[False])
+    row["exposed_comm_s"] = (median - compute["median_step_s"]
+                             if compute and spec.communicates else None)
+    row["compile_s"] = max(m["first_step_s"] - median, 0.0) if spec.compiled else None
+    row["predicted_peak_mib"] = None if predicted is None else predicted / MIB
+    row.update(peak_mem_mib=m["peak_bytes"] / MIB, held_mib=m["held_bytes"] / MIB,
+               transient_mib=m["transient_bytes"] / MIB,
+               collectives_per_step=m["collectives_per_step"],
+               collectives_total=sum(m["collectives_per_step"].values()),
+               losses=m["losses"], final_loss=m["losses"][-1])
+    row["compiles_in_measured_steps"] = m["compiles_in_measured_steps"]
+    row["comm_blocked_s"] = m["comm_blocked_s"]
+    # the MoE exchange: all-to-alls per step and the host time spent in them (None
+    # for a variant without any)
+    a2a = m["collectives_per_step"].get("all_to_all", 0)
+    row["all_to_alls_per_step"] = a2a or None
+    row["all_to_all_s"] = m["all_to_all_s"] if a2a else None
+    _estimate_columns(row, m, compute if spec.communicates else None)
+    same_data = spec.communicates or cfg.bench.world_size == 1
+    if same_data and reference is not None and not cfg.bench.fake_pg:
+        diff = max(abs(a - b) for a, b in zip(m["losses"], reference["losses"], strict=True))
+        row.update(max_loss_diff=diff, loss_match=diff <= cfg.bench.loss_tolerance)
+    else:  # compute-only trains on rank 0's data alone; a fake group returns garbage
+        row.update(max_loss_diff=None, loss_match=None)
+
+
+def _estimate_columns(row: dict, m: dict, compute: dict | None) -> None:
+    """The backend's estimate of the exposed communication against the measured one,
+    the plan (buckets per graph), the passes' and the calibration's reports."""
+    estimates = [p["estimated_exposed_s"] for p in m.get("passes") or []
+                 if p.get("estimated_exposed_s") is not None]
+    row["estimated_exposed_comm_s"] = sum(estimates) if estimates else None
+    # the estimate covers the compiled graphs: compare it with their exposed time,
+    # the steps' without the optimizer step (the sharded DTensor AdamW costs more
+    # host time than the compute-only model's plain one: not communication)
+    measured_exposed = (m["median_graphs_s"] - compute["median_graphs_s"]
+                        if compute else None)
+    row["exposed_graphs_s"] = measured_exposed
+    row["estimate_ratio"] = (row["estimated_exposed_comm_s"] / measured_exposed
+                             if estimates and measured_exposed and measured_exposed > 0
+                             else None)
+    row["plan"] = "/".join(f"{p['graph'][0].upper()}{p['buckets']}"
+                           for p in m.get("passes") or []) or None
+    if m.get("passes") is not None:
+        row["passes"] = m["passes"]
+    if m.get("calibration") is not None:
+        row["calibration"] = m["calibration"]
+
+
+def _meta(cfg: BenchConfig, raw: dict, backend: str, tokens: int,
+          reference_name: str | None) -> dict:
+    """The run's settings and machine, at the head of ``results.json``."""
     real_timing = not cfg.bench.fake_pg
     return {
-        "meta": {
-            "timestamp": datetime.now().isoformat(timespec="seconds"),
-            **machine_info(cfg, backend),
-            "world_size": cfg.bench.world_size, "fake_pg": cfg.bench.fake_pg,
-            "real_figures": ("all" if real_timing else
-                             "compile time, memory and collective counts only: timings, "
-                             "tokens/s, ratios and losses come from a fake process group"),
-            "model": cfg.model.name, "model_args": vars(args), "n_params": raw["n_params"],
-            "batch_size_per_rank": cfg.training.batch_size, "seq_len": cfg.training.seq_len,
-            "tokens_per_step": tokens, "warmup": cfg.bench.warmup, "steps": cfg.bench.steps,
-            "compile_backend": cfg.compile.backend, "compile_cache": cfg.bench.compile_cache,
-            "lr": cfg.training.lr, "seed": cfg.training.seed,
-            "threads_per_rank": torch.get_num_threads(),
-            "memory_measure": CUDA_MEMORY_MEASURE if cfg.job.device == "cuda"
-            else CPU_MEMORY_MEASURE,
-            "loss_reference": reference_name, "loss_tolerance": cfg.bench.loss_tolerance,
-            "baseline": BASELINE,
-        },
-        "variants": rows,
+        "timestamp": datetime.now().isoformat(timespec="seconds"),
+        **machine_info(cfg, backend),
+        "world_size": cfg.bench.world_size, "fake_pg": cfg.bench.fake_pg,
+        "real_figures": ("all" if real_timing else
+                         "compile time, memory and collective counts only: timings, "
+                         "tokens/s, ratios and losses come from a fake process group"),
+        "model": cfg.model.name, "model_args": vars(cfg.model_args()),
+        "n_params": raw["n_params"],
+        "batch_size_per_rank": cfg.training.batch_size, "seq_len": cfg.training.seq_len,
+        "tokens_per_step": tokens, "warmup": cfg.bench.warmup, "steps": cfg.bench.steps,
+        "compile_backend": cfg.compile.backend, "compile_cache": cfg.bench.compile_cache,
+        "lr": cfg.training.lr, "seed": cfg.training.seed,
+        "threads_per_rank": torch.get_num_threads(),
+        "memory_measure": CUDA_MEMORY_MEASURE if cfg.job.device == "cuda"
+        else CPU_MEMORY_MEASURE,
+        "loss_reference": reference_name, "loss_tolerance": cfg.bench.loss_tolerance,
+        "baseline": BASELINE,
     }
 
 

@@ -33,8 +33,8 @@ import simplefsdp as sf
 
 from .._torch_compat import disable_compile_caches, dynamo_counters, raise_recompile_limits
 from ..calibrate import calibration_used
+from ..corpus.text import TextDataset
 from ..models.llama import num_params
-from ..train.data import TextDataset
 from . import measure
 from .config import BenchConfig
 from .variants import (

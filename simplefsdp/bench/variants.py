@@ -83,7 +83,7 @@ def _simplefsdp(bucketing: str | None, reordering: bool = False,
     each block checkpointed as the trainer does ("none", "selective", "full")."""
 
     def build(ctx: BuildContext) -> Built:
-        from ..train.parallelize import apply_ac, check_composition
+        from ..parallel.activation_checkpoint import apply_ac, check_composition
 
         check_composition(ac, bucketing is not None, ctx.compile_backend)
         backend = None

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch.distributed as dist
 from torch import fx
@@ -48,8 +49,10 @@ from .passes import apply_passes
 from .simulate import Estimate
 
 log = logging.getLogger("simplefsdp.compiler")
-BACKENDS = ("inductor", "aot_eager")
-BUCKETING = ("none", "manual", "auto", "greedy")
+Backend = Literal["inductor", "aot_eager"]
+Bucketing = Literal["none", "manual", "auto", "greedy"]
+BACKENDS: tuple[str, ...] = get_args(Backend)  # the lists, derived from the types
+BUCKETING: tuple[str, ...] = get_args(Bucketing)
 PLANNED = ("auto", "greedy")  # bucketing values decided by auto_wrap
 
 

@@ -4,7 +4,7 @@ came from.
 A collective is a start node (``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
 ``all_reduce``) plus the ``wait_tensor`` that consumes it. Only collectives on a process
 group that ``data_parallel`` shards over are ours (its parametrization names those groups
-in the nodes' metadata at trace time, ``data_parallel.DP_GROUPS_META``):
+in the nodes' metadata at trace time, ``mesh.DP_GROUPS_META``):
 tensor/sequence-parallel collectives (on the TP group), pipeline sends and user
 collectives on other groups are never touched. Forward and recomputed (backward)
 all-gathers carry ``nn_module_stack``; backward reductions carry ``fwd_nn_module_stack``.
@@ -19,7 +19,7 @@ from enum import StrEnum
 from torch import fx
 
 from .._torch_compat import FakeTensorMode, c10d_functional, detect_fake_mode
-from ..data_parallel import DP_GROUPS_META
+from ..mesh import DP_GROUPS_META
 from ..state_dict import unwrapped_name
 
 c10d = c10d_functional

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..train.config_reader import ConfigError
+from ..errors import ConfigError
 from . import fast_bpe
 from .sources import Source, documents, jsonl_lines, parquet_rows, parse_jsonl
 

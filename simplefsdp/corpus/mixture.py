@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..train.data import BatchLoader, SampleCounter, gather_windows
+from .text import BatchLoader, SampleCounter, gather_windows
 
 BLOCK = 4096
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..train.config_reader import ConfigError
-from ..train.data import TextDataset
+from ..errors import ConfigError
 from .cache import (
     CacheSpec,
     TokenFile,
@@ -25,6 +24,7 @@ from .cache import (
 )
 from .mixture import MixtureLoader
 from .sources import resolve_all
+from .text import TextDataset
 
 VAL_FRACTION = 0.05  # the tail of each source held out for validation
 

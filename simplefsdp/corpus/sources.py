@@ -18,11 +18,10 @@ import glob
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-from ..train.config_reader import ConfigError
-from ..train.data import SHAKESPEARE
+from ..errors import ConfigError
+from .text import SHAKESPEARE, shipped_corpus
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _GLOB_CHARS = "*?["
@@ -47,10 +46,6 @@ def split_sources(dataset: str) -> list[str]:
         raise ConfigError(f"data.dataset = {dataset!r} has an empty entry; separate sources "
                           f"with single commas")
     return names
-
-
-def shipped_corpus() -> Path:
-    return Path(str(resources.files("simplefsdp") / "data" / "shakespeare.txt"))
 
 
 def resolve(name: str) -> Source:

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..train.config_reader import ConfigError
-from ..train.data import SampleCounter
+from ..errors import ConfigError
 from .mixture import Schedule
 from .sources import Source, documents
+from .text import SampleCounter
 
 Head = tuple[int, int, int, int]  # (epoch, unit, file index, place in the file)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..train.config import ConfigError
+from ..errors import ConfigError
 
 PACKAGES = ("transformers", "tokenizers", "datasets", "safetensors")
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

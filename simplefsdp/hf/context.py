@@ -94,7 +94,7 @@ def check_config(cfg) -> None:
     context parallelism cannot run, and split its sequence and heads
     (``ParallelDims.check_cp`` on config.json's ``num_attention_heads``). Imports
     transformers (to read the config) only when ``cp > 1``."""
-    from ..train.config import config_errors
+    from ..errors import config_errors
     from .model import job_config, text_config
 
     dims = cfg.parallel.dims()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..corpus.sources import documents, resolve
-from ..train.data import TextDataset
+from ..corpus.text import TextDataset
 from . import HFError
 
 

@@ -24,7 +24,6 @@ interleaved weights, no gate, an activation other than SiLU).
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 
 from .._torch_compat import current_graph_task_id
 from ..models.moe import expert_ffn, routed_combine
+from ..module_swap import derived_class
 from ..parallel.expert import holds_experts
 from . import HFError
 
@@ -119,11 +119,6 @@ class RoutedExperts(nn.Module):
         return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
 
 
-@functools.cache
-def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    return type(f"Routed{cls.__name__}", (RoutedExperts, cls), {})
-
-
 def adapt_experts(model: nn.Module) -> int:
     """Check (:func:`check_experts`), then give every fused experts module of ``model``
     :class:`RoutedExperts`' forward, in place, before ``data_parallel``. Returns how many."""
@@ -132,7 +127,7 @@ def adapt_experts(model: nn.Module) -> int:
     for _, module in found:
         if not isinstance(module, RoutedExperts):
             module._sf_num_experts = module._parameters["gate_up_proj"].shape[0]
-            module.__class__ = _routed_class(type(module))
+            module.__class__ = derived_class(type(module), "Routed", RoutedExperts)
     return len(found)
 
 
@@ -169,8 +164,8 @@ def expert_parallel(model: nn.Module, mesh, cfg) -> None:
     not dividing the experts."""
     from ..data_parallel import data_parallel
     from ..mesh import ParallelDims
+    from ..models.parallelize import dp_options
     from ..parallel.expert import split_experts
-    from ..train.parallelize import dp_options
 
     ep = cfg.parallel.ep
     found = experts_modules(model)

@@ -21,13 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from .weights import SINGLE, meta_rows_to_hf, unique_tensors
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 def set_dtype(config, dtype: torch.dtype) -> None:
     """Record the weights' dtype in a transformers config (``dtype``; ``torch_dtype``
     before transformers 4.56)."""
-    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
     if "dtype" in getattr(config, "__dict__", {}) or not hasattr(config, "torch_dtype"):
         config.dtype = name
     else:

@@ -1,5 +1,5 @@
 """The Hugging Face pieces of the model families (``hf.family``: Hugging Face causal
-LMs; ``train.llama_family``: our Llama, initialized from or exported to a Hugging Face
+LMs; ``models.llama_family``: our Llama, initialized from or exported to a Hugging Face
 Llama folder): folder checks, tokenizer files, sharded loading, FLOPs, export.
 
 Each is imported only when a job asks for it; nothing here imports transformers & co.
@@ -40,7 +40,7 @@ def validate_folder(cfg, folder: str) -> None:
 # ---------------------------------------------------------------------------------------
 def choose_tokenizer(cfg):
     """``data.tokenizer``: 'byte'; a path; 'auto' = the ``hf_path`` folder's own, or bytes."""
-    from ..train.data import build_tokenizer
+    from ..corpus.text import build_tokenizer
     from .tokenizer import load_tokenizer
 
     name = cfg.data.tokenizer
@@ -114,7 +114,7 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     precision (added to ``training.mixed_precision_fp32_modules``), and transformers
     records their logits before data parallel casts them back to the model's dtype (its
     balance loss sees the float32 logits)."""
-    from ..train.parallelize import apply_dp, with_fp32_modules
+    from ..models.parallelize import apply_dp, with_fp32_modules
     from .experts import adapt_experts, expert_parallel, router_globs
     from .model import apply_ac
 
@@ -149,18 +149,18 @@ def aux_loss(model: nn.Module):
 
 
 def metric_columns(cfg, model: nn.Module) -> tuple[str, ...]:
-    """An MoE's figures (``train.metrics.MOE_COLUMNS``); none for a dense model."""
-    from ..train.metrics import MOE_COLUMNS
+    """An MoE's figures (``parallel.expert.MOE_COLUMNS``); none for a dense model."""
+    from ..parallel.expert import MOE_COLUMNS
     from .experts import experts_modules
 
     return MOE_COLUMNS if experts_modules(model) else ()
 
 
 def after_step(s, step_aux) -> dict[str, float]:
-    """An MoE's figures of the step (``train.metrics.expert_figures``): every rank's
+    """An MoE's figures of the step (``parallel.expert.expert_figures``): every rank's
     routed slots per expert summed over all ranks (data parallel only: TP and PP are
     refused), the balance loss; nothing for a dense model. Collectives."""
-    from ..train.metrics import expert_figures
+    from ..parallel.expert import expert_figures
     from .experts import take_loads
 
     loads = take_loads(s.model)
@@ -174,7 +174,7 @@ def after_step(s, step_aux) -> dict[str, float]:
 def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     """The simplefsdp backend, graph breaks allowed (Hugging Face losses and masks
     break graphs in some architectures)."""
-    from ..train.parallelize import compile_backend_for
+    from ..models.parallelize import compile_backend_for
 
     return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
 
@@ -186,7 +186,7 @@ def build_llama_from_hf(cfg, mesh, device, convert):
     import simplefsdp
 
     from ..models.llama import Transformer
-    from ..train.parallelize import parallelize
+    from ..models.parallelize import parallelize
     from .convert import check_matches
     from .model import load_config, refuse_unsupported
     from .weights import WeightFiles, check_sources, load_sharded, unique_tensors

@@ -128,14 +128,13 @@ def decoder_layers(model: nn.Module, config) -> nn.ModuleList:
 
 
 def apply_ac(model: nn.Module, config, mode: str) -> None:
-    """Wrap each decoder layer for ``full`` or ``selective`` activation checkpointing."""
+    """Wrap each decoder layer for ``full`` or ``selective`` activation checkpointing
+    (``parallel/activation_checkpoint.py``, as our Llama's blocks)."""
     if mode == "none":
         return
-    from ..train.parallelize import checkpointed
+    from ..parallel.activation_checkpoint import apply_ac as checkpoint_blocks
 
-    layers = decoder_layers(model, config)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpointed(layer, mode)
+    checkpoint_blocks(model, mode, layers=decoder_layers(model, config))
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

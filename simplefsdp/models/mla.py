@@ -24,7 +24,7 @@ YaRN's frequency correction and softmax ``mscale`` only act beyond the original 
 
 ``MLAArgs.attention`` picks ``"gqa"`` (our Llama's, the default) or ``"mla"``; the MoE
 family's ``deepseek_v3_16b`` preset uses MLA. Tensor and context parallelism, Hugging Face
-export and initialization are refused for it at config load (``train/moe_family.py``).
+export and initialization are refused for it at config load (``models/moe_family.py``).
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ from typing import Any
 
 # family name -> the module that registers it (imported on first lookup)
 FAMILIES = {
-    "llama": "simplefsdp.train.llama_family",
+    "llama": "simplefsdp.models.llama_family",
     "hf": "simplefsdp.hf.family",
-    "moe": "simplefsdp.train.moe_family",
+    "moe": "simplefsdp.models.moe_family",
 }
 
-Config = Any  # a train.config.JobConfig; the registry does not import the trainer
+Config = Any  # a config.job.JobConfig; the registry imports no config
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class ModelFamily:
     context_parallel: bool = False
     # Whether ``compile.enable`` makes one graph of the model (``fullgraph``); False: it
     # breaks where it must (an MoE's data-dependent expert dispatch), which decides the
-    # activation checkpointing its compiled blocks get (``parallelize.ac_mode_run``).
+    # activation checkpointing its compiled blocks get
+    # (``parallel.activation_checkpoint.ac_mode_run``).
     fullgraph: bool = True
     # Mixture of experts (left out: a dense family). Whether ``parallel.ep > 1`` applies.
     expert_parallel: bool = False

@@ -37,11 +37,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._torch_compat import all_to_all_single_autograd, flatten_mesh
-from ..mesh import CP_DIMS, ParallelDims
+from .._torch_compat.internals import module_style
+from ..mesh import CP_DIMS, ParallelDims, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers
+from ..module_swap import derived_class
 
 
 def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
@@ -67,8 +68,8 @@ def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
     ep_mesh = experts_mesh["ep"]
     for layer in layers:
         split_experts(layer.experts, ep_mesh)
-        layer.experts.__class__ = _subclass(type(layer.experts), ExpertParallelExperts,
-                                             "ExpertParallel")
+        layer.experts.__class__ = derived_class(type(layer.experts), "ExpertParallel",
+                                                ExpertParallelExperts)
 
 
 def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -129,7 +130,7 @@ def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
     plan = {prefix: PrepareModuleInput(input_layouts=(Shard(1),),
                                        desired_input_layouts=(Shard(1),),
                                        use_local_output=True),
-            f"{prefix}.gate": _ReplicateRouter()}
+            f"{prefix}.gate": module_style(_replicate_router)}
     if moe.shared_expert is not None:
         plan.update({f"{prefix}.shared_expert": PrepareModuleInput(
                          input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -139,18 +140,16 @@ def moe_tp_plan(moe: nn.Module, prefix: str = "feed_forward") -> dict:
     return plan
 
 
-class _ReplicateRouter(ParallelStyle):
+def _replicate_router(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """The router's weight becomes a ``Replicate`` DTensor on the TP mesh (the router
-    computes on local tokens: :class:`TensorParallelRouter`)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        weight = module._parameters["weight"]
-        src = None if weight.device.type == "meta" else 0
-        module._parameters["weight"] = nn.Parameter(
-            distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
-            requires_grad=weight.requires_grad)
-        module.__class__ = _subclass(type(module), TensorParallelRouter, "TensorParallel")
-        return module
+    computes on local tokens: :class:`TensorParallelRouter`); a ``ParallelStyle``'s work."""
+    weight = module._parameters["weight"]
+    src = None if weight.device.type == "meta" else 0
+    module._parameters["weight"] = nn.Parameter(
+        distribute_tensor(weight.detach(), device_mesh, (Replicate(),), src_data_rank=src),
+        requires_grad=weight.requires_grad)
+    module.__class__ = derived_class(type(module), "TensorParallel", TensorParallelRouter)
+    return module
 
 
 class TensorParallelRouter(nn.Module):
@@ -183,17 +182,6 @@ def set_token_group(model: nn.Module, mesh: DeviceMesh) -> None:
         layer.token_group, layer.loss_copies = group, mesh["tp"].size()
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def _subclass(cls: type[nn.Module], mixin: type[nn.Module], prefix: str) -> type[nn.Module]:
-    """``cls`` with ``mixin``'s methods first, named ``prefix`` + its name (one subclass per
-    pair: a module's class is swapped in place, its state and parameters kept)."""
-    if (cls, mixin) not in _SUBCLASSES:
-        _SUBCLASSES[cls, mixin] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
-    return _SUBCLASSES[cls, mixin]
-
-
 class ExpertParallelExperts(nn.Module):
     """The experts' forward under expert parallelism (mixed into the experts' class)."""
 
@@ -210,7 +198,7 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> tor
     dim) grouped by global expert, ``counts`` (E,) -> the slots through their experts.
     The weights are read here (their data-parallel gathers) and exchanged in
     :func:`_dispatch`."""
-    return _dispatch(x, counts, _local(experts.gate_up_proj), _local(experts.down_proj),
+    return _dispatch(x, counts, local_shard(experts.gate_up_proj), local_shard(experts.down_proj),
                      experts._sf_ep_group)
 
 
@@ -308,10 +296,6 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     return _kept.exchange(x, output_splits, input_splits, group)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
     """Row indices that regroup slots laid out by (source rank, local expert) into
     (local expert, source rank): the grouped matmul wants each expert's rows together."""
@@ -328,3 +312,24 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
            "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
            "set_token_group", "shard_experts", "split_experts"]
+
+
+# A mixture of experts' figures per step (our MoE and Hugging Face MoE folders):
+# ``expert_figures``.
+MOE_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
+
+
+def expert_figures(loads: torch.Tensor, step_aux: torch.Tensor | None,
+                   device: torch.device) -> dict[str, float]:
+    """A mixture of experts' step figures (:data:`MOE_COLUMNS`): ``aux_loss``, the
+    balance loss added to the step's loss (coefficient applied; ``step_aux`` is this
+    rank's token-weighted share, summed here over every rank: an all-reduce; None: 0),
+    ``expert_load_max_mean``, the busiest expert's slots over the mean per expert in the
+    worst layer (``loads``: (layers, E) slots per expert, already summed over the ranks;
+    1 is balanced), and ``tokens_dropped``, 0 (dropless routing)."""
+    aux = torch.zeros((), device=device) if step_aux is None else step_aux.clone()
+    dist.all_reduce(aux)
+    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
+        else torch.ones(())
+    return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
+            "tokens_dropped": 0.0}

@@ -13,9 +13,10 @@ import os
 import sys
 import time
 
+from ..config.job import config_help, load_config
+from ..errors import ConfigError
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
-from ..train.config import ConfigError, config_help, load_config
-from ..train.console import quiet_our_checkpoint_warning
+from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
 from . import report
 from .predict import ALLOC_OVERHEAD, predict
 from .search import search

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from ..train.config import JobConfig, ModelConfig
+from ..config.job import JobConfig, ModelConfig
 
 # variant -> (compiled, bucketing, reordering, activation checkpointing)
 VARIANTS = {

@@ -28,6 +28,7 @@ from .._torch_compat import (
     tree_flatten,
 )
 from ..compiler.collectives import CollectiveKind, collective_kind
+from ..mesh import local_shard
 
 
 @dataclass
@@ -138,10 +139,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's bytes: a DTensor's local shard (the mode sees ops
     on DTensors, e.g. the ``detach`` that stores a gradient, whose wrapper reports the
     storage of the whole logical tensor), else ``t``."""
-    if not isinstance(t, DTensor):
-        return t
     with torch.no_grad():
-        return t.to_local()
+        return local_shard(t)
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,7 +156,7 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
     of the activations over-counts it). Otherwise they are left out, since their traced
     size is not the planned one (an upper bound)."""
     from .._torch_compat import FakeTensorMode
-    from ..train.step import loss_context, token_loss_sum
+    from ..parallel.tensor import loss_context, token_loss_sum
     from .trace import (
         _job,
         build_model,

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 def measure(cfg, gpus: int, steps: int = 3) -> dict:
     """Peak memory and median step time of rank 0's shard on ``cuda:0``."""
-    from simplefsdp.train.llama_family import build_model
-    from simplefsdp.train.step import build_optimizer, loss_context, token_loss_sum
+    from simplefsdp.models.llama_family import build_model
+    from simplefsdp.optim import build_optimizer
+    from simplefsdp.parallel.tensor import loss_context, token_loss_sum
 
     from .._torch_compat import fake_store
 
@@ -61,8 +62,8 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from simplefsdp.config.job import load_config
     from simplefsdp.plan import predict_isolated
-    from simplefsdp.train.config import load_config
 
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan.gpu_check")
     parser.add_argument("--config")

@@ -39,6 +39,7 @@ from ..compiler.cost.memory import (
     value_bytes,
 )
 from ..compiler.cost.state import model_state_bytes_per_param
+from ..config.job import DTYPES
 from ..models.llama import block_matmul_params
 from .trace import Trace
 
@@ -233,7 +234,7 @@ def rank_tokens(batch: int, seq_len: int, dims) -> int:
 def activation_elem_bytes(training) -> int:
     """Bytes per activation element (logits, TP-collective activations): the mixed
     precision parameter dtype the compiled step computes in."""
-    return 2 if training.mixed_precision_param == "bfloat16" else 4
+    return DTYPES[training.mixed_precision_param].itemsize
 
 
 def states_bytes(params_per_rank: float) -> float:

@@ -40,7 +40,7 @@ from ..models.mla import MLAArgs
 
 # Times a step runs a routed block's routed experts (their permutations and grouped
 # matmuls): AC runs them again in backward, selective too (its policy keeps no output of
-# theirs: ``train.parallelize._saved_ops`` has neither ``_grouped_mm`` nor the gathers
+# theirs: ``parallel.activation_checkpoint._saved_ops`` has neither ``_grouped_mm`` nor the gathers
 # and index ops around them). The one owner of that rule for the permutations below.
 FORWARDS = {"none": 1, "selective": 2, "full": 2}
 # Times a step runs a routed block's token exchanges forward: selective keeps their

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..hardware import GiB, gpu_profile
+from ..config.job import JobConfig
+from ..errors import ConfigError
+from ..hardware import GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
-from ..train.config import ConfigError, JobConfig
-from ..train.parallelize import ac_mode_run
-from ..train.pipeline import stage_layers
+from ..parallel.activation_checkpoint import ac_mode_run
+from ..parallel.pipeline import stage_layers
 from . import context, memory, moe, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
@@ -157,7 +158,8 @@ def _role_memory(cfg: JobConfig, role: str, f: dict, mb: int, micro: int,
 
 def _as_run(cfg: JobConfig) -> JobConfig:
     """``cfg`` with the activation checkpointing its blocks get (a compiled mixture of
-    experts recomputes whole blocks under ``selective``: ``parallelize.ac_mode_run``)."""
+    experts recomputes whole blocks under ``selective``:
+    ``parallel.activation_checkpoint.ac_mode_run``)."""
     mode = ac_mode_run(cfg.activation_checkpoint.mode, cfg.compile.enable,
                        fullgraph=cfg.model.family_entry().fullgraph)
     return dataclasses.replace(cfg, activation_checkpoint=dataclasses.replace(
@@ -226,6 +228,6 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
-        tps, flops_per_token(args, t.seq_len) * tps / dev.spec.bf16_flops,
+        tps, model_flops_utilization(flops_per_token(args, t.seq_len), tps, dev.spec.bf16_flops),
         reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep,
         p.cp_ring, p.cp_ulysses, p.cp_rotate)

@@ -30,14 +30,14 @@ import copy
 from collections.abc import Iterator
 from typing import get_args, get_type_hints
 
+from ..config.job import AC_MODES, JobConfig, ParallelConfig
+from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
-from ..train.config import ConfigError, JobConfig, ParallelConfig
-from ..train.pipeline import stage_layers
+from ..parallel.pipeline import stage_layers
 from . import memory, timing
 from .predict import CONTEXT_BYTES, Prediction, predict
 
-AC_MODES = ("none", "selective", "full")
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
 # neither wins everywhere: the ring pass hides its shifts behind attention and, eager,
 # keeps one K/V block for backward instead of the gathered sequence, but sends the blocks

@@ -4,7 +4,7 @@ A fake process group (``FakeStore`` + backend ``"fake"``) of the layout's data-p
 and tensor-parallel size stands for the cluster: collectives there return local data
 and are never timed. The model is built on ``meta`` with only ``k`` blocks (the blocks
 repeat, so the planner scales by depth), split into the pipeline stage's pieces, then
-parallelized exactly as the trainer does (``train.parallelize``: TP, activation
+parallelized exactly as the trainer does (``models.parallelize``: TP, activation
 checkpointing, ``data_parallel``). Its parameters become fake CPU tensors under ONE
 ``FakeTensorMode`` (fake CUDA tensors abort autograd on a CPU-only torch build), and
 ``torch.compile(fullgraph=True)`` runs AOTAutograd with our passes (bucketing,
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from ..config.job import DTYPES, JobConfig
 from ..models.llama import ModelArgs, Transformer
 from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
-from ..train.config import JobConfig
-from ..train.parallelize import parallelize
-from ..train.pipeline import split_stage
+from ..models.parallelize import parallelize
+from ..parallel.pipeline import split_stage
 from .moe import stand_in
 
 ROLES = ("full", "first", "last")
@@ -197,7 +197,7 @@ def build_model(key: TraceKey):
         if isinstance(module, MultiHeadLatentAttention):
             module.core = fused_kernel_attention
     mesh = key_mesh(key)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[key.param_dtype]
+    dtype = DTYPES[key.param_dtype]
     return parallelize(model, mesh, _job(key)), args, dtype
 
 

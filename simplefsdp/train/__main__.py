@@ -36,10 +36,16 @@ import os
 import sys
 import time
 
-from .checkpoint import CheckpointError
-from .config import ConfigError
+import torch.distributed as dist
+
+from ..config.job import JobConfig, config_help, parse_args
+from ..corpus.text import Tokenizer
+from ..errors import ConfigError
+from . import preflight
+from .checkpoint import CheckpointError, checkpoint_dir, resume_point
 from .guard import NonFiniteError, Preempted
-from .trainer import main
+from .run import TrainResult
+from .trainer import BatchTransform, fingerprint, resolved, train
 
 # Exit statuses of a known failure (README, "Training"): a configuration error is 78,
 # sysexits.h's EX_CONFIG, which no other failure here (Python's 1, a usage error's 2,
@@ -47,6 +53,88 @@ from .trainer import main
 CONFIG_ERROR = 78
 NON_FINITE = 3
 CHECKPOINT_ERROR = 4
+
+
+def main(argv: list[str] | None = None,
+         batch_transform: BatchTransform | None = None,
+         tokenizer: Tokenizer | None = None) -> TrainResult | None:
+    """``python -m simplefsdp.train [--config FILE] [--section.key value ...]``; with
+    ``--check [--world-size N]``, validate the config for N processes and return None."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(config_help())
+        return None
+    check, world_size, argv = _check_flags(argv)
+    if check:
+        check_config(argv, world_size)
+        return None
+    return train(parse_args(argv, _launched_world()), batch_transform, tokenizer)
+
+
+def _launched_world() -> int:
+    """The number of processes this run has: the process group's, torchrun's, or 1."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def _check_flags(argv: list[str]) -> tuple[bool, int, list[str]]:
+    """``--check`` and ``--world-size N`` taken out of ``argv``."""
+    check, world, rest, i = False, None, [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name == "--check":
+            check = True
+        elif name == "--world-size":
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError("--world-size needs a number of processes")
+                value, i = argv[i + 1], i + 1
+            world = _world_size(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    if world is not None and not check:
+        raise ConfigError("--world-size goes with --check; a run's world size is its "
+                          "number of processes (torchrun --nproc_per_node)")
+    return check, world if world is not None else _launched_world(), rest
+
+
+def _world_size(value: str) -> int:
+    try:
+        world = int(value)
+    except ValueError:
+        raise ConfigError(f"--world-size {value!r}: expected a number of "
+                          f"processes") from None
+    if world < 1:
+        raise ConfigError(f"--world-size {world}: expected at least 1 process")
+    return world
+
+
+def check_config(argv: list[str], world_size: int) -> JobConfig:
+    """``--check``: read and validate the config for ``world_size`` processes without
+    launching anything: keys, types, ranges, the parallel sizes against the world, the
+    model's shapes, the packages it needs, and an earlier run's metrics or checkpoints
+    in the output folders. Prints one line and returns the config (sizes resolved);
+    raises a ConfigError naming the first problem found."""
+    cfg = resolved(parse_args(argv, world_size), world_size)
+    p = cfg.parallel
+    problems = preflight.missing_packages(cfg)
+    problems += [q for q in [preflight.overwrites_metrics(cfg)] if q]
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if cfg.checkpoint.enable:
+        folder = checkpoint_dir(cfg.checkpoint.folder, cfg.metrics.output_dir)
+        resume_point(folder, cfg.checkpoint.resume, fingerprint(cfg))
+    print(f"[simplefsdp] configuration ok for {world_size} process"
+          f"{'es' if world_size > 1 else ''}: pp={p.pp} dp_replicate={p.dp_replicate} "
+          f"dp_shard={p.dp_shard} tp={p.tp} {f'ep={p.ep} ' if p.ep > 1 else ''}"
+          f"({p.dp_mode}), "
+          f"ac={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
+          f"steps {cfg.training.steps}, outputs in {cfg.metrics.output_dir}/", flush=True)
+    return cfg
 
 
 def run(argv: list[str]) -> int:

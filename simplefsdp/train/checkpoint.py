@@ -53,8 +53,8 @@ import simplefsdp
 from simplefsdp.state_dict import ModelAndOptimizer, begin_save, commit_save, is_complete
 
 from ..agreement import broadcast_from_rank0
+from ..errors import ConfigError
 from .async_save import AsyncMode, CheckpointWriter
-from .config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.tmp$")
@@ -120,11 +120,6 @@ def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
         if match and path.is_dir() and is_complete(path):
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def latest_checkpoint(folder: str | Path) -> tuple[int, Path] | None:
-    found = list_checkpoints(folder)
-    return found[-1] if found else None
 
 
 def remove_partial(folder: str | Path) -> list[Path]:

@@ -1,7 +1,5 @@
 """What the trainer tells a person on the console, kept out of the loop's code.
 
-* torch's warning about our own checkpointed regions, filtered out
-  (``quiet_our_checkpoint_warning``; the planner and the benchmark install it too);
 * the note before the first step compiles, and the one line after it on what our compile
   backend did (``CompileReports`` collects the backend's per-graph reports);
 * the run's first line (``start_line``): size, layout, steps, the peak behind the MFU;
@@ -16,101 +14,14 @@ printed, so a change of message never touches the training code.
 from __future__ import annotations
 
 import logging
-import operator
-import re
-import sys
 from typing import TYPE_CHECKING, Any
-
-from torch import nn
 
 from .guard import Preempted
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config.job import JobConfig
     from .run import Setup, TrainResult
 
-
-# ---------------------------------------------------------------------------------------
-# torch's warning about our own checkpointed regions.
-# ---------------------------------------------------------------------------------------
-# torch logs this once per process when it compiles a torch.utils.checkpoint region that
-# has a context_fn, asking the user to make sure the region holds no in-place op. Ours do
-# not: the data-parallel gather (recomputed in backward, even with ac = none) and our
-# selective AC policy on blocks without in-place ops. Left alone, every compiled run and
-# the planner print it on every rank, and the user can do nothing about it.
-_CONTEXT_FN_WARNING = re.compile(
-    r"\s*Detected that context_fn is passed to torch\.utils\.checkpoint under torch\.compile")
-_CONTEXT_FN_LOGGER = "torch._higher_order_ops.wrap"  # where torch logs it
-_IN_PLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                       operator.irshift, operator.imatmul}
-
-
-def _our_context_fns() -> tuple:
-    """The checkpoint context functions this library passes (looked up when needed)."""
-    import importlib
-
-    # the module by name: ``simplefsdp.data_parallel`` the attribute is the function
-    gather = importlib.import_module("simplefsdp.data_parallel")
-    from . import parallelize as ours
-
-    return tuple(fn for fn in (getattr(gather, "_gather_policy_contexts", None),
-                               getattr(ours, "_selective_context", None)) if fn is not None)
-
-
-def _has_in_place_op(region: nn.Module) -> bool:
-    """Whether a checkpointed region's graph (as Dynamo captured it) writes in place:
-    ``x.relu_()``, ``torch.relu_``, ``x += y``, ``x[i] = y``, an ``out=`` argument."""
-    for module in region.modules():
-        graph = getattr(module, "graph", None)
-        for node in graph.nodes if graph is not None else ():
-            if node.op not in ("call_function", "call_method"):
-                continue
-            name = node.target if isinstance(node.target, str) else \
-                getattr(node.target, "__name__", "")
-            if node.target in _IN_PLACE_FUNCTIONS or "out" in node.kwargs or \
-                    (name.endswith("_") and not name.endswith("__")) or \
-                    name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"):
-                return True
-    return False
-
-
-class _OurCheckpointRegions(logging.Filter):
-    """Drops torch's context_fn warning where the region is ours and holds no in-place
-    op; any other region's warning passes, as does everything else on that logger.
-
-    It reads the region from the frame of torch's ``tag_activation_checkpoint_impl``
-    (torch 2.13), which logs the warning; where that frame is not found (another torch),
-    the warning passes. torch logs it once per process: after ours is dropped, a later
-    region of someone else's in the same process is not warned about (in the trainer and
-    the planner every region is ours)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not _CONTEXT_FN_WARNING.match(record.getMessage()):
-            return True
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code.co_name == "tag_activation_checkpoint_impl" and \
-                    frame.f_globals.get("__name__") == _CONTEXT_FN_LOGGER:
-                fn, region = frame.f_locals.get("context_fn"), frame.f_locals.get("gmod")
-                ours = any(fn is mine for mine in _our_context_fns())
-                return not (ours and isinstance(region, nn.Module) and
-                            not _has_in_place_op(region))
-            frame = frame.f_back
-        return True
-
-
-def quiet_our_checkpoint_warning() -> logging.Filter:
-    """Install (once per process) the filter of torch's warning about our checkpointed
-    regions; the trainer, the planner and the benchmark call it before compiling."""
-    logger = logging.getLogger(_CONTEXT_FN_LOGGER)
-    for existing in logger.filters:
-        if isinstance(existing, _OurCheckpointRegions):
-            return existing
-    quiet = _OurCheckpointRegions()
-    logger.addFilter(quiet)
-    return quiet
 
 # ---------------------------------------------------------------------------------------
 # The start of a run.

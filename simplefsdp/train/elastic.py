@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config_reader import ConfigError
+from ..errors import ConfigError
 
 
 def restart_round() -> int:

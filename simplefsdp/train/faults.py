@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .config_reader import ConfigError
+from ..errors import ConfigError
 from .elastic import restart_round
 
 ENV = "SIMPLEFSDP_FAULT"

@@ -21,7 +21,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from ..mesh import local_shard
 
 REPEAT_S = 2.0
 
@@ -44,7 +45,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     device = tensors[0].device if tensors else torch.device("cpu")
     bad = torch.zeros((), device=device)
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_shard(t)
         bad = torch.maximum(bad, (~torch.isfinite(local)).any().to(bad.dtype))
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -25,13 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..hardware import gpu_peak_flops
-
-# A mixture of experts' figures per step (our MoE and Hugging Face MoE folders):
-# ``expert_figures``.
-MOE_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
+from ..hardware import gpu_peak_flops, model_flops_utilization
 
 
 @functools.cache
@@ -70,22 +65,6 @@ def peak_memory(device: torch.device) -> tuple[str, float]:
     if sys.platform == "darwin":  # bytes on macOS
         kib /= 1024
     return "max_rss_gib", kib / 2**20
-
-
-def expert_figures(loads: torch.Tensor, step_aux: torch.Tensor | None,
-                   device: torch.device) -> dict[str, float]:
-    """A mixture of experts' step figures (:data:`MOE_COLUMNS`): ``aux_loss``, the
-    balance loss added to the step's loss (coefficient applied; ``step_aux`` is this
-    rank's token-weighted share, summed here over every rank: an all-reduce; None: 0),
-    ``expert_load_max_mean``, the busiest expert's slots over the mean per expert in the
-    worst layer (``loads``: (layers, E) slots per expert, already summed over the ranks;
-    1 is balanced), and ``tokens_dropped``, 0 (dropless routing)."""
-    aux = torch.zeros((), device=device) if step_aux is None else step_aux.clone()
-    dist.all_reduce(aux)
-    ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
-        else torch.ones(())
-    return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
-            "tokens_dropped": 0.0}
 
 
 class MetricsLogger:
@@ -188,7 +167,8 @@ class MetricsLogger:
         if not self.active:
             return None
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time_s, 1e-9)
-        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.world)
+        mfu = model_flops_utilization(self.flops_per_token, tokens_per_s,
+                                      self.peak * self.world)
         _, mem = peak_memory(self.device)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                "tokens_per_s": tokens_per_s, "mfu_pct": 100 * mfu,

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from ..agreement import gather_objects
 from ..compiler.cost.state import optimizer_state_bytes, sharded_param_bytes
+from ..config.job import JobConfig
+from ..errors import ConfigError
+from ..optim import OPTIMIZER
 from .checkpoint import remove_partial
-from .config import ConfigError, JobConfig
-from .step import OPTIMIZER
 
 _EXTRA = "pip install 'simplefsdp[train]'"
 

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..mesh import Coords
+    from ..config.job import JobConfig
+    from ..corpus.text import Tokenizer
+    from ..mesh import Coords, ParallelDims
+    from ..models.registry import ModelFamily
     from .checkpoint import CheckpointManager
-    from .config import JobConfig
-    from .data import Tokenizer
     from .metrics import MetricsLogger
     from .validation import HeldOutBatches
 
@@ -55,6 +56,8 @@ class Setup:
     metrics: MetricsLogger
     start_step: int
     n_params: int
+    dims: ParallelDims  # the run's layout, built once (cfg.parallel holds the TOML's sizes)
+    family: ModelFamily  # the model family's entry (models.registry)
     validation: HeldOutBatches | None = None  # ``[validation]``'s held-out batches
 
     @property

@@ -1,7 +1,7 @@
 """One optimizer step: the token-normalized loss, forward and backward over the step's
 microbatches (or pipeline schedule), gradient clipping across every mesh dim, the
-non-finite guard, and the optimizer update; the optimizer and its LR schedule are built
-here too (``build_optimizer``), next to the update that steps them.
+non-finite guard, and the optimizer update (the optimizer and its LR schedule:
+``simplefsdp/optim.py``'s ``build_optimizer``).
 
 The loss is normalized by the number of valid target tokens of the *global* step:
 every data-parallel rank and every gradient-accumulation microstep contributes
@@ -12,77 +12,23 @@ across ranks, microsteps or pipeline microbatches.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..mesh import local_shard
+from ..parallel.pipeline import aux_loss_stage
+from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
 from .guard import NonFiniteError, step_flags
-from .pipeline import aux_loss_stage
 from .watchdog import phase
 
 if TYPE_CHECKING:
-    from .config import JobConfig
     from .run import Setup
 
-IGNORE_INDEX = -100
-# The trainer's optimizer (``build_optimizer``); its state lives outside the
-# compiled graphs, so the memory limit and the disk check size it by this class.
-OPTIMIZER = torch.optim.AdamW
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
-    ``min_ratio`` at ``total``."""
-    import math
-
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: nn.Module, cfg: JobConfig):
-    """The trainer's AdamW over ``model``'s trainable parameters and its LR schedule
-    (``lr_lambda``), which :func:`train_step` advances after each update."""
-    import functools
-
-    t = cfg.training
-    params = [p for p in model.parameters() if p.requires_grad]
-    # foreach kernels need every DTensor of one call on one mesh; with TP the params
-    # live on two meshes (DP-only and DP x TP), so fall back to the per-tensor loop.
-    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
-    optimizer = OPTIMIZER(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                          weight_decay=t.weight_decay, foreach=len(meshes) <= 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, functools.partial(lr_lambda, warmup=t.warmup_steps, total=t.steps))
-    return optimizer, scheduler
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the next-token cross-entropies, in float32. Vocabulary-sharded
-    logits (a DTensor, under ``loss_context(True)``): computed over the shards, the sum
-    returned as a plain tensor, the same on every tensor-parallel rank."""
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           reduction="sum", ignore_index=IGNORE_INDEX)
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
-def loss_context(vocab_sharded: bool):
-    """Where the loss and its backward run: with vocabulary-sharded logits
-    (``parallel.vocab_sharded_loss``), torch's ``loss_parallel``, whose cross-entropy
-    reduces the log-sum-exp and the target logits over the tensor-parallel ranks (a few
-    floats per token) instead of gathering the logits; else nothing."""
-    if not vocab_sharded:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
 
 
 @torch.no_grad()
@@ -100,7 +46,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
+        groups.setdefault(key, []).append(local_shard(g))
     device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for key, local in groups.items():
@@ -178,7 +124,7 @@ def scale_grads_(params: list[nn.Parameter], factor: torch.Tensor) -> None:
     for param in params:
         if param.grad is not None:
             grad = param.grad
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor)
+            local_shard(grad).mul_(factor)
 
 
 def train_step(s: Setup, step: int, batches: list[Batch], stop_requested: bool

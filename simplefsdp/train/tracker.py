@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config.job import JobConfig
 
 
 class WandbTracker:

@@ -32,15 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..corpus.text import gather_windows
+from ..errors import ConfigError
 from ..parallel.context import cp_batches
-from .config_reader import ConfigError
-from .data import gather_windows
-from .pipeline import aux_loss_stage
-from .step import IGNORE_INDEX, loss_context, token_loss_sum
+from ..parallel.pipeline import aux_loss_stage
+from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
 
 if TYPE_CHECKING:
+    from ..config.job import JobConfig
     from ..mesh import Coords
-    from .config import JobConfig
     from .run import Setup
 
 # The metrics columns an evaluation fills (``MetricsLogger``: empty on other rows).
@@ -120,7 +120,7 @@ def evaluate(s: Setup, batches: HeldOutBatches) -> float:
     with torch.random.fork_rng(devices=rng_devices), _eval_mode(s.model), \
             _kept_counters(s.model), loss_context(s.cfg.parallel.vocab_sharded_loss):
         for batch in batches:
-            if s.cfg.parallel.dims().cp > 1:  # this rank's part of every sequence
+            if s.dims.cp > 1:  # this rank's part of every sequence
                 batch = cp_batches([batch], s.mesh, s.cfg.training.seq_len)[0]
             inputs, targets = (x.to(s.device) for x in batch)
             loss_sum += _forward_loss(s, inputs, targets)

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from ..._torch_compat import OpOverload, disable_current_modes, tree_flatten, tree_map
+from ..._torch_compat.internals import C10D_FUNCTIONAL, DTENSOR_OPS
 from ...hardware import gpu_spec
 from .memory import METADATA_ONLY, Unmeasurable, concrete_int, op_name, value_bytes
 
@@ -57,7 +58,7 @@ def default_compute_spec(device: torch.device | str | None = None) -> ComputeSpe
                        10e9 * cores, "cpu")
 
 
-_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+_COMM_NAMESPACES = frozenset({C10D_FUNCTIONAL, "c10d_functional", "c10d", DTENSOR_OPS})
 
 
 def is_zero_cost(node: torch.fx.Node, planner: bool = False) -> bool:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from ...mesh import local_shard
 
 __all__ = ["STATE_TENSORS_PER_PARAM", "model_state_bytes_per_param", "optimizer_state_bytes",
            "optimizer_traffic_bytes_per_param", "sharded_param_bytes"]
@@ -53,7 +54,7 @@ def sharded_param_bytes(params: Iterable[torch.Tensor]) -> int:
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_shard(p)
         total += local.numel() * local.element_size()
     return total
 

@@ -32,20 +32,26 @@ folder) or under PP.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 import torch.distributed as dist
 
+from ..config.job import JobConfig
+from ..errors import ConfigError, config_errors
 from ..mesh import ParallelDims
 from ..models import moe, registry
-from ..models.llama import flops_per_token
-from ..parallel.expert import apply_ep, check_ep, set_token_group, shard_experts
-from .config import ConfigError, JobConfig, config_errors
+from ..parallel.activation_checkpoint import ac_mode_run
+from ..parallel.expert import (
+    MOE_COLUMNS,
+    apply_ep,
+    check_ep,
+    expert_figures,
+    set_token_group,
+    shard_experts,
+)
 from .llama_family import build_model
-from .metrics import MOE_COLUMNS, expert_figures
-from .parallelize import ac_mode_run, dp_options, parallelize, with_fp32_modules
+from .parallelize import dp_options, parallelize, with_fp32_modules
 
 ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
 
@@ -195,9 +201,8 @@ registry.register(registry.ModelFamily(
     check_tokenizer=_llama.check_tokenizer,
     convert=None,
     # activated parameters: router, top-k experts, shared expert (MoEArgs.ffn_matmul_params)
-    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
-                                                                seq_len),
-    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    flops_per_token=_llama.flops_per_token,
+    fingerprint=_llama.fingerprint,
     export=_export,
     fullgraph=FULLGRAPH,
     context_parallel=True,

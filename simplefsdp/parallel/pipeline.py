@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..config.job import check_pipeline
 from ..mesh import ParallelDims
 from ..models.llama import Transformer
-from .config import check_pipeline
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:

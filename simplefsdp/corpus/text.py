@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .config_reader import ConfigError
+from ..errors import ConfigError
 
 SHAKESPEARE = "shakespeare"  # the corpus shipped in simplefsdp/data/
 # Up to this many windows an epoch's order is a stored randperm (8 bytes a window: the
@@ -63,10 +63,15 @@ def build_tokenizer(name: str) -> Tokenizer:
                      f"Tokenizer object to TextDataset")
 
 
+def shipped_corpus() -> Path:
+    """The file of the corpus shipped in ``simplefsdp/data/`` (``data.dataset = "shakespeare"``)."""
+    return Path(str(resources.files("simplefsdp") / "data" / "shakespeare.txt"))
+
+
 def read_corpus(dataset: str) -> str:
     """Text of ``dataset``: ``"shakespeare"`` (shipped with the package) or a .txt path."""
     if dataset == SHAKESPEARE:
-        return (resources.files("simplefsdp") / "data" / "shakespeare.txt").read_text("utf-8")
+        return shipped_corpus().read_text("utf-8")
     path = Path(dataset)
     if not path.is_file():
         raise FileNotFoundError(f"data.dataset = {dataset!r}: no such file (use "

@@ -191,7 +191,7 @@ def custom_partitioner_base() -> type | None:
     ``custom_partitioner_fn`` config key and the ``CustomPartitionerFn`` class came with
     pytorch#157580 (July 2025, the 2.9 cycle), an ``ABC`` there and a ``CustomPassBase``
     in 2.13, both with the ``__call__`` / ``uuid`` we implement: present in 2.11-2.13, so
-    the full-AC refusal (``train.parallelize.check_composition``) is for older torch."""
+    the full-AC refusal (``activation_checkpoint.check_composition``) is for older torch."""
     try:
         from torch._inductor.custom_graph_pass import CustomPartitionerFn
     except ImportError:

@@ -1,7 +1,7 @@
 """Job configuration: the trainer's TOML schema, its defaults and its range checks.
 
 Every section is a dataclass below; its field types are the schema, read and
-type-checked by ``config_reader`` (a TOML file, then ``--section.key value``
+type-checked by ``config.reader`` (a TOML file, then ``--section.key value``
 overrides; every error names the key). ``JobConfig.validate`` adds the ranges and the
 consistency rules that types cannot express. The defaults are the ``debug`` run, which
 trains a tiny model on a laptop CPU: ``load_config(None, [])`` is that run, and so is
@@ -17,19 +17,29 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+import torch
+
+from ..compiler.backend import Backend, Bucketing
+from ..data_parallel import Mode
+from ..errors import ConfigError, choices, config_errors, require
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
-from .config_reader import ConfigError, choices, config_errors, read_config, require, split_argv
-from .config_reader import config_help as help_text
+from .reader import config_help as help_text
+from .reader import read_config, split_argv
 
 DType = Literal["float32", "bfloat16"]
+# The one map from a config's dtype name to torch's (derived from ``DType``).
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in get_args(DType)}
 Device = Literal["cpu", "cuda"]
-CompileBackend = Literal["inductor", "aot_eager"]
+CompileBackend = Backend
+# Activation checkpointing per block (parallel/activation_checkpoint.py).
+ACMode = Literal["none", "selective", "full"]
+AC_MODES: tuple[str, ...] = get_args(ACMode)
 # Every process group's timeout: a hung collective fails after this instead of waiting.
 PG_TIMEOUT_S = int(os.environ.get("SIMPLEFSDP_PG_TIMEOUT_S", "600"))
 
@@ -165,7 +175,7 @@ class ParallelConfig:
     ep: int = 1
     # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
     # replicas over dp_replicate; replicate: DDP over dp_replicate.
-    dp_mode: Literal["fully_shard", "hybrid_shard", "replicate"] = "fully_shard"
+    dp_mode: Mode = "fully_shard"
     pp_microbatches: int = 1  # microbatches per pipeline step; divides training.batch_size
     # Free gathered parameters after forward and gather again in backward. "auto": on
     # without PP, off with PP (1F1B runs several forwards before a backward: resharding
@@ -218,7 +228,7 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     # none; selective: keep attention and every other matmul, recompute the rest; full:
     # recompute each block in backward.
-    mode: Literal["none", "selective", "full"] = "none"
+    mode: ACMode = "none"
 
 
 @dataclass
@@ -227,7 +237,7 @@ class CompileConfig:
     backend: CompileBackend = "inductor"  # inductor (kernels) or aot_eager (no codegen)
     # How collectives are merged: none; manual: one bucket per block; auto / greedy:
     # planned from the cost model (under memory_limit_gb).
-    bucketing: Literal["none", "manual", "auto", "greedy"] = "manual"
+    bucketing: Bucketing = "manual"
     reordering: bool = True  # prefetch gathers and delay reductions to hide them
     memory_limit_gb: float | None = None  # for bucketing = "auto" or "greedy"; None: no limit
 

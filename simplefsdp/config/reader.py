@@ -5,7 +5,7 @@ are the schema: ``int``, ``float``, ``bool``, ``str``, a ``Literal`` of allowed 
 ``list[X]`` (a TOML array; comma-separated on the command line), ``X | None`` or a union
 of those (``bool | Literal["auto"]``: the first alternative that reads the value). Every
 value is checked against its type and every error names the key, so a typo fails at
-start-up instead of hours into a run. The trainer (``train.config.JobConfig``) and the
+start-up instead of hours into a run. The trainer (``config.job.JobConfig``) and the
 benchmark (``bench.config.BenchConfig``) are both read this way: one file format, one
 override syntax, one ``--help`` layout.
 
@@ -14,7 +14,6 @@ override syntax, one ``--help`` layout.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import inspect
@@ -22,39 +21,14 @@ import math
 import textwrap
 import tomllib
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from ..errors import ConfigError, choices, config_errors, require  # noqa: F401 (re-exported)
+
 C = TypeVar("C")
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
-
-
-def require(ok: bool, key: str, value: object, rule: str) -> None:
-    """Raise a ConfigError naming ``key`` unless ``ok``; ``rule`` says what is allowed."""
-    if not ok:
-        raise ConfigError(f"{key} = {value!r} is out of range: it must be {rule}")
-
-
-@contextlib.contextmanager
-def config_errors() -> Iterator[None]:
-    """Re-raise a ValueError from a shared check (``simplefsdp.mesh``) as a ConfigError,
-    the error the command lines report without a traceback."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def choices(values) -> str:
-    """``'a', 'b', 'c'``: allowed values for an error message."""
-    return ", ".join(repr(v) for v in values)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Our Llama as a model family of ``models.registry``: built on meta, split into pipeline
-stages, parallelized (``parallelize.py``), then initialized from ``training.seed`` or
+stages, parallelized (``models/parallelize.py``), then initialized from ``training.seed`` or
 loaded from a Hugging Face Llama folder (``model.init_from_hf``, converted by
 ``hf.convert``).
 
@@ -24,14 +24,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
 
+from ..config.job import JobConfig
+from ..corpus.text import build_tokenizer
+from ..errors import ConfigError
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
 from ..models.moe import MOE_PRESETS
-from .config import ConfigError, JobConfig
-from .data import build_tokenizer
+from ..parallel.pipeline import split_stage
 from .parallelize import parallelize
-from .pipeline import split_stage
 
 
 @torch.no_grad()
@@ -125,6 +126,17 @@ def _export(cfg: JobConfig, model: nn.Module, tokenizer) -> Path | None:
     return export_llama(cfg, model, tokenizer)
 
 
+def _flops_per_token(cfg: JobConfig, model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of the config's model (an MoE: its activated parameters,
+    ``MoEArgs.ffn_matmul_params``); the MoE family's entry too."""
+    return flops_per_token(cfg.model.model_args(), seq_len)
+
+
+def _fingerprint(cfg: JobConfig) -> dict:
+    """The model's arguments, which a checkpoint is written for; the MoE family's too."""
+    return dataclasses.asdict(cfg.model.model_args())
+
+
 registry.register(registry.ModelFamily(
     name="llama",
     validate=_validate,
@@ -133,9 +145,8 @@ registry.register(registry.ModelFamily(
     tokenizer=_tokenizer,
     check_tokenizer=_check_tokenizer,
     convert=_convert,
-    flops_per_token=lambda cfg, model, seq_len: flops_per_token(cfg.model.model_args(),
-                                                                seq_len),
-    fingerprint=lambda cfg: dataclasses.asdict(cfg.model.model_args()),
+    flops_per_token=_flops_per_token,
+    fingerprint=_fingerprint,
     export=_export,
     context_parallel=True,
 ))

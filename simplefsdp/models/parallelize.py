@@ -1,0 +1,149 @@
+"""A model family's ``parallelize``: the job's config read into each parallelism's
+plain options, applied to a built model in the order they compose. Each parallelism is
+its own module, usable without the trainer; this is the one place a ``JobConfig`` meets
+them.
+
+0. Context parallelism (``parallel.cp_ring``, ``parallel.cp_ulysses``;
+   ``parallel/context.py``): each block's attention sees the whole sequence of which
+   this rank holds a part; RoPE takes the part's global positions.
+1. Tensor + sequence parallel (``parallel.tp``; ``parallel/tensor.py``) on ``mesh["tp"]``,
+   loss parallel with ``parallel.loss_parallel``.
+2. Activation checkpointing (``activation_checkpoint.mode``;
+   ``parallel/activation_checkpoint.py``) per block.
+3. ``simplefsdp.data_parallel`` over the data-parallel dims of the same mesh, with
+   ``reduce_op="sum"``: the trainer's loss is already normalized by the global token
+   count, so gradients are summed, not averaged.
+4. ``torch.compile`` with the simplefsdp backend (``compile.enable``).
+
+Pipeline parallelism (splitting into stages, ``parallel/pipeline.py``) happens before
+all of this; expert parallelism (``parallel/expert.py``) in ``before_dp`` (the MoE
+family's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fnmatch
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import simplefsdp
+
+from .._torch_compat import raise_recompile_limits
+from ..compiler.cost.state import optimizer_state_bytes
+from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
+from ..errors import ConfigError
+from ..mesh import ParallelDims, stage_group
+from ..optim import OPTIMIZER
+from ..parallel.activation_checkpoint import (
+    apply_ac,
+    check_composition,
+    compile_checkpointed_blocks,
+)
+from ..parallel.context import apply_cp
+from ..parallel.tensor import apply_tp
+from ..state_dict import unwrapped_name
+from .llama import Transformer
+
+
+def dp_options(cfg: JobConfig) -> dict:
+    """``data_parallel``'s keyword arguments from ``[training]`` and ``[parallel]`` (the
+    per-module fp32 overrides apart): one owner, for the model and for the experts
+    sharded on their own mesh first (``moe_family``)."""
+    t, p = cfg.training, cfg.parallel
+    mp = simplefsdp.MixedPrecisionPolicy(
+        param_dtype=DTYPES[t.mixed_precision_param],
+        reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    return {"mode": p.dp_mode, "mp_policy": mp, "reshard_after_forward": p.reshard,
+            "reduce_op": "sum"}
+
+
+def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:
+    return simplefsdp.data_parallel(model, mesh, **dp_options(cfg),
+                                    mp_overrides=fp32_overrides(model, cfg))
+
+
+def fp32_overrides(model: nn.Module, cfg: JobConfig) -> dict:
+    """``training.mixed_precision_fp32_modules`` as ``data_parallel``'s ``mp_overrides``;
+    a glob that matches no module is a ConfigError (under PP a stage holds part of the
+    model: there, globs matching nothing on this stage are left out)."""
+    key = "training.mixed_precision_fp32_modules"
+    names = [unwrapped_name(n) for n, _ in model.named_modules()]
+    overrides = {}
+    for glob in cfg.training.mixed_precision_fp32_modules:
+        if any(fnmatch.fnmatchcase(n, glob) for n in names):
+            overrides[glob] = simplefsdp.MixedPrecisionPolicy(torch.float32, torch.float32)
+        elif cfg.parallel.pp == 1:
+            raise ConfigError(f"{key}: {glob!r} matches no module of the model (module "
+                              f"names look like {', '.join(names[1:4])}; globs as fnmatch)")
+    return overrides
+
+
+def with_fp32_modules(cfg: JobConfig, globs: list[str]) -> JobConfig:
+    """``cfg`` with ``globs`` added to ``training.mixed_precision_fp32_modules`` when the
+    model is gathered or reduced in another dtype than float32 (MoE routers: the routing
+    decision is sensitive to rounding); ``cfg`` itself otherwise."""
+    t = cfg.training
+    mixed = t.mixed_precision_param != "float32" or t.mixed_precision_reduce != "float32"
+    new = [g for g in globs if g not in t.mixed_precision_fp32_modules]
+    if not mixed or not new:
+        return cfg
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        t, mixed_precision_fp32_modules=[*t.mixed_precision_fp32_modules, *new]))
+
+
+def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | None = None):
+    """Our ``torch.compile`` backend as ``[compile]`` configures it. A planned bucketing
+    (auto, greedy) agrees across the ranks compiling the same graph: under PP, a stage's.
+    With ``model`` (sharded), ``memory_limit_gb`` leaves room for the trainer's optimizer
+    state (``optim.OPTIMIZER``), which lives outside the compiled graphs."""
+    c = cfg.compile
+    group = None
+    if c.bucketing in ("auto", "greedy"):
+        group = stage_group(mesh, datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dp_mesh = None  # HSDP: plan each collective kind with its own group's figures
+    if c.bucketing in ("auto", "greedy") and cfg.parallel.dp_replicate > 1:
+        dp_mesh = ParallelDims.data_parallel_mesh(mesh, "hybrid_shard")
+    outside = 0
+    if model is not None and c.memory_limit_gb is not None:
+        outside = optimizer_state_bytes(OPTIMIZER, model.parameters())
+    return simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
+                                      reordering=c.reordering, module_plan=None,
+                                      memory_limit_gb=c.memory_limit_gb, group=group,
+                                      state_bytes_outside_graphs=outside, mesh=dp_mesh)
+
+
+def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
+                  fullgraph: bool = True) -> nn.Module:
+    """``fullgraph = False`` lets the model leave the graph where it must (an MoE's
+    data-dependent expert dispatch); our passes then run on each graph."""
+    backend = compile_backend_for(mesh, cfg, model)
+    if not fullgraph:
+        # Traced module by module, each block's frames compile once per block (Dynamo
+        # guards a block's own modules): past the default limit (8) the rest ran eagerly.
+        raise_recompile_limits(len(getattr(model, "layers", {})) + 8)
+        compile_checkpointed_blocks(model, backend)
+    return torch.compile(model, fullgraph=fullgraph, backend=backend)
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
+                before_dp=None, fullgraph: bool = True) -> nn.Module:
+    """TP, activation checkpointing, data parallel, compile: in that order, in place
+    (the returned module is the compiled wrapper when compile is on). ``before_dp(model,
+    mesh, cfg)`` runs just before data parallel (MoE: expert parallelism); ``fullgraph``
+    is ``apply_compile``'s."""
+    check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
+    if cfg.parallel.dims().cp > 1:
+        apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
+    if cfg.parallel.tp > 1:
+        apply_tp(model, mesh["tp"], cfg.training.seq_len, cfg.parallel.vocab_sharded_loss)
+    apply_ac(model, cfg.activation_checkpoint.mode)
+    if before_dp is not None:
+        before_dp(model, mesh, cfg)
+    model = apply_dp(model, mesh, cfg)
+    if cfg.compile.enable:
+        model = apply_compile(model, mesh, cfg, fullgraph)
+    return model
