@@ -299,6 +299,18 @@ class ValidationConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    # torch.profiler traces, one Chrome trace per rank:
+    # <metrics.output_dir>/profile/step-<start_step>/rank<r>.json.gz (ui.perfetto.dev).
+    enable: bool = False
+    start_step: int = 3  # the first profiled step (later than the first: compile, warm-up)
+    steps: int = 1  # profiled steps from start_step on
+    # CUDA: also the caching allocator's history over those steps, rank<r>_memory.pickle
+    # beside the trace (pytorch.org/memory_viz).
+    memory_snapshot: bool = False
+
+
+@dataclass
 class JobSection:
     device: Device = "cpu"  # cpu (gloo) or cuda (NCCL, one GPU per rank)
     name: str = "debug"  # a label for the run (nothing in the trainer reads it)
@@ -318,6 +330,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     job: JobSection = field(default_factory=JobSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -367,6 +380,7 @@ class JobConfig:
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
         _check_validation(self)
+        _check_profiling(self)
         name = self.data.tokenizer
         if name not in ("auto", "byte") and not Path(name).exists():
             raise ConfigError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path "
@@ -405,6 +419,22 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError("data.document_mask = true works with our Llama without pipeline "
                           "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
                           "turn data.document_mask off")
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    """``[profiling]``: steps inside the run; the memory snapshot is CUDA's."""
+    p, steps = cfg.profiling, cfg.training.steps
+    require(p.start_step >= 1, "profiling.start_step", p.start_step, ">= 1")
+    require(p.steps >= 1, "profiling.steps", p.steps, ">= 1")
+    if not p.enable:
+        return
+    if p.start_step + p.steps - 1 > steps:
+        raise ConfigError(f"profiling.start_step = {p.start_step} with profiling.steps = "
+                          f"{p.steps} reaches past the run's training.steps = {steps}; "
+                          f"profile steps 1 to {steps}")
+    if p.memory_snapshot and cfg.job.device != "cuda":
+        raise ConfigError("profiling.memory_snapshot = true records the CUDA allocator, but "
+                          f"job.device = {cfg.job.device!r}: run on cuda or turn it off")
 
 
 def _check_validation(cfg: JobConfig) -> None:

@@ -34,6 +34,7 @@ class TrainResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     output_dir: str = ""
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    profile_files: list[str] = field(default_factory=list)  # this rank's ([profiling])
 
 
 @dataclass

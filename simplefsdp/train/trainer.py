@@ -68,6 +68,7 @@ from .elastic import init_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
+from .profiling import StepProfiler
 from .run import Setup, TrainResult
 from .step import train_step
 from .tracker import build_tracker
@@ -357,15 +358,18 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     faults.arm(s.model, s.optimizer)
     if ckpt is not None:
         ckpt.on_phase = faults.point
+    profiler = StepProfiler(cfg, dist.get_rank(), dist.get_world_size(), s.device)
     with StopOnSignal() as signal_:
         try:
             for step in range(s.start_step + 1, cfg.training.steps + 1):
                 faults.step = step
+                profiler.before(step)
                 batches = _next_batches(s, step, batch_transform)
                 lr = s.scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 contribution, grad_norm, stop, stats = _step(s, step, batches, compiling,
                                                              signal_.requested)
                 compiling = None
+                profiler.after(step)
                 held_out = _validate(s, step, window, result)
                 window.pending.append((contribution, grad_norm, lr, {**stats, **held_out}))
                 window.steps += 1
@@ -379,8 +383,12 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 if stop:
                     raise preempted(s, step, signal_.signum)
         finally:
+            profiler.close()
             s.metrics.close()
+    result.profile_files = [str(p) for p in profiler.written]
     _finish(s, result, saved, started)
+    if dist.get_rank() == 0 and profiler.summary():
+        print(profiler.summary(), flush=True)
     return result
 
 
