@@ -26,7 +26,7 @@ from toy import Toy
 
 import simplefsdp as sf
 from simplefsdp.compiler import auto_wrap as aw
-from simplefsdp.compiler import plan_search as ps
+from simplefsdp.compiler import bucket_search as ps
 from simplefsdp.compiler.cost import CommModel
 from simplefsdp.compiler.fit_limit import fit_to_limit
 from simplefsdp.compiler.greedy import estimate_exposed, greedy_buckets

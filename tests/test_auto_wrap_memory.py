@@ -86,7 +86,7 @@ def _limit_above_manual(rank, world):
 
     import simplefsdp
     from simplefsdp.compiler import auto_wrap
-    from simplefsdp.compiler.plan_search import optimal_buckets
+    from simplefsdp.compiler.bucket_search import optimal_buckets
     from simplefsdp.compiler.simulate import simulate
     from simplefsdp.config.job import load_config
 

@@ -407,8 +407,8 @@ def _our_llama():
 
 
 def _export_our_llama(folder: Path) -> dict[str, torch.Tensor]:
-    from simplefsdp.hf.convert import hf_config, rope_heads, to_hf_name
     from simplefsdp.hf.export import export_hf
+    from simplefsdp.hf.llama_layout import hf_config, rope_heads, to_hf_name
 
     model = _our_llama()
     export_hf(model, folder, hf_config(model.args), rename=to_hf_name,
@@ -419,7 +419,7 @@ def _export_our_llama(folder: Path) -> dict[str, torch.Tensor]:
 def test_our_llama_round_trips_through_hf_layout(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.hf.convert import sources_from_hf
+    from simplefsdp.hf.llama_layout import sources_from_hf
     from simplefsdp.hf.weights import load_sharded, unique_tensors
     from simplefsdp.models.llama import Transformer
 

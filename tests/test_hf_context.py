@@ -75,7 +75,7 @@ def _direct(folder: str, seq: int):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.hf.context import apply_cp
+    from simplefsdp.hf.context_parallel import apply_cp
     from simplefsdp.hf.model import causal_lm_call
     from simplefsdp.mesh import ParallelDims
     from simplefsdp.parallel.context import rank_positions
@@ -209,7 +209,7 @@ def test_attention_refuses_what_it_does_not_compute(kwargs, message):
     """The backstop in the attention function itself, one call on (batch 1, 4 heads, 4 of
     8 tokens, head_dim 16): a core that returns its query stands in for ring / Ulysses."""
     from simplefsdp.hf import HFError
-    from simplefsdp.hf.context import _Setup, attention
+    from simplefsdp.hf.context_parallel import _Setup, attention
 
     module = torch.nn.Module()
     module._sf_context = _Setup(core=lambda q, k, v: q, seq_len=8)
@@ -229,7 +229,7 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused():
     attention (each rank would attend over its own tokens only): refused before anything
     is changed."""
     from simplefsdp.hf import HFError
-    from simplefsdp.hf.context import apply_cp
+    from simplefsdp.hf.context_parallel import apply_cp
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(HFError, match="does not route its attention through"):

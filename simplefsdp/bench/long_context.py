@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, profile
 
         def step() -> float:
             batches = [next(s.loader)]
-            if s.cfg.parallel.dims().cp > 1:
+            if s.dims.cp > 1:
                 batches = cp_batches(batches, s.mesh, s.cfg.training.seq_len)
             return float(train_step(s, next(count), batches, False)[0])
 

@@ -7,7 +7,7 @@ The pieces, one module each:
   collective in issue order: its bytes, the compute that uses its parameters, the memory
   live meanwhile, and in backward the bytes of the reduce-scatters of the same
   parameters), and a plan becomes bucket names again;
-* the planners: ``"auto"`` (default), :func:`.plan_search.optimal_buckets`, dynamic
+* the planners: ``"auto"`` (default), :func:`.bucket_search.optimal_buckets`, dynamic
   programming over contiguous bucket boundaries minimising the step time of
   :mod:`.simulate` (compute and communication streams, the measured fraction of a
   collective that compute hides, copy-in/copy-out) with the predicted step peak under
@@ -35,11 +35,11 @@ from torch import fx
 
 from ..agreement import StoreAgreement
 from . import cost
+from .bucket_search import optimal_buckets
 from .collectives import Collective, feeding_reduce_scatter
 from .fit_limit import applied_peak, fit_to_limit
 from .greedy import Decision, greedy_buckets
 from .manual_wrap import DEFAULT_ALL_REDUCE_BUCKET_MB
-from .plan_search import optimal_buckets
 from .simulate import CollectiveCost, Estimate, simulate
 from .steps import (
     bucket_assignment,

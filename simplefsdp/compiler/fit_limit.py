@@ -15,10 +15,10 @@ from collections.abc import Callable
 from torch import fx
 
 from . import cost
+from .bucket_search import optimal_buckets
 from .collectives import Collective
 from .manual_wrap import DEFAULT_ALL_REDUCE_BUCKET_MB
 from .passes import apply_passes
-from .plan_search import optimal_buckets
 from .simulate import CollectiveCost, simulate
 
 FIT_ROUNDS = 6  # searches under lower targets when the applied graph's peak is over

@@ -1,6 +1,6 @@
 """The paper's greedy bucketing (SimpleFSDP Algorithm 1) over a graph's collectives.
 
-Kept next to the exact search (:mod:`.plan_search`) for comparison: both plans are
+Kept next to the exact search (:mod:`.bucket_search`) for comparison: both plans are
 simulated and reported. Its memory rule is the paper's (a bucket's own memory), not the
 step peak the search holds.
 """

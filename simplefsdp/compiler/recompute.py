@@ -19,10 +19,9 @@ threads the RNG state as a graph input instead (read in the 2.13 source, not run
 saved tensors first (version-checked, then not version-checked), then opaque objects, in
 the forward's outputs and, in the same permutation, in the backward's inputs. Where the
 layout is already right (no AC, selective AC, CUDA, a fixed torch) it changes nothing.
-Versions (torch's history, read, not run): the tensors-without-version-check slice came
-with pytorch#171353 and DeviceMesh as an opaque graph value with pytorch#169867 (both
-January 2026, the 2.11 cycle); a torch without them saves no opaque mesh and no such
-tensors, and the layout is already right there.
+The tensors-without-version-check slice (pytorch#171353) and DeviceMesh as an opaque
+graph value (pytorch#169867) are torch 2.11's; a torch without them saves no opaque
+mesh and no such tensors, and the layout is already right there.
 :func:`inductor_partitioner` wraps it for Inductor's ``custom_partitioner_fn``.
 
 Full recomputation itself comes from the checkpoint wrapper, the same code path as eager.

@@ -27,7 +27,7 @@ during copy-out, and the gradients of ``b_{k-1}``'s reduce-scatter, in flight un
 deferred wait: the collective keeps its input (NCCL stashes it; gloo reduces a copy of
 it and copies the shard out on the wait), even where the graph no longer uses it.
 
-:func:`simulate` computes all of this for one plan; ``plan_search`` optimises the very
+:func:`simulate` computes all of this for one plan; ``bucket_search`` optimises the very
 same terms (:func:`window`, :func:`copy_seconds`, :func:`bucket_peak`), so the two agree
 exactly. :func:`simulate_graph` is the same two streams over a scheduled graph, op by
 op, for the planner, whose graphs are already bucketed and reordered.

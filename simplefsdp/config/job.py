@@ -452,7 +452,7 @@ def _check_validation(cfg: JobConfig) -> None:
 
 def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
     """Context parallelism: the family must have CP attention (our Llama and MoE; Hugging
-    Face Llama-family models, whose heads ``hf.context.check_config`` checks); the
+    Face Llama-family models, whose heads ``hf.context_parallel.check_config`` checks); the
     sequence and heads must split (``ParallelDims.check_cp``), named by their keys."""
     p = cfg.parallel
     dims = p.dims()
@@ -467,7 +467,7 @@ def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
         raise ConfigError(f"parallel.cp_ring / parallel.cp_ulysses > 1 need a model family with "
                           f"context-parallel attention; model.family = {family.name!r} has none "
                           f"(our Llama has), or set both to 1")
-    if cfg.model.hf_path is not None:  # its heads are in its config.json: hf.context checks
+    if cfg.model.hf_path is not None:  # its heads are in config.json (hf.context_parallel)
         return
     with config_errors():
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")

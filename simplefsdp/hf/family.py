@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models import registry
-from . import HFError, context, hooks
+from . import HFError, context_parallel, hooks
 
 
 def _validate(cfg) -> None:
@@ -16,7 +16,12 @@ def _validate(cfg) -> None:
         raise HFError(f"model.family = {cfg.model.family!r} trains a Hugging Face model: set "
                       f"model.hf_path to its local folder")
     hooks.validate_folder(cfg, cfg.model.hf_path)
-    context.check_config(cfg)  # parallel.cp_ring / cp_ulysses: does the model fit
+    context_parallel.check_config(cfg)  # parallel.cp_ring / cp_ulysses: does the model fit
+
+
+def _fingerprint(cfg) -> dict:
+    """What a checkpoint is written for: the model's folder."""
+    return {"hf_path": str(Path(cfg.model.hf_path).resolve())}
 
 
 def _export(cfg, model, tokenizer) -> Path | None:
@@ -32,9 +37,9 @@ registry.register(registry.ModelFamily(
     check_tokenizer=hooks.check_vocab,
     convert=None,  # the folder's names, through transformers' own mapping (``hf.conversion``)
     flops_per_token=hooks.flops_per_token,
-    fingerprint=lambda cfg: {"hf_path": str(Path(cfg.model.hf_path).resolve())},
+    fingerprint=_fingerprint,
     export=_export,
-    context_parallel=True,  # Llama-family attention through hf.context
+    context_parallel=True,  # Llama-family attention through hf.context_parallel
     expert_parallel=True,  # parallel.ep on a folder with fused MoE experts (hf.experts)
     aux_loss=hooks.aux_loss,  # transformers' balance loss, when the folder's config adds it
     after_step=hooks.after_step,

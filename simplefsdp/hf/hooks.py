@@ -107,7 +107,7 @@ def build_hf(cfg, mesh, device):
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
     """A Hugging Face causal LM's parallelisms, in place: context parallelism
-    (:mod:`.context`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
+    (:mod:`.context_parallel`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
     (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
     checkpointing per decoder layer, data parallel, then (``compile.enable``, and
     ``compile_``) compile. An MoE's routers (``mlp.gate``) stay float32 under mixed
@@ -119,7 +119,7 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     from .model import apply_ac
 
     if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
-        from .context import apply_cp
+        from .context_parallel import apply_cp
 
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if adapt_experts(model):
@@ -187,7 +187,7 @@ def build_llama_from_hf(cfg, mesh, device, convert):
 
     from ..models.llama import Transformer
     from ..models.parallelize import parallelize
-    from .convert import check_matches
+    from .llama_layout import check_matches
     from .model import load_config, refuse_unsupported
     from .weights import WeightFiles, check_sources, load_sharded, unique_tensors
 
@@ -260,8 +260,8 @@ def export_hf_model(cfg, model: nn.Module, tokenizer) -> Path:
 def export_llama(cfg, model: nn.Module, tokenizer) -> Path:
     """``checkpoint.export_hf`` of our Llama: a Hugging Face Llama folder."""
     require("transformers", "safetensors")
-    from .convert import hf_config, rope_heads, to_hf_name
     from .export import export_hf
+    from .llama_layout import hf_config, rope_heads, to_hf_name
 
     args = cfg.model.model_args()
     config = hf_config(args)
@@ -282,8 +282,8 @@ def export_moe(cfg, model: nn.Module, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM
 
     from .conversion import file_tensors
-    from .convert import hf_moe_config, rope_heads, to_hf_name
     from .export import export_hf, renamed
+    from .llama_layout import hf_moe_config, rope_heads, to_hf_name
 
     args = cfg.model.model_args()
     config = hf_moe_config(args)

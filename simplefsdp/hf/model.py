@@ -9,7 +9,7 @@ in the weight files. Then: activation checkpointing on the decoder layers, our
 
 Supported: ``data_parallel`` in every mode, mixed precision, activation checkpointing
 (full / selective), ``torch.compile`` (graph breaks allowed), context parallelism for the
-Llama family (:mod:`.context`). Refused: tensor and pipeline
+Llama family (:mod:`.context_parallel`). Refused: tensor and pipeline
 parallelism (``parallel.tp > 1``, ``parallel.pp > 1``): Hugging Face module names vary
 by architecture and no plan is written for them.
 """
@@ -149,7 +149,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 def causal_lm_call(module: Callable, model: nn.Module
                    ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``tokens -> logits`` for a Hugging Face causal LM (``module``: ``model`` or its
-    compiled wrapper; no cache, no loss). Under context parallelism (:mod:`.context`)
+    compiled wrapper; no cache, no loss). Under context parallelism (:mod:`.context_parallel`)
     ``tokens`` are this rank's part of each sequence and ``position_ids`` their global
     positions (``model._sf_positions``). An MoE whose config asks for the router logits
     (``output_router_logits``) returns transformers' balance loss (its own

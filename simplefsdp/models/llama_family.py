@@ -1,7 +1,7 @@
 """Our Llama as a model family of ``models.registry``: built on meta, split into pipeline
 stages, parallelized (``models/parallelize.py``), then initialized from ``training.seed`` or
 loaded from a Hugging Face Llama folder (``model.init_from_hf``, converted by
-``hf.convert``).
+``hf.llama_layout``).
 
 Initialization does not depend on the parallel layout: on CPU every rank initializes
 the full model from ``training.seed`` and keeps its shards; on CUDA parameters are
@@ -113,7 +113,7 @@ def _check_tokenizer(cfg: JobConfig, tokenizer) -> None:
 
 def _convert(names: list[str], cfg: JobConfig) -> dict:
     """Where each of our parameters lies in a Hugging Face Llama folder."""
-    from ..hf.convert import sources_from_hf
+    from ..hf.llama_layout import sources_from_hf
 
     return sources_from_hf(names, cfg.model.model_args())
 

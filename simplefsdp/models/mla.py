@@ -151,9 +151,9 @@ def fused_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """MLA's attention core: :func:`fused_kernel_attention` where cuDNN's kernel runs for
-    these head sizes and dtype, else SDPA (``causal_attention``). On an H200 (torch 2.11,
-    4 x 4096 tokens, 16 heads) SDPA's memory-efficient kernel, its pick for these head
-    sizes, took 10x cuDNN's time in backward (README, "Mixture of experts")."""
+    these head sizes and dtype, else SDPA (``causal_attention``): for MLA's unequal
+    query/key and value head sizes SDPA picks its memory-efficient kernel, much slower
+    than cuDNN's in backward (figures: docs/performance.md)."""
     if mask is None and cudnn_attention_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
         return fused_kernel_attention(q, k, v)
     return causal_attention(q, k, v, mask)

@@ -26,7 +26,7 @@ Refused at config load, naming the key: MLA attention (``model.attention = "mla"
 with TP, CP or ``checkpoint.export_hf``; ``ep`` not dividing ``model.num_experts`` (the
 ranks: ``ParallelDims``), ``tp`` not dividing ``model.shared_hidden_dim``, a dense preset,
 Hugging Face weights (another family's job), ``checkpoint.export_hf`` of a model Mixtral
-does not compute alike (``hf.convert.mixtral_refusal``: the export writes a Mixtral
+does not compute alike (``hf.llama_layout.mixtral_refusal``: the export writes a Mixtral
 folder) or under PP.
 """
 
@@ -94,7 +94,7 @@ def _validate_mla(cfg: JobConfig) -> None:
 def _validate_export(args: moe.MoEArgs, pp: int) -> None:
     """``checkpoint.export_hf`` writes a Mixtral folder from the whole model: refused for
     a model Mixtral does not compute alike and under pipeline parallelism."""
-    from ..hf.convert import mixtral_refusal
+    from ..hf.llama_layout import mixtral_refusal
 
     why = mixtral_refusal(args)
     if why is not None:

@@ -123,7 +123,8 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     backend = compile_backend_for(mesh, cfg, model)
     if not fullgraph:
         # Traced module by module, each block's frames compile once per block (Dynamo
-        # guards a block's own modules): past the default limit (8) the rest ran eagerly.
+        # guards a block's own modules): the limit must cover every block, or the rest
+        # would run eagerly.
         raise_recompile_limits(len(getattr(model, "layers", {})) + 8)
         compile_checkpointed_blocks(model, backend)
     return torch.compile(model, fullgraph=fullgraph, backend=backend)

@@ -129,21 +129,20 @@ def ac_mode_run(mode: str, compiled: bool, fullgraph: bool) -> str:
 def compile_checkpointed_blocks(model: nn.Module, backend) -> None:
     """Compile each checkpointed block's own call, in a model that leaves the graph (an
     MoE's eager expert dispatch). A block with a break cannot be one checkpoint region of
-    a graph: its checkpoint runs eagerly around compiled frames, and the recomputation in
-    backward, called by autograd outside the compiled model, ran the block eagerly,
-    saving other tensors than the compiled forward did (torch.utils.checkpoint refused:
-    "Recomputed values ... have different metadata"; at step 1 for a routed block, at
-    step 2 for DeepSeek's dense first block, whose checkpoint, traced from the outer
-    frames, broke too). Compiled on their own, the forward and its recomputation run the
-    same graphs.
+    a graph: its checkpoint runs eagerly around compiled frames, and a recomputation in
+    backward, called by autograd outside the compiled model, would run the block eagerly,
+    saving other tensors than the compiled forward (``torch.utils.checkpoint`` refuses
+    that: "Recomputed values ... have different metadata"; a dense block traced from the
+    outer frames breaks the same way). Compiled on their own, the forward and its
+    recomputation run the same graphs.
 
     Under ``selective`` such a block's graphs are recomputed whole: the op-level policy
     cannot see into an Inductor graph. What a routed block keeps is the outputs of the
     eager token exchanges between them (``parallel.expert.keep_exchanges``), so the
     recomputation moves no token again. No selective-checkpoint mode runs around these
-    graphs: in the recomputation it met ops of Inductor's runtime wrappers that the
-    forward had not run (torch 2.13: "aten._unsafe_view.default encountered during
-    backward but not found in storage"). A dense block (DeepSeek's first) has no break:
+    graphs: in the recomputation it would meet ops of Inductor's runtime wrappers that
+    the forward did not run ("... encountered during backward but not found in
+    storage"). A dense block (DeepSeek's first) has no break:
     Dynamo traces its checkpoint into the graph, where ``context_fn`` must make dispatch
     modes, so it gets none (full AC, as the graphs of a routed block)."""
     for block in getattr(model, "layers", {}).values():

@@ -28,7 +28,7 @@ Two ways to bring the keys and values to the queries (``parallel.cp_rotate``):
   kernel call, their gradients summed back).
 
 Kernels: ``_torch_compat.attention_with_lse`` (CPU: the flash kernel for CPU; CUDA: the
-flash kernel, run on an H200 with torch 2.11: README "Measured on a GPU"). With the
+flash kernel). With the
 document mask (``doc``: each position's document index over the whole sequence,
 ``(batch, seq)`` in order) every block is masked by
 document (the formula, :func:`_masked_block`) and, in eager mode, a block no query can

@@ -76,7 +76,7 @@ class _Tracker(TorchDispatchMode):
 
     def watch(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage until ``t`` dies (a DTensor: its local shard's)."""
-        local = _local(t)
+        local = _storage_tensor(t)
         key = storage_key(local)
         if key in self.existing or self.paused:
             return
@@ -135,7 +135,7 @@ def peak_of(events: list[tuple[int, int]], skip: set[int], upto: int | None = No
     return peak, (live if upto is None or upto >= len(events) else at)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's bytes: a DTensor's local shard (the mode sees ops
     on DTensors, e.g. the ``detach`` that stores a gradient, whose wrapper reports the
     storage of the whole logical tensor), else ``t``."""
@@ -172,7 +172,7 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
         model.to_empty(device="cpu")
         x = stage_input(key, args, dtype)
         params = list(model.parameters())
-        existing = {storage_key(_local(t))  # views of these are not new
+        existing = {storage_key(_storage_tensor(t))  # views of these are not new
                     for t in [*params, *model.buffers()]}
         mesh = key_mesh(key)
         tracker = _Tracker(existing, {mesh[d].get_group().group_name
@@ -191,7 +191,7 @@ def eager_memory(key, exact_shards: bool = False) -> EagerMemory:
             forward_end = len(tracker.events)
             loss.backward(grad)
             del loss, grad
-        grads = {tracker.storage_id(_local(p.grad)) for p in params if p.grad is not None}
+        grads = {tracker.storage_id(_storage_tensor(p.grad)) for p in params if p.grad is not None}
     if not exact_shards:
         return EagerMemory(*peak_of(tracker.events, grads, forward_end))
     grad_bytes = sum(delta for id_, delta in tracker.events if id_ in grads)  # all live

@@ -22,7 +22,7 @@ from ..hardware import GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
-from . import context, memory, moe, timing
+from . import memory, moe, ring_pass, timing
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
 
@@ -70,15 +70,15 @@ def _extrapolate(one: float, two: float, n: int) -> float:
 
 # compiled graphs' peak -> the saved bytes it grows with, block by block. The eager
 # replay's peak keeps the linear rule: eager prefetches nothing, and the rule fits
-# the published eager runs better than the saved slope does (figures: README, Planning).
+# the eager runs better than the saved slope does (figures: docs/performance.md).
 PEAK_GROWS_WITH = {"forward_peak": "saved", "backward_peak": "saved"}
 
 
 def peak_extrapolation(one: dict, two: dict, n: int) -> dict:
     """Figures of an ``n``-block stage from its 1- and 2-block traces (module docstring).
-    Extrapolating peaks linearly counted one more transient per block: with reordering,
-    the 2-block trace holds two gathered blocks at its peak and the 1-block trace one
-    (the error it made: README, Planning)."""
+    Compiled peaks grow with the saved bytes, not linearly: with reordering, the 2-block
+    trace holds two gathered blocks at its peak and the 1-block trace one, so a linear
+    rule would count one more transient per block."""
     out = {k: _extrapolate(one[k], two[k], n) for k in one}
     if n >= 2:
         for peak, saved in PEAK_GROWS_WITH.items():
@@ -105,8 +105,8 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
                                       ffn_tp)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
-        # the ring pass's shifts, hidden behind each step's attention (``plan.context``)
-        ring = sum(context.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
+        # the ring pass's shifts, hidden behind each step's attention (``plan.ring_pass``)
+        ring = sum(ring_pass.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
         fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
                "exposed": sum(e for _, e in times) + ring, "ring_exposed": ring}
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps
@@ -180,19 +180,20 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     # exchanges while its graphs recompute whole: ``_as_run``)
     moe_ac = cfg.activation_checkpoint.mode
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
+    dims = p.dims()  # the layout's one view
     t, args = cfg.training, cfg.model.model_args()
     micro = p.microbatches
     mb = t.batch_size // micro
-    fabric = timing.MeshLinks(dev, p.dims(), gpus_per_node)
+    fabric = timing.MeshLinks(dev, dims, gpus_per_node)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.rank_params(args, role, f["layers"], p.dims(), p.dp_mode)
+        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode)
         states = memory.states_bytes(params)
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
-        tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
-        routed, elem = moe.routed_tokens(tokens, p.dims()), memory.activation_elem_bytes(t)
+        tokens = memory.rank_tokens(mb, t.seq_len, dims)
+        routed, elem = moe.routed_tokens(tokens, dims), memory.activation_elem_bytes(t)
         a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric)
         step = f["seconds"] + a2a + moe.permute_seconds(
             args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep)
@@ -223,7 +224,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "routed_saved_gib": kept / GiB,
                         "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps}
     reserved = active * (1 + ALLOC_OVERHEAD)
-    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp
     tps = tokens / seconds / gpus
     return Prediction(
         p.dp_replicate, p.dp_shard, p.tp, p.pp, cfg.activation_checkpoint.mode,

@@ -41,7 +41,7 @@ from .predict import CONTEXT_BYTES, Prediction, predict
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
 # neither wins everywhere: the ring pass hides its shifts behind attention and, eager,
 # keeps one K/V block for backward instead of the gathered sequence, but sends the blocks
-# again in backward with their gradients (``plan.context``)
+# again in backward with their gradients (``plan.ring_pass``)
 ROTATIONS = get_args(get_type_hints(ParallelConfig)["cp_rotate"])
 
 
@@ -108,16 +108,17 @@ def _lower_bound(c: JobConfig) -> float:
     stage with the head the eager loss's logits (``memory.loss_peaks``), which every
     prediction adds on top (compiled) or replays (eager)."""
     args, p, t = c.model.model_args(), c.parallel, c.training
+    dims = p.dims()  # the layout's one view
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     mb = t.batch_size // p.microbatches
     elem = memory.activation_elem_bytes(t)
     bound = 0.0
     for role in roles:
         layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
-        need = memory.states_bytes(memory.rank_params(args, role, layers, p.dims(),
+        need = memory.states_bytes(memory.rank_params(args, role, layers, dims,
                                                       p.dp_mode))
         if role != "first":
-            need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, p.dims()),
+            need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, dims),
                                       memory.loss_vocab(args, p), elem,
                                       p.vocab_sharded_loss)[0]
         bound = max(bound, need)
@@ -132,14 +133,15 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     the loss, optimizer and pipeline schedule terms are predict's own)."""
     args, t = c.model.model_args(), c.training
     p = c.parallel.resolve(gpus)
+    dims = p.dims()  # the layout's one view
     micro = p.microbatches
     mb = t.batch_size // micro
     elem = memory.activation_elem_bytes(t)
     # the tp group is the mesh's innermost dim and at most a node (``layouts``): NVLink
-    fabric = timing.MeshLinks(dev, p.dims(), p.tp)
+    fabric = timing.MeshLinks(dev, dims, p.tp)
     # a rank's tokens: under context parallelism its part of each sequence (whose queries
     # still meet the whole sequence's keys: seq_len stays the attention's length)
-    tokens = memory.rank_tokens(mb, t.seq_len, p.dims())
+    tokens = memory.rank_tokens(mb, t.seq_len, dims)
     seconds = 0.0
     for role in ["full"] if p.pp == 1 else ["first", "last"]:
         blocks = list(range(args.n_layers)) if role == "full" else stage_layers(
@@ -154,10 +156,10 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
                 + timing.head_floor_seconds(args, tokens, p.tp, dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.rank_params(args, role, blocks, p.dims(), p.dp_mode)
+        params = memory.rank_params(args, role, blocks, dims, p.dp_mode)
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
-    return t.batch_size * t.seq_len * t.grad_accum_steps * p.dims().dp / seconds / gpus
+    return t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp / seconds / gpus
 
 
 def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False,

@@ -83,7 +83,7 @@ class MeshLinks:
 
     def p2p_seconds(self, dim: str, nbytes: float) -> float:
         """One message of ``nbytes`` to the next rank of ``dim``'s group (the ring pass's
-        shift, ``plan.context``): the link's latency and bandwidth, no collective's
+        shift, ``plan.ring_pass``): the link's latency and bandwidth, no collective's
         steps; 0 on a group of one."""
         if self.size(dim) <= 1:
             return 0.0
@@ -213,7 +213,7 @@ def graph_seconds(gm: fx.GraphModule, dev: GpuProfile, fabric: MeshLinks,
     def op(node: fx.Node) -> float:
         # an all-to-all (Ulysses' heads for sequence): its data feeds the next op, so it
         # runs on the compute stream's time, exposed whole; the ring pass's shifts (on the
-        # cp_ring group) hide behind attention, costed by ``plan.context``
+        # cp_ring group) hide behind attention, costed by ``plan.ring_pass``
         if node.target == ALL_TO_ALL:
             dim = groups[node.args[-1]]
             if dim == "cp_ring":

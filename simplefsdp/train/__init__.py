@@ -1,1 +1,3 @@
-"""The trainer: config (TOML -> dataclasses), data, training loop, checkpoints, metrics."""
+"""The trainer, the top of the package: the loop and its setup (``trainer``), the command
+line (``__main__``), one optimizer step, checkpoints, metrics, console lines, watchdog,
+preflight. Nothing else in the package imports it (docs/design.md)."""

@@ -51,8 +51,8 @@ class Setup:
     model: nn.Module  # the underlying Transformer (or stage)
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
-    scheduler: Any
-    schedule: Any  # the pipeline schedule, None without PP
+    lr_scheduler: Any  # the learning rate's (optim.build_optimizer)
+    pipeline_schedule: Any  # the pipeline's (parallel.pipeline.build_schedule); None without PP
     ckpt: CheckpointManager | None
     metrics: MetricsLogger
     start_step: int

@@ -91,7 +91,7 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
     with loss_context(s.cfg.parallel.vocab_sharded_loss):  # the backward too
         for inputs, targets in batches:
             inputs, targets = inputs.to(s.device), targets.to(s.device)
-            if s.schedule is None:
+            if s.pipeline_schedule is None:
                 loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
                 step_loss += loss.detach()
                 aux = aux_of(s.model) if aux_of is not None else None
@@ -102,10 +102,10 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
                 loss.backward()
             else:
                 losses: list[torch.Tensor] = []
-                carrier = aux_loss_stage(s.schedule)  # each stage's aux joins backward
+                carrier = aux_loss_stage(s.pipeline_schedule)  # each stage's aux joins backward
                 extra = {} if carrier is None else {
                     "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
-                s.schedule.step(*((inputs,) if s.at.first else ()),
+                s.pipeline_schedule.step(*((inputs,) if s.at.first else ()),
                                 target=targets if s.at.last else None, losses=losses,
                                 **extra)
                 for mb_loss in losses:
@@ -114,7 +114,7 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
                 if aux is not None:
                     aux = aux / global_tokens
                     step_aux = aux if step_aux is None else step_aux + aux
-    if s.schedule is not None:  # the schedule's loss is a token sum: normalize here
+    if s.pipeline_schedule is not None:  # the schedule's loss is a token sum: normalize here
         scale_grads_(s.params, 1 / global_tokens)
     return step_loss, step_aux
 
@@ -151,7 +151,7 @@ def train_step(s: Setup, step: int, batches: list[Batch], stop_requested: bool
             f"the data, or resume from the last checkpoint")
     phase("optimizer step")
     s.optimizer.step()
-    s.scheduler.step()
+    s.lr_scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
     after_step = s.cfg.model.family_entry().after_step
     stats = after_step(s, step_aux) if after_step is not None else {}

@@ -139,7 +139,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                                         start_step, held_out is not None)
     s = Setup(cfg=cfg, device=device, mesh=mesh, at=at, loader=loader, tokenizer=tokenizer,
               runnable=runnable, model=model, params=params, optimizer=optimizer,
-              scheduler=scheduler, schedule=schedule, ckpt=ckpt, metrics=metrics,
+              lr_scheduler=scheduler, pipeline_schedule=schedule, ckpt=ckpt, metrics=metrics,
               start_step=start_step, n_params=_count_params(model, mesh, at), dims=dims,
               family=family, validation=held_out)
     if rank == 0:
@@ -365,7 +365,7 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 faults.step = step
                 profiler.before(step)
                 batches = _next_batches(s, step, batch_transform)
-                lr = s.scheduler.get_last_lr()[0]  # this step's; train_step advances it
+                lr = s.lr_scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 contribution, grad_norm, stop, stats = _step(s, step, batches, compiling,
                                                              signal_.requested)
                 compiling = None

@@ -163,7 +163,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     setup = getattr(module, "_sf_context", None)
     if setup is None:
         raise HFError(f"{type(module).__name__}: attention {NAME!r} runs only on a model "
-                      f"prepared by simplefsdp.hf.context.apply_cp")
+                      f"prepared by simplefsdp.hf.context_parallel.apply_cp")
     if is_causal is not None:
         kwargs["is_causal"] = is_causal
     problem = _problem(setup, module, query, value, attention_mask, dropout, scaling,
