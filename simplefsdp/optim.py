@@ -36,7 +36,7 @@ def build_optimizer(model: nn.Module, cfg: JobConfig):
     # foreach kernels need every DTensor of one call on one mesh; with TP the params
     # live on two meshes (DP-only and DP x TP), so fall back to the per-tensor loop.
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
-    optimizer = OPTIMIZER(params, lr=t.lr, betas=(0.9, 0.95), eps=1e-8,
+    optimizer = OPTIMIZER(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                           weight_decay=t.weight_decay, foreach=len(meshes) <= 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lr_lambda, warmup=t.warmup_steps, total=t.steps))

@@ -4,7 +4,8 @@ Nothing in the reference comes from the trainer: the model is built from
 ``simplefsdp.models.llama`` (meta, ``to_empty``, ``init_weights`` after
 ``torch.manual_seed(training.seed)``, as ``Transformer.init_weights`` documents), the
 optimizer is ``torch.optim.AdamW`` with the trainer's hyper-parameters (``training.lr``,
-``training.weight_decay``; betas (0.9, 0.95) and eps 1e-8, fixed by the trainer), the
+``training.weight_decay``, ``training.beta1/beta2/eps``: set here away from their defaults,
+so that a trainer ignoring them shows), the
 clipping is ``torch.nn.utils.clip_grad_norm_``, the learning-rate factors are written
 out by hand below, and the loss is README's "sum over tokens divided by the global
 number of valid tokens", accumulated over the step's microsteps. The data are the
@@ -37,6 +38,7 @@ import torch
 from rank_runner import run_ranks
 
 STEPS, WARMUP, LR, WEIGHT_DECAY, MAX_NORM, SEED = 5, 2, 1e-2, 0.1, 0.25, 3
+BETAS, EPS = (0.8, 0.99), 1e-6  # not the defaults (0.9, 0.95), 1e-8
 SEQ_LEN, BATCH, ACCUM = 32, 2, 2
 
 # The LR factor of optimizer step k = 1..5 (the trainer's documented schedule: linear
@@ -53,6 +55,8 @@ def _argv(out: Path) -> list[str]:
             "--training.steps", str(STEPS), "--training.warmup_steps", str(WARMUP),
             "--training.lr", str(LR), "--training.weight_decay", str(WEIGHT_DECAY),
             "--training.max_norm", str(MAX_NORM), "--training.seed", str(SEED),
+            "--training.beta1", str(BETAS[0]), "--training.beta2", str(BETAS[1]),
+            "--training.eps", str(EPS),
             "--metrics.log_every", "1", "--metrics.output_dir", str(out),
             "--checkpoint.export_safetensors", "true"]
 
@@ -77,7 +81,7 @@ def _plain_loop(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, foreach=True)
     losses, means, norms = [], [], []
     for step in range(STEPS):

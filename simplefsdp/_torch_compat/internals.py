@@ -59,3 +59,15 @@ def module_style(apply: Callable[[nn.Module, DeviceMesh], nn.Module]) -> Paralle
             return apply(module, device_mesh)
 
     return _Style()
+
+
+def record_memory_history(enabled: bool) -> None:
+    """Start (or stop) the CUDA caching allocator's record of every allocation and free
+    with its stack, which :func:`dump_memory_snapshot` writes. checked: 2.13."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocator's recorded history as a pickle for pytorch.org/memory_viz.
+    checked: 2.13."""
+    torch.cuda.memory._dump_snapshot(path)

@@ -136,6 +136,9 @@ class TrainingConfig:
     lr: float = 1e-3  # peak AdamW learning rate (after warmup, then cosine decay)
     warmup_steps: int = 20  # steps of linear LR warmup
     weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW's decay rate of the gradient's running mean
+    beta2: float = 0.95  # AdamW's decay rate of the squared gradient's running mean
+    eps: float = 1e-8  # AdamW's term added to the denominator, for numerical stability
     max_norm: float = 1.0  # gradient clipping: the global gradient norm is scaled to at most this
     grad_accum_steps: int = 1  # micro-steps (forward + backward) per optimizer step
     seed: int = 0  # initialization and data order
@@ -262,6 +265,9 @@ class MetricsConfig:
     log_every: int = 10  # steps between metrics rows (metrics.csv, the console)
     output_dir: str = "outputs"  # metrics.csv, TensorBoard logs, checkpoints and exports
     tensorboard: bool = False  # also write TensorBoard event files
+    # Also send every metrics row (and the whole config) to Weights & Biases, from rank 0
+    # (pip install wandb; WANDB_MODE=offline records without a network).
+    wandb: bool = False
 
 
 @dataclass
@@ -279,6 +285,29 @@ class CheckpointConfig:
     # whole write; "async"/"async_pinned" only for a copy of the state, then write in
     # the background; the checkpoint counts (manifest) once the write has finished.
     async_mode: Literal["sync", "async", "async_pinned"] = "sync"
+
+
+@dataclass
+class ValidationConfig:
+    # Evaluate the loss on the held-out tail of the corpus (each source's last 5%, never
+    # trained on): gradients off, the model in eval mode, training itself untouched.
+    enable: bool = False
+    every: int = 100  # steps between evaluations (each also writes a metrics row)
+    # Global batches (training.batch_size per data-parallel rank, training.seq_len) per
+    # evaluation, always the same held-out windows; -1: every whole batch the split holds.
+    steps: int = -1
+
+
+@dataclass
+class ProfilingConfig:
+    # torch.profiler traces, one Chrome trace per rank:
+    # <metrics.output_dir>/profile/step-<start_step>/rank<r>.json.gz (ui.perfetto.dev).
+    enable: bool = False
+    start_step: int = 3  # the first profiled step (later than the first: compile, warm-up)
+    steps: int = 1  # profiled steps from start_step on
+    # CUDA: also the caching allocator's history over those steps, rank<r>_memory.pickle
+    # beside the trace (pytorch.org/memory_viz).
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -300,6 +329,8 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     job: JobSection = field(default_factory=JobSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -317,6 +348,9 @@ class JobConfig:
         require(t.warmup_steps >= 0, "training.warmup_steps", t.warmup_steps, ">= 0")
         require(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, ">= 0")
         require(t.max_norm > 0, "training.max_norm", t.max_norm, "> 0")
+        for key in ("beta1", "beta2"):
+            require(0 <= getattr(t, key) < 1, f"training.{key}", getattr(t, key), "in [0, 1)")
+        require(t.eps > 0, "training.eps", t.eps, "> 0")
         require(t.hang_watchdog_s >= 0, "training.hang_watchdog_s", t.hang_watchdog_s,
                 ">= 0 (0 turns the watchdog off)")
         hf_model = self.model.hf_path is not None  # its shapes are in its config.json
@@ -345,6 +379,8 @@ class JobConfig:
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
+        _check_validation(self)
+        _check_profiling(self)
         name = self.data.tokenizer
         if name not in ("auto", "byte") and not Path(name).exists():
             raise ConfigError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path "
@@ -383,6 +419,35 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError("data.document_mask = true works with our Llama without pipeline "
                           "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
                           "turn data.document_mask off")
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    """``[profiling]``: steps inside the run; the memory snapshot is CUDA's."""
+    p, steps = cfg.profiling, cfg.training.steps
+    require(p.start_step >= 1, "profiling.start_step", p.start_step, ">= 1")
+    require(p.steps >= 1, "profiling.steps", p.steps, ">= 1")
+    if not p.enable:
+        return
+    if p.start_step + p.steps - 1 > steps:
+        raise ConfigError(f"profiling.start_step = {p.start_step} with profiling.steps = "
+                          f"{p.steps} reaches past the run's training.steps = {steps}; "
+                          f"profile steps 1 to {steps}")
+    if p.memory_snapshot and cfg.job.device != "cuda":
+        raise ConfigError("profiling.memory_snapshot = true records the CUDA allocator, but "
+                          f"job.device = {cfg.job.device!r}: run on cuda or turn it off")
+
+
+def _check_validation(cfg: JobConfig) -> None:
+    """``[validation]``: its ranges; a held-out split to evaluate (not with streaming).
+    Whether the split holds enough windows is known once the corpus is read (start-up)."""
+    v = cfg.validation
+    require(v.every >= 1, "validation.every", v.every, ">= 1")
+    require(v.steps >= 1 or v.steps == -1, "validation.steps", v.steps,
+            ">= 1, or -1 for the whole held-out split")
+    if v.enable and cfg.data.streaming:
+        raise ConfigError("validation.enable = true needs the held-out split of the token "
+                          "caches, but data.streaming = true has none: set data.streaming = "
+                          "false or validation.enable = false")
 
 
 def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:

@@ -10,6 +10,6 @@
 - :mod:`.setup`: the trainer's one call, :func:`build_loader`.
 """
 
-from .setup import build_loader, open_caches
+from .setup import VAL_FRACTION, build_loader, held_out_tokens, open_caches
 
-__all__ = ["build_loader", "open_caches"]
+__all__ = ["VAL_FRACTION", "build_loader", "held_out_tokens", "open_caches"]

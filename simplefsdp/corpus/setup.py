@@ -86,3 +86,10 @@ def build_loader(cfg, tokenizer, dp_rank: int, dp_world: int, min_windows: int):
                   for i, ds in enumerate(datasets)]
     return MixtureLoader(per_source, list(d.weights), t.batch_size, t.seq_len, dp_rank,
                          dp_world, t.seed)
+
+
+def held_out_tokens(cfg, tokenizer) -> list:
+    """Each source's held-out tail (its last ``VAL_FRACTION``, never in a training batch),
+    from the caches :func:`build_loader` opened: the validation split."""
+    return [TextDataset(f.meta["source"], tokenizer, VAL_FRACTION, tokens=f.tokens).val_tokens
+            for f in open_caches(cfg.data, tokenizer)]

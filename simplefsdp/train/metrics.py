@@ -75,9 +75,13 @@ class MetricsLogger:
     def __init__(self, output_dir: str | Path, *, rank: int, world: int, device: torch.device,
                  flops_per_token: float, tokens_per_step: int, total_steps: int,
                  start_step: int = 0, tensorboard: bool = False, progress: bool = True,
-                 extra_columns: tuple[str, ...] = ()):
+                 extra_columns: tuple[str, ...] = (), sparse_columns: tuple[str, ...] = (),
+                 tracker=None):
         self.out = Path(output_dir)
         self.extra_columns = tuple(extra_columns)  # the model family's (MoE: expert load)
+        # Filled only on some rows, empty on the others (validation's val_loss, val_ppl).
+        self.sparse_columns = tuple(sparse_columns)
+        self.tracker = tracker  # rank 0's experiment tracker (tracker.py), or None
         self.rank, self.world, self.device = rank, world, device
         self.flops_per_token, self.tokens_per_step = flops_per_token, tokens_per_step
         self.active = rank == 0
@@ -139,7 +143,7 @@ class MetricsLogger:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return (*self.COLUMNS, *self.extra_columns, self.mem_column)
+        return (*self.COLUMNS, *self.extra_columns, self.mem_column, *self.sparse_columns)
 
     def _prepare_csv(self, start_step: int) -> None:
         """Start a new CSV, or (resuming) keep the rows up to ``start_step``: rows after
@@ -158,7 +162,8 @@ class MetricsLogger:
             window_time_s: float, extra: dict[str, float] | None = None
             ) -> dict[str, float] | None:
         """Report step ``step`` (1-based); ``window_*``: steps and seconds since the last
-        report, for throughput; ``extra``: the ``extra_columns`` of step ``step``."""
+        report, for throughput; ``extra``: the ``extra_columns`` of step ``step``, and the
+        ``sparse_columns`` it has (validation's, on an evaluating step)."""
         if not self.active:
             return None
         tokens_per_s = self.tokens_per_step * window_steps / max(window_time_s, 1e-9)
@@ -169,7 +174,8 @@ class MetricsLogger:
                "tokens_per_s": tokens_per_s, "mfu_pct": 100 * mfu,
                "step_time_s": window_time_s / max(window_steps, 1),
                **{k: (extra or {}).get(k, float("nan")) for k in self.extra_columns},
-               self.mem_column: mem}
+               self.mem_column: mem,
+               **{k: (extra or {})[k] for k in self.sparse_columns if k in (extra or {})}}
         self.rows.append(row)
         with open(self.csv_path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.columns).writerow(row)
@@ -177,10 +183,14 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step":
                     self._tb.add_scalar(key, value, step)
+        if self.tracker is not None:
+            self.tracker.log(row)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}",
                                   mfu=f"{100 * mfu:.2f}%", refresh=False,
-                                  **{k: f"{row[k]:.4g}" for k in self.extra_columns})
+                                  **{k: f"{row[k]:.4g}" for k in self.extra_columns},
+                                  **{k: f"{row[k]:.4f}" for k in self.sparse_columns
+                                     if k in row})
         return row
 
     def advance(self, steps: int = 1) -> None:
@@ -195,6 +205,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
         self.written = self.plot()
 
     def plot(self) -> list[Path]:
@@ -206,13 +218,18 @@ class MetricsLogger:
         steps = [r["step"] for r in self.rows]
         written = []
         for key, name, ylabel in (
-                ("loss", "loss.png", "training loss, mean over the logging window"),
+                ("loss", "loss.png", "loss (training: mean over the logging window)"),
                 (self.mem_column, "memory.png",
                  "peak GPU memory allocated (GiB)" if self.mem_column == "max_mem_gib"
                  else "peak process RSS (GiB, CPU)")):
             values = [r.get(key, float("nan")) for r in self.rows]
             fig, ax = plt.subplots(figsize=(6, 4))
-            ax.plot(steps, values, marker="o", markersize=3)
+            ax.plot(steps, values, marker="o", markersize=3, label="training")
+            if key == "loss" and any("val_loss" in r for r in self.rows):
+                held_out = [(r["step"], r["val_loss"]) for r in self.rows if "val_loss" in r]
+                ax.plot(*zip(*held_out, strict=True), marker="s", markersize=4,
+                        label="validation (held-out)")
+                ax.legend()
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
             if key == self.mem_column:  # from 0: a few MiB of drift is not a cliff

@@ -41,6 +41,8 @@ def missing_packages(cfg: JobConfig) -> list[str]:
         needs.append(("numpy", "checkpoint.enable = true (DCP checkpoints)", "pip install numpy"))
     if cfg.checkpoint.export_safetensors:
         needs.append(("safetensors", "checkpoint.export_safetensors = true", _EXTRA))
+    if cfg.metrics.wandb:
+        needs.append(("wandb", "metrics.wandb = true (Weights & Biases)", "pip install wandb"))
     problems = []
     for module, why, fix in needs:
         try:

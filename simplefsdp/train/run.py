@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..models.registry import ModelFamily
     from .checkpoint import CheckpointManager
     from .metrics import MetricsLogger
+    from .validation import HeldOutBatches
 
 
 @dataclass
@@ -32,6 +33,8 @@ class TrainResult:
     num_params: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     output_dir: str = ""
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    profile_files: list[str] = field(default_factory=list)  # this rank's ([profiling])
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Setup:
     n_params: int
     dims: ParallelDims  # the run's layout, built once (cfg.parallel holds the TOML's sizes)
     family: ModelFamily  # the model family's entry (models.registry)
+    validation: HeldOutBatches | None = None  # ``[validation]``'s held-out batches
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:

@@ -68,8 +68,12 @@ from .elastic import init_distributed, shutdown_distributed
 from .faults import Injector
 from .guard import StopOnSignal
 from .metrics import MetricsLogger
+from .profiling import StepProfiler
 from .run import Setup, TrainResult
 from .step import train_step
+from .tracker import build_tracker
+from .validation import COLUMNS as VALIDATION_COLUMNS
+from .validation import held_out_batches, validate
 from .watchdog import Watchdog, phase
 
 
@@ -121,6 +125,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
 
     phase("start-up: data (tokenizer, token cache)")  # named for a hang's stack dump
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
+    held_out = held_out_batches(cfg, tokenizer, at)  # too few held-out windows: refused now
     phase("start-up: building the model (and loading its weights)")
     runnable, model = family.build(cfg, mesh, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
@@ -131,12 +136,12 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
                                       TrainerState(scheduler, loader), params, rank)
     schedule = _pipeline_schedule(cfg, family, runnable, model, mesh, device)
     metrics, tokens_per_step = _metrics(cfg, family, model, device, at, rank, world,
-                                        start_step)
+                                        start_step, held_out is not None)
     s = Setup(cfg=cfg, device=device, mesh=mesh, at=at, loader=loader, tokenizer=tokenizer,
               runnable=runnable, model=model, params=params, optimizer=optimizer,
               lr_scheduler=scheduler, pipeline_schedule=schedule, ckpt=ckpt, metrics=metrics,
               start_step=start_step, n_params=_count_params(model, mesh, at), dims=dims,
-              family=family)
+              family=family, validation=held_out)
     if rank == 0:
         print(start_line(s, world, tokens_per_step), flush=True)
     return s
@@ -149,12 +154,23 @@ def _refuse_early(cfg: JobConfig, ckpt_folder: Path, rank: int) -> Path | None:
     if cfg.checkpoint.enable:
         resume_from = resume_point(ckpt_folder, cfg.checkpoint.resume, fingerprint(cfg))
     preflight.before_build(cfg, ckpt_folder, rank)
+    if cfg.checkpoint.enable and rank == 0:
+        _record_config(cfg, ckpt_folder)
     steps = cfg.training.steps
     if resume_from is not None and checkpoint_step(resume_from) >= steps:
         raise ConfigError(f"training.steps = {steps}, but the checkpoint to resume from "
                           f"({resume_from}) is already at step {checkpoint_step(resume_from)}: "
                           f"nothing to do; raise --training.steps above it to train on")
     return resume_from
+
+
+def _record_config(cfg: JobConfig, ckpt_folder: Path) -> None:
+    """The job config next to the checkpoints (``config.json``): ``simplefsdp.generate``
+    rebuilds the run's model and tokenizer from it."""
+    import json
+
+    ckpt_folder.mkdir(parents=True, exist_ok=True)
+    (ckpt_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
 
 def _checkpointing(cfg: JobConfig, folder: Path, resume_from: Path | None, model: nn.Module,
@@ -192,8 +208,10 @@ def _pipeline_schedule(cfg: JobConfig, family, runnable: nn.Module, model: nn.Mo
 
 
 def _metrics(cfg: JobConfig, family, model: nn.Module, device: torch.device, at: Coords,
-             rank: int, world: int, start_step: int) -> tuple[MetricsLogger, int]:
-    """(the metrics logger, tokens per optimizer step over all ranks)."""
+             rank: int, world: int, start_step: int, validating: bool
+             ) -> tuple[MetricsLogger, int]:
+    """(the metrics logger, tokens per optimizer step over all ranks); ``validating``:
+    the rows have validation's columns."""
     t = cfg.training
     tokens_per_step = t.batch_size * t.seq_len * at.dp_size * t.grad_accum_steps
     columns = family.metric_columns
@@ -202,7 +220,9 @@ def _metrics(cfg: JobConfig, family, model: nn.Module, device: torch.device, at:
                             flops_per_token=family.flops_per_token(cfg, model, t.seq_len),
                             tokens_per_step=tokens_per_step, total_steps=t.steps,
                             start_step=start_step, tensorboard=cfg.metrics.tensorboard,
-                            extra_columns=columns)
+                            extra_columns=columns,
+                            sparse_columns=VALIDATION_COLUMNS if validating else (),
+                            tracker=build_tracker(cfg, rank))
     return metrics, tokens_per_step
 
 
@@ -296,6 +316,19 @@ def _step(s: Setup, step: int, batches: list, compiling: CompileReports | None,
     return out
 
 
+def _validate(s: Setup, step: int, window: _Window, result: TrainResult
+              ) -> dict[str, float]:
+    """Validation's figures when this step evaluates (``validation.every``), else {};
+    its time is left out of the window's throughput."""
+    phase("validation (held-out forward, loss all-reduce)")
+    started = time.perf_counter()
+    held_out = validate(s, step)
+    if held_out:
+        result.val_losses[step] = held_out["val_loss"]
+        window.start += time.perf_counter() - started
+    return held_out
+
+
 def _checkpoint(s: Setup, step: int, is_last: bool, saved: Path | None) -> Path | None:
     """Save when due (and at the end), else poll an asynchronous save; the newest
     checkpoint written."""
@@ -325,20 +358,24 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
     faults.arm(s.model, s.optimizer)
     if ckpt is not None:
         ckpt.on_phase = faults.point
+    profiler = StepProfiler(cfg, dist.get_rank(), dist.get_world_size(), s.device)
     with StopOnSignal() as signal_:
         try:
             for step in range(s.start_step + 1, cfg.training.steps + 1):
                 faults.step = step
+                profiler.before(step)
                 batches = _next_batches(s, step, batch_transform)
                 lr = s.lr_scheduler.get_last_lr()[0]  # this step's; train_step advances it
                 contribution, grad_norm, stop, stats = _step(s, step, batches, compiling,
                                                              signal_.requested)
                 compiling = None
-                window.pending.append((contribution, grad_norm, lr, stats))
+                profiler.after(step)
+                held_out = _validate(s, step, window, result)
+                window.pending.append((contribution, grad_norm, lr, {**stats, **held_out}))
                 window.steps += 1
                 s.metrics.advance()
                 is_last = step == cfg.training.steps or stop
-                logs = step % cfg.metrics.log_every == 0 or is_last
+                logs = step % cfg.metrics.log_every == 0 or is_last or bool(held_out)
                 if logs or (ckpt and ckpt.due(step)):
                     window.flush(s, step, logs, result)
                 if ckpt is not None:
@@ -346,8 +383,12 @@ def _train(cfg: JobConfig, batch_transform: BatchTransform | None,
                 if stop:
                     raise preempted(s, step, signal_.signum)
         finally:
+            profiler.close()
             s.metrics.close()
+    result.profile_files = [str(p) for p in profiler.written]
     _finish(s, result, saved, started)
+    if dist.get_rank() == 0 and profiler.summary():
+        print(profiler.summary(), flush=True)
     return result
 
 
