@@ -20,15 +20,6 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "quick: the development tier (`pytest -m quick`): a few minutes on 2 cores, and "
-        "every subsystem at least once (data-parallel parity per mode, a compiled pass, "
-        "the trainer, checkpoints, the planner, data, config and architecture checks). "
-        "CI and the README's command still run every test.")
-
-
 def _planner_call(fn, args):
     """``fn(*args)`` in the planner's process, its trace caches emptied first: each call
     traces what it needs itself (as in a fresh process), so its counts of traces are its

@@ -38,9 +38,6 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 HISTORY = ROOT / "docs" / "measurements"
 GENERATED = ROOT / "docs" / "config_reference.md"
 CONFIG_COMMENTS = sorted((ROOT / "configs").glob("*.toml"))
-# Written on another branch at the same time (the layout guide): expected, and checked
-# like any path once it exists. Remove from here when both are merged.
-EXPECTED_ELSEWHERE = {"docs/design.md"}
 SHELL_BLOCK = re.compile(r"^```(bash|sh|shell|console|)\n(.*?)^```", re.S | re.M)
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:simplefsdp|configs|scripts|tests|docs|\.ci)/"
                        r"[\w.*/-]*[\w*/])(::\w+)?")
@@ -309,8 +306,6 @@ def missing_paths(doc: Path, text: str) -> list[str]:
     for name, test in names:
         name = name.rstrip(".")
         hits = sorted(ROOT.glob(name)) if "*" in name else [ROOT / name]
-        if name.rstrip("/") in EXPECTED_ELSEWHERE and not hits[0].exists():
-            continue
         if not hits or not hits[0].exists():
             problems.append(f"{doc.name}: {name} does not exist")
         elif test and not re.search(rf"def {test[2:]}\b", hits[0].read_text()):
@@ -320,9 +315,6 @@ def missing_paths(doc: Path, text: str) -> list[str]:
             continue
         path, _, anchor = target.partition("#")
         linked = (doc.parent / path).resolve() if path else doc
-        rel = os.path.relpath(linked, ROOT)
-        if rel in EXPECTED_ELSEWHERE and not linked.exists():
-            continue
         if not linked.exists():
             problems.append(f"{doc.name}: link {target} leads nowhere")
         elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
