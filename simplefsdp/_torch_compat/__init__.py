@@ -25,6 +25,8 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .teardown import destroy_library, release_mesh_groups
+
 __all__ = [
     "all_gather_autograd", "all_to_all_single_autograd", "allgather_base", "aot_autograd",
     "attention_with_lse", "attention_with_lse_backward", "backend_name", "c10d_functional",
@@ -36,8 +38,8 @@ __all__ = [
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
     "release_mesh_groups", "replay_after_graph", "resolve_process_group", "root_mesh",
-    "slice_flattened", "storage_key",
-    "StridedShard", "symint_hint", "TorchDispatchMode", "tree_flatten", "tree_map",
+    "slice_flattened", "storage_key", "StridedShard", "symint_hint", "TorchDispatchMode",
+    "tree_flatten", "tree_map",
 ]
 
 
@@ -127,11 +129,6 @@ def allgather_base(pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor):
     return pg._allgather_base(out, inp)
 
 
-def destroy_library(lib: torch.library.Library) -> None:
-    """Remove the registrations of a ``torch.library.Library``. checked: 2.13."""
-    lib._destroy()
-
-
 # --- DTensor and DeviceMesh internals (data_parallel.py). ---
 # StridedShard (imported above): a DP shard *within* a TP shard on the same dim.
 
@@ -148,31 +145,6 @@ def root_mesh(mesh: torch.distributed.device_mesh.DeviceMesh):
     from torch.distributed.device_mesh import _mesh_resources
 
     return _mesh_resources.get_root_mesh(mesh)
-
-
-def release_mesh_groups() -> int:
-    """After ``destroy_process_group``: drop the process groups that DeviceMesh objects
-    still hold, and return how many were dropped.
-
-    A mesh keeps its groups in ``DeviceMesh._pg_registry`` (checked: 2.13; older
-    releases resolve groups by name and hold none), and DTensor's sharding caches keep
-    meshes alive after the model is gone, so ``destroy_process_group`` alone leaves every
-    mesh group's backend alive (on gloo: its worker and transport threads) until the
-    interpreter exits. Dropping the last reference here destroys each backend now,
-    joining its threads while the interpreter is whole. Every group is already destroyed
-    when this runs, so no mesh was usable anyway."""
-    import gc
-
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dropped = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
-            registry = getattr(obj, "_pg_registry", None)
-            if registry:
-                dropped += len(registry)
-                registry.clear()
-    return dropped
 
 
 # --- Autograd (eager_reshard.py). ---
