@@ -31,6 +31,7 @@ from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
+from .watch import ProfilingConfig, ValidationConfig, check_profiling, check_validation
 
 DType = Literal["float32", "bfloat16"]
 # The one map from a config's dtype name to torch's (derived from ``DType``).
@@ -288,29 +289,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class ValidationConfig:
-    # Evaluate the loss on the held-out tail of the corpus (each source's last 5%, never
-    # trained on): gradients off, the model in eval mode, training itself untouched.
-    enable: bool = False
-    every: int = 100  # steps between evaluations (each also writes a metrics row)
-    # Global batches (training.batch_size per data-parallel rank, training.seq_len) per
-    # evaluation, always the same held-out windows; -1: every whole batch the split holds.
-    steps: int = -1
-
-
-@dataclass
-class ProfilingConfig:
-    # torch.profiler traces, one Chrome trace per rank:
-    # <metrics.output_dir>/profile/step-<start_step>/rank<r>.json.gz (ui.perfetto.dev).
-    enable: bool = False
-    start_step: int = 3  # the first profiled step (later than the first: compile, warm-up)
-    steps: int = 1  # profiled steps from start_step on
-    # CUDA: also the caching allocator's history over those steps, rank<r>_memory.pickle
-    # beside the trace (pytorch.org/memory_viz).
-    memory_snapshot: bool = False
-
-
-@dataclass
 class JobSection:
     device: Device = "cpu"  # cpu (gloo) or cuda (NCCL, one GPU per rank)
     name: str = "debug"  # a label for the run (nothing in the trainer reads it)
@@ -379,8 +357,8 @@ class JobConfig:
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
-        _check_validation(self)
-        _check_profiling(self)
+        check_validation(self.validation, self.data.streaming)
+        check_profiling(self.profiling, t.steps, self.job.device)
         name = self.data.tokenizer
         if name not in ("auto", "byte") and not Path(name).exists():
             raise ConfigError(f"data.tokenizer = {name!r}: choose 'auto', 'byte', or the path "
@@ -419,35 +397,6 @@ def _check_data(cfg: JobConfig) -> None:
         raise ConfigError("data.document_mask = true works with our Llama without pipeline "
                           "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
                           "turn data.document_mask off")
-
-
-def _check_profiling(cfg: JobConfig) -> None:
-    """``[profiling]``: steps inside the run; the memory snapshot is CUDA's."""
-    p, steps = cfg.profiling, cfg.training.steps
-    require(p.start_step >= 1, "profiling.start_step", p.start_step, ">= 1")
-    require(p.steps >= 1, "profiling.steps", p.steps, ">= 1")
-    if not p.enable:
-        return
-    if p.start_step + p.steps - 1 > steps:
-        raise ConfigError(f"profiling.start_step = {p.start_step} with profiling.steps = "
-                          f"{p.steps} reaches past the run's training.steps = {steps}; "
-                          f"profile steps 1 to {steps}")
-    if p.memory_snapshot and cfg.job.device != "cuda":
-        raise ConfigError("profiling.memory_snapshot = true records the CUDA allocator, but "
-                          f"job.device = {cfg.job.device!r}: run on cuda or turn it off")
-
-
-def _check_validation(cfg: JobConfig) -> None:
-    """``[validation]``: its ranges; a held-out split to evaluate (not with streaming).
-    Whether the split holds enough windows is known once the corpus is read (start-up)."""
-    v = cfg.validation
-    require(v.every >= 1, "validation.every", v.every, ">= 1")
-    require(v.steps >= 1 or v.steps == -1, "validation.steps", v.steps,
-            ">= 1, or -1 for the whole held-out split")
-    if v.enable and cfg.data.streaming:
-        raise ConfigError("validation.enable = true needs the held-out split of the token "
-                          "caches, but data.streaming = true has none: set data.streaming = "
-                          "false or validation.enable = false")
 
 
 def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:

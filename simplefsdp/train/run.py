@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..models.registry import ModelFamily
     from .checkpoint import CheckpointManager
     from .metrics import MetricsLogger
-    from .validation import HeldOutBatches
 
 
 @dataclass
@@ -59,7 +58,7 @@ class Setup:
     n_params: int
     dims: ParallelDims  # the run's layout, built once (cfg.parallel holds the TOML's sizes)
     family: ModelFamily  # the model family's entry (models.registry)
-    validation: HeldOutBatches | None = None  # ``[validation]``'s held-out batches
+    validation: Any = None  # validation.HeldOutBatches ([validation]), or None
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:

@@ -133,13 +133,13 @@ def evaluate(s: Setup, batches: HeldOutBatches) -> float:
 
 def _forward_loss(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The batch's summed token loss on this rank (0 off the last pipeline stage)."""
-    if s.schedule is None:
+    if s.pipeline_schedule is None:
         return token_loss_sum(s.runnable(inputs), targets)
     losses: list[torch.Tensor] = []
-    carrier = aux_loss_stage(s.schedule)
+    carrier = aux_loss_stage(s.pipeline_schedule)
     extra = {} if carrier is None else {
         "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
-    s.schedule.eval(*((inputs,) if s.at.first else ()),
+    s.pipeline_schedule.eval(*((inputs,) if s.at.first else ()),
                     target=targets if s.at.last else None, losses=losses, **extra)
     if carrier is not None:
         carrier.take_aux()  # the balance loss of held-out tokens joins no step
