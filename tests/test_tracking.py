@@ -18,10 +18,7 @@ import struct
 import sys
 from pathlib import Path
 
-import pytest
 from rank_runner import run_ranks
-
-wandb = pytest.importorskip("wandb", reason="the optional extra: pip install wandb")
 
 ARGV = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
         "--model.n_kv_heads", "2", "--training.seq_len", "32", "--training.batch_size", "4",
