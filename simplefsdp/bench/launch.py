@@ -33,7 +33,7 @@ from .config import BenchConfig
 def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
                   backend: str) -> Path | None:
     """Run the benchmark on this rank; rank 0 prints the table and writes the outputs."""
-    from ..train.console import quiet_our_checkpoint_warning
+    from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
     from .measure import quiet_profiler_log
     from .report import format_table, header_lines, legend, summarize, write_outputs
     from .runner import run_benchmark

@@ -49,7 +49,7 @@ def predicted_peak_bytes(variant: str, model: ModelConfig, batch_size: int, seq_
 
 
 def _peaks(jobs: dict, world_size: int) -> dict[str, int | None]:
-    from ..train.console import quiet_our_checkpoint_warning
+    from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
     from .predict import predict
 
     # This runs in a fresh pool process, which has none of the caller's log filters:

@@ -13,11 +13,10 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import c10d_functional, disable_current_modes
+from ..._torch_compat import disable_current_modes
 from ...agreement import (
     agree_across_ranks,
     broadcast_from_rank0,
@@ -34,12 +33,13 @@ from ...agreement import (
     nothing_to_agree,
 )
 from ...hardware import KNOWN_FABRICS
-from ..collectives import COLLECTIVE_KINDS, collective_kind
+from ..collectives import COLLECTIVE_KINDS
 from . import drift
-from .compute import time_callable
 from .fit import robust_fit
 from .probes import (
+    _normalize_kind,
     _resolve_group,
+    measure_collectives,
     measure_compute_slowdown,
     measure_copy,
     measure_hidden_fraction,
@@ -47,14 +47,6 @@ from .probes import (
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
            "get_comm_model"]
-
-
-def _normalize_kind(kind: str) -> str:
-    normal = collective_kind(kind)
-    if normal is None:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of "
-                         f"{COLLECTIVE_KINDS}")
-    return normal
 
 
 
@@ -167,67 +159,6 @@ def _pick_fabric(world_size: int, device: torch.device, fake: bool = False) -> s
         return "gloo_cpu_loopback"
     return "nvlink_h100" if world_size <= _local_world_size(world_size, device, fake) \
         else "infiniband_ndr"
-
-
-def _collective_fn(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device,
-                   dtype: torch.dtype) -> Callable[[], None]:
-    """A closure that runs one synchronous functional collective (op + ``wait_tensor``)."""
-    ws = dist.get_world_size(group)
-    name = group.group_name
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = max(nbytes // itemsize // ws, 1) * ws  # full numel, divisible by world size
-    c10d = c10d_functional
-    if kind == "all_gather":
-        x = torch.ones(numel // ws, dtype=dtype, device=device)
-        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, name))
-    x = torch.ones(numel, dtype=dtype, device=device)
-    if kind == "reduce_scatter":
-        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", ws, name))
-    return lambda: c10d.wait_tensor(c10d.all_reduce(x, "sum", name))
-
-
-def measure_collectives(cases: Sequence[tuple[str, int]],
-                        group: dist.ProcessGroup | None = None,
-                        device: torch.device | str | None = None,
-                        dtype: torch.dtype = torch.float32, repeats: int = 5,
-                        warmup: int = 2) -> list[float]:
-    """Median seconds, on this rank, of one synchronous collective per ``(kind, nbytes)``
-    case (the medians of :func:`measure_collective_samples`)."""
-    return [statistics.median(t) for t in measure_collective_samples(
-        cases, group, device, dtype, repeats, warmup)]
-
-
-def measure_collective_samples(cases: Sequence[tuple[str, int]],
-                               group: dist.ProcessGroup | None = None,
-                               device: torch.device | str | None = None,
-                               dtype: torch.dtype = torch.float32, repeats: int = 5,
-                               warmup: int = 2) -> list[list[float]]:
-    """Seconds, on this rank, of each of ``repeats`` synchronous collectives per
-    ``(kind, nbytes)`` case; ``nbytes`` is the full, unsharded size for all-gather and
-    reduce-scatter.
-
-    Times the functional collectives (``c10d_functional`` + ``wait_tensor``):
-    that is what DTensor's redistribute runs in eager mode and what the compiled graphs
-    hold, and it has a reduce-scatter on gloo (which lowers it to an all-reduce there).
-    Whatever kernel is registered for those ops at the time is what gets timed (e.g. the
-    gloo all-gather of ``simplefsdp.gloo_kernel`` once installed).
-    Exactly one collective is in flight at a time (several concurrent functional
-    all-gathers crash gloo). The cases are interleaved round-robin, ``warmup`` rounds
-    then ``repeats`` timed rounds, so a burst of load from elsewhere on the host spreads
-    over all cases instead of skewing one. Collective: every rank must pass the same cases.
-    """
-    group = _resolve_group(group)
-    dev = group_device(group, device)
-    with disable_current_modes():
-        fns = [_collective_fn(_normalize_kind(k), int(n), group, dev, dtype) for k, n in cases]
-        for _ in range(warmup):
-            for fn in fns:
-                fn()
-        samples: list[list[float]] = [[] for _ in fns]
-        for _ in range(max(repeats, 1)):
-            for fn, times in zip(fns, samples, strict=True):
-                times.append(time_callable(fn, 1, 0, dev))
-    return samples
 
 
 DEFAULT_CPU_SIZES = tuple(4096 * 4 ** i for i in range(7))  # 4 KiB .. 16 MiB

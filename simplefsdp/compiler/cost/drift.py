@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..._torch_compat import disable_current_modes
 from ...agreement import agree_across_ranks
 from .compute import time_callable
-from .probes import measure_compute_slowdown
+from .probes import measure_collective_samples, measure_compute_slowdown
 
 __all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 
@@ -73,8 +73,6 @@ def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, floa
 def _collective_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
     """The summed medians of ``PROBE_COLLECTIVES`` (5 runs each, interleaved), the
     slowest rank's. Collective."""
-    from .comm import measure_collective_samples  # comm imports this module
-
     samples = measure_collective_samples(PROBE_COLLECTIVES, group, device, repeats=5,
                                          warmup=1)
     mine = sum(statistics.median(times) for times in samples)
