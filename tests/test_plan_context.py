@@ -181,7 +181,8 @@ RING = ["--training.batch_size", "1", "--compile.bucketing", "manual",
 
 def _ring_figures(seq: int, compiled: bool):
     from simplefsdp.hardware import gpu_profile
-    from simplefsdp.plan import context, timing
+    from simplefsdp.plan import ring_pass as context
+    from simplefsdp.plan import timing
     from simplefsdp.plan.trace import trace, trace_key
 
     cfg = load_config(None, [*RING, "--training.seq_len", str(seq), "--model.max_seq_len",
