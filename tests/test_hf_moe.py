@@ -123,9 +123,9 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
     from simplefsdp.config.job import load_config
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
-    from simplefsdp.train import trainer
+    from simplefsdp.train.__main__ import main
 
-    result = trainer.main(argv)
+    result = main(argv)
     dataset = DocumentDataset(data, load_tokenizer(model_dir), "body")
     inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **EAGER)
