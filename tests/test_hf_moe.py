@@ -123,6 +123,7 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
     from simplefsdp.config.job import load_config
     from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
+    from simplefsdp.train import trainer
     from simplefsdp.train.__main__ import main
 
     result = main(argv)
