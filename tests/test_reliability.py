@@ -36,13 +36,13 @@ from simplefsdp.train.checkpoint import list_checkpoints
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 def _saved(folder) -> list[str]:
     """What a run left in its checkpoint folder besides the job config it records there
     for sampling (``generate.RECORDED_CONFIG``): the saved steps and any leftovers."""
     from simplefsdp.generate import RECORDED_CONFIG
 
     return sorted(p.name for p in folder.iterdir() if p.name != RECORDED_CONFIG)
+
 
 def tiny_run(out: Path, steps: int) -> list[str]:
     """A tiny Llama (dim 32, 2 layers) for `steps` steps, a CSV row per step in `out`
