@@ -35,7 +35,6 @@ from .errors import ConfigError
 # A callable that takes the next tokens (1, new) and returns their logits (1, new, vocab),
 # remembering what it was given before (a key/value cache).
 Decoder = Callable[[torch.Tensor], torch.Tensor]
-RECORDED_CONFIG = "config.json"  # the job config the trainer writes next to checkpoints
 
 
 @torch.no_grad()
@@ -77,6 +76,7 @@ def job_config(checkpoint: Path, flags: list[str]):
     it), then ``flags`` (the trainer's); validated for one process."""
     from .config.job import JobConfig, parse_args
     from .config.reader import apply_overrides, apply_toml, split_argv
+    from .train.checkpoint import RECORDED_CONFIG
 
     recorded = checkpoint.parent / RECORDED_CONFIG
     if not recorded.is_file():

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _saved(folder) -> list[str]:
     """What a run left in its checkpoint folder besides the job config it records there
-    for sampling (``generate.RECORDED_CONFIG``): the saved steps and any leftovers."""
-    from simplefsdp.generate import RECORDED_CONFIG
+    for sampling (``train.checkpoint.RECORDED_CONFIG``): the saved steps and any leftovers."""
+    from simplefsdp.train.checkpoint import RECORDED_CONFIG
 
     return sorted(p.name for p in folder.iterdir() if p.name != RECORDED_CONFIG)
 

@@ -59,6 +59,7 @@ from .async_save import AsyncMode, CheckpointWriter
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step-(\d+)\.tmp$")
 MANIFEST = "manifest.json"
+RECORDED_CONFIG = "config.json"  # the job config the trainer writes next to checkpoints
 _CHUNK = 4 << 20
 
 

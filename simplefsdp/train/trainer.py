@@ -48,6 +48,7 @@ from ..parallel.pipeline import build_schedule
 from ..parallel.tensor import token_loss_sum
 from . import preflight
 from .checkpoint import (
+    RECORDED_CONFIG,
     CheckpointManager,
     TrainerState,
     checkpoint_dir,
@@ -170,7 +171,7 @@ def _record_config(cfg: JobConfig, ckpt_folder: Path) -> None:
     import json
 
     ckpt_folder.mkdir(parents=True, exist_ok=True)
-    (ckpt_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    (ckpt_folder / RECORDED_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
 
 
 def _checkpointing(cfg: JobConfig, folder: Path, resume_from: Path | None, model: nn.Module,
