@@ -97,13 +97,15 @@ def probe_report(refresh: bool = False) -> str | None:
         return None
     lines.append(f"probe now ({reading['probe_s']:.2f} s, {dist.get_world_size()} ranks x "
                  f"{torch.get_num_threads()} thread(s)): compute_slowdown "
-                 f"{reading['compute_slowdown']:.3f}, matmul {reading['matmul_s'] * 1e6:.1f} us")
+                 f"{reading['compute_slowdown']:.3f}, matmul {reading['matmul_s'] * 1e6:.1f} us, "
+                 f"collectives {reading['collective_s'] * 1e6:.1f} us")
     if record is None:
         lines.append(f"no cached calibration for this layout ({comm.cache_path(key)})")
         return "\n".join(lines)
     off = drift.disagreements(comm.cached_figures(record), reading)
     lines.append("verdict: " + ("; ".join(off) + ": the next run recalibrates" if off
-                                else f"the cache holds (within {drift.MARGIN:.0%})"))
+                                else f"the cache holds (compute within {drift.MARGIN:.0%}, "
+                                     f"collectives within {drift.LOAD_MARGIN:.0%})"))
     return "\n".join(lines)
 
 

@@ -41,10 +41,9 @@ from .probes import measure_collective_samples, measure_compute_slowdown
 
 __all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 
-# Relative disagreement beyond which a cached figure is refused. Idle calibrations of
-# compute_slowdown on 2 gloo ranks of a 2-core host spread 1.03-1.33 (up to 1.29x
-# apart), so a healthy cache stays inside 30%; the poisoned one was 2.1x off. It is also
-# the accuracy the issue asks of the estimate (within 30% of the measured step).
+# Relative disagreement beyond which a cached compute figure is refused: wide enough for
+# the spread of idle calibrations on a small shared host (docs/performance.md), narrow
+# enough to refuse one taken under load; it is also the accuracy asked of the estimate.
 MARGIN = 0.30
 PROBE_MATMUL = 256
 PROBE_SLOWDOWN_S = 0.02  # the calibration uses 0.05 s x 9 repeats; the probe 0.02 s x 5
