@@ -399,3 +399,103 @@ def test_compiled_matches_eager_and_reduces_only_adapters(eager, hf_folder, tmp_
         assert modules == sorted(n.removesuffix(".weight") for n in adapters), modules
         sizes = sorted(nbytes // 4 for _, nbytes in r["scatters"])
         assert sizes == _adapter_sizes(eager["ranks"][0]["params"]), sizes
+
+
+# ---------------------------------------------------------------------------------------
+# Our Llama.
+# ---------------------------------------------------------------------------------------
+LLAMA = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2"]
+
+
+def _llama_rank(rank: int, world: int, out: str) -> dict:
+    from simplefsdp.train.__main__ import main
+
+    argv = [*LLAMA, "--training.steps", "3", "--training.batch_size", "2",
+            "--training.seq_len", str(SEQ_LEN), "--training.seed", str(SEED),
+            "--training.lr", str(LR), "--metrics.output_dir", out, "--lora.enable", "true"]
+    from simplefsdp.models import registry
+
+    family, kept = registry.get("llama"), {}
+
+    def build(*args, **kwargs):
+        kept["runnable"], kept["model"] = family.build(*args, **kwargs)
+        return kept["runnable"], kept["model"]
+
+    registry.register(dataclasses.replace(family, build=build))
+    try:
+        result = main(argv)
+    finally:
+        registry.register(family)
+    return {"losses": result.losses, "params": _full_params(kept["model"]),
+            "logits": _trained_logits(kept["runnable"])}
+
+
+def test_our_llama_trains_adapters_that_peft_loads(tmp_path):
+    """Our Llama, 2 ranks, default targets (wq, wv): the base stays its seeded init
+    bitwise, and the adapter folder on that base under peft gives our logits."""
+    import peft
+
+    from simplefsdp.config import parse_args
+    from simplefsdp.models.llama import Transformer
+
+    got = run_ranks(_llama_rank, 2, str(tmp_path))[0]
+    args = parse_args(LLAMA).model.model_args()
+    torch.manual_seed(SEED)  # the trainer's initialization (test_trainer_reference)
+    with torch.device("meta"):
+        base = Transformer(args)
+    base.to_empty(device="cpu")
+    base.init_weights()
+    init = {n: p.detach().numpy() for n, p in base.named_parameters()}
+    assert sorted(n for n in got["params"] if ".lora_" not in n) == sorted(init)
+    assert all((got["params"][n] == v).all() for n, v in init.items())
+    assert sorted(n for n in got["params"] if ".lora_" in n) == sorted(
+        f"layers.{i}.attention.{w}.lora_{ab}.default.weight"
+        for i in range(2) for w in ("wq", "wv") for ab in "AB")
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "lora")
+    with torch.no_grad():
+        theirs = model(_tokens()).numpy()
+    assert abs(theirs - got["logits"]).max() <= 1e-5  # float32, gathered vs plain weights
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals at start-up.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, message", [
+    (["--lora.rank", "0"], "lora.rank"),
+    (["--lora.alpha", "0"], "lora.alpha"),
+    (["--lora.dropout", "1"], "lora.dropout"),
+    (["--lora.enable", "true", "--model.name", "debug_moe"], "model.family = 'moe'"),
+    (["--lora.enable", "true", "--parallel.tp", "2"], "parallel.tp = 2"),
+])
+def test_bad_lora_keys_are_refused(extra, message):
+    from simplefsdp.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*LLAMA, *extra])
+
+
+def test_missing_peft_is_named(monkeypatch):
+    import importlib.util
+
+    from simplefsdp.config import ConfigError, parse_args
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"lora.enable = true needs the peft package.*\[lora\]"):
+        parse_args([*LLAMA, "--lora.enable", "true"])
+
+
+def test_unknown_target_module_is_refused_before_weights():
+    """Checked on the model built on meta (nothing allocated), naming the layers."""
+    from simplefsdp.config import ConfigError, parse_args
+    from simplefsdp.models.llama import Transformer
+    from simplefsdp.models.lora import apply_lora
+
+    cfg = parse_args([*LLAMA, "--lora.enable", "true", "--lora.target_modules", "wq,q_proj"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model.model_args())
+    with pytest.raises(ConfigError, match=r"lora.target_modules: 'q_proj' names no linear "
+                                          r"layer.*w1, w2, w3, wk, wo, wq, wv"):
+        apply_lora(model, cfg)

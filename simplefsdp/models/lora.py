@@ -135,9 +135,13 @@ def peft_key(name: str) -> str:
     return "base_model.model." + ".".join(parts)
 
 
-def save_adapter(model: nn.Module, folder: str | Path) -> Path:
+def save_adapter(model: nn.Module, folder: str | Path, base_model: str | None = None) -> Path:
     """Write the adapters as a peft adapter folder (a collective: every rank calls it;
-    rank 0 writes). ``PeftModel.from_pretrained(base model, folder)`` loads it."""
+    rank 0 writes). ``PeftModel.from_pretrained(base model, folder)`` loads it.
+    ``base_model``: the Hugging Face folder the adapters belong to (recorded as peft's
+    ``base_model_name_or_path``, with the causal-LM task), None for our own models."""
+    import copy
+
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -145,7 +149,12 @@ def save_adapter(model: nn.Module, folder: str | Path) -> Path:
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        model.peft_config[ADAPTER].save_pretrained(str(folder))
+        config = copy.copy(model.peft_config[ADAPTER])
+        config.inference_mode = True  # as peft saves it
+        if base_model is not None:
+            config.base_model_name_or_path = str(Path(base_model).resolve())
+            config.task_type = "CAUSAL_LM"
+        config.save_pretrained(str(folder))
     if dist.is_initialized():
         dist.barrier()
     return folder

@@ -414,7 +414,8 @@ def _finish(s: Setup, result: TrainResult, saved: Path | None, started: float) -
         export_safetensors(s.model, path, s.pp_group)
         outputs.append(path)
     if cfg.lora.enable:  # the adapters as a peft folder
-        outputs.append(save_adapter(s.model, Path(cfg.metrics.output_dir) / ADAPTER_FOLDER))
+        outputs.append(save_adapter(s.model, Path(cfg.metrics.output_dir) / ADAPTER_FOLDER,
+                                    cfg.model.hf_path))
     exported = s.family.export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
