@@ -148,6 +148,8 @@ def _optimizer_facts(model, optimizer) -> dict:
                 t = value.to_local() if hasattr(value, "to_local") else value
                 state_bytes += t.numel() * t.element_size()
     return {"with_state": sorted(names[id(p)] for p in optimizer.state),
+            "optimized": sorted(names[id(p)] for g in optimizer.param_groups
+                                for p in g["params"]),
             "state_bytes": state_bytes, "trainable": sorted(trainable),
             "trainable_bytes": sum(shard[n] for n in trainable),
             "frozen_bytes": sum(b for n, b in shard.items() if n not in trainable)}
@@ -299,7 +301,7 @@ def test_optimizer_holds_state_only_for_adapters(eager):
         facts = r["optimizer"]
         adapters = sorted(n for n in r["params"] if ".lora_" in n)
         assert facts["trainable"] == adapters
-        assert facts["with_state"] == adapters
+        assert facts["with_state"] == facts["optimized"] == adapters
         # AdamW: exp_avg and exp_avg_sq, each the size of this rank's adapter shards; the
         # frozen base would add 2 x its (far larger) bytes
         assert facts["state_bytes"] == 2 * facts["trainable_bytes"], facts
