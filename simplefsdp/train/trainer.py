@@ -187,7 +187,8 @@ def _checkpointing(cfg: JobConfig, folder: Path, resume_from: Path | None, model
     then loads ``resume_from`` when given."""
     if not cfg.checkpoint.enable:
         return None, 0
-    space = preflight.checkpoint_space(params, folder, rank)
+    # the checkpoint holds every parameter (frozen ones too), optimizer state for ``params``
+    space = preflight.checkpoint_space(list(model.parameters()), folder, rank, params)
     preflight.agree([space] if space else [])
     c = cfg.checkpoint
     ckpt = CheckpointManager(folder, model, optimizer, state, c.every, c.keep_latest,
