@@ -93,13 +93,15 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / _COMPLETE_MARK).is_file()
 
 
-_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module",
+                       "base_layer"})
 
 
 def unwrapped_name(name: str) -> str:
     """``name`` (a parameter or module FQN) without the components wrappers add:
     torch.compile's ``_orig_mod``, activation checkpointing's
-    ``_checkpoint_wrapped_module`` and FSDP1's ``_fsdp_wrapped_module``. The model's own
+    ``_checkpoint_wrapped_module``, FSDP1's ``_fsdp_wrapped_module`` and the
+    ``base_layer`` of a layer peft's LoRA adapts (``models/lora.py``). The model's own
     name, the same however it is wrapped."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 

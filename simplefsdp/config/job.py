@@ -29,6 +29,7 @@ from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
+from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
 from .watch import ProfilingConfig, ValidationConfig, check_profiling, check_validation
@@ -309,6 +310,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     job: JobSection = field(default_factory=JobSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -369,6 +371,7 @@ class JobConfig:
                               f"model.family = {family.name!r} (model.name = "
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
+        check_lora(self)
         family.validate(self)
 
 

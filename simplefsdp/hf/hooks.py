@@ -106,7 +106,8 @@ def build_hf(cfg, mesh, device):
 
 
 def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
-    """A Hugging Face causal LM's parallelisms, in place: context parallelism
+    """A Hugging Face causal LM's parallelisms, in place: LoRA adapters (``[lora]``,
+    ``models/lora.py``), context parallelism
     (:mod:`.context_parallel`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
     (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
     checkpointing per decoder layer, data parallel, then (``compile.enable``, and
@@ -114,10 +115,12 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     precision (added to ``training.mixed_precision_fp32_modules``), and transformers
     records their logits before data parallel casts them back to the model's dtype (its
     balance loss sees the float32 logits)."""
+    from ..models.lora import apply_lora
     from ..models.parallelize import apply_dp, with_fp32_modules
     from .experts import adapt_experts, expert_parallel, router_globs
     from .model import apply_ac
 
+    apply_lora(model, cfg)  # [lora]: adapters in, the rest frozen; before anything wraps
     if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
         from .context_parallel import apply_cp
 
@@ -252,15 +255,24 @@ def export_hf_model(cfg, model: nn.Module, tokenizer) -> Path:
     from .export import export_hf
 
     config = type(model.config).from_dict(model.config.to_dict())
-    return _exporting(lambda folder: export_hf(
-        model, folder, config, tokenizer,
-        to_files=lambda name, full: file_tensors(model, name, full)), cfg)
+    to_files = _merged(cfg, model, lambda name, full: file_tensors(model, name, full))
+    return _exporting(lambda folder: export_hf(model, folder, config, tokenizer,
+                                               to_files=to_files), cfg)
+
+
+def _merged(cfg, model: nn.Module, to_files):
+    """With ``[lora]``, an export writes the adapted weights (``models.lora.merging``)."""
+    if not cfg.lora.enable:
+        return to_files
+    from ..models.lora import merging
+
+    return merging(model, to_files)
 
 
 def export_llama(cfg, model: nn.Module, tokenizer) -> Path:
     """``checkpoint.export_hf`` of our Llama: a Hugging Face Llama folder."""
     require("transformers", "safetensors")
-    from .export import export_hf
+    from .export import export_hf, renamed
     from .llama_layout import hf_config, rope_heads, to_hf_name
 
     args = cfg.model.model_args()
@@ -268,9 +280,9 @@ def export_llama(cfg, model: nn.Module, tokenizer) -> Path:
     eos = getattr(tokenizer, "eos_id", None)
     if eos is not None:
         config.eos_token_id = eos
-    return _exporting(lambda folder: export_hf(
-        model, folder, config, tokenizer, rename=to_hf_name,
-        rope_heads=lambda name: rope_heads(name, args)), cfg)
+    to_files = _merged(cfg, model, renamed(to_hf_name, lambda name: rope_heads(name, args)))
+    return _exporting(lambda folder: export_hf(model, folder, config, tokenizer,
+                                               to_files=to_files), cfg)
 
 
 def export_moe(cfg, model: nn.Module, tokenizer) -> Path:

@@ -229,9 +229,15 @@ def unique_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
 def check_sources(model: nn.Module, files: WeightFiles,
                   sources: dict[str, Source]) -> dict[int, Source]:
     """Every parameter has a tensor of its shape in the files (buffers may be absent:
-    they keep their computed values). Returns the source of each tensor, by id."""
+    they keep their computed values; so may LoRA adapters, which the base model's folder
+    cannot hold: ``models.lora.init_adapters`` sets them). Returns the source of each
+    tensor, by id."""
+    from ..models.lora import is_adapter
+
     chosen: dict[int, Source] = {}
     for names, value in unique_tensors(model):
+        if is_adapter(names[0]):
+            continue
         found = [sources[n] for n in names if n in sources and sources[n].key in files]
         if not found:
             if not isinstance(value, nn.Parameter):

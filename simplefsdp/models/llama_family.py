@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..mesh import ParallelDims
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
+from ..models.lora import is_adapter
 from ..models.moe import MOE_PRESETS
 from ..parallel.pipeline import split_stage
 from .parallelize import parallelize
@@ -46,6 +47,8 @@ def _copy_full_init(model: nn.Module, cfg: JobConfig, model_cls: type = Transfor
     reference.init_weights()
     full = dict(reference.named_parameters())
     for name, param in model.named_parameters():
+        if is_adapter(name):  # LoRA: models.lora.init_adapters sets them
+            continue
         source = full[unwrapped_name(name)]
         if isinstance(param, DTensor):
             piece = distribute_tensor(source, param.device_mesh, param.placements,

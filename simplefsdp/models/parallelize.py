@@ -47,6 +47,7 @@ from ..parallel.context import apply_cp
 from ..parallel.tensor import apply_tp
 from ..state_dict import unwrapped_name
 from .llama import Transformer
+from .lora import apply_lora
 
 
 def dp_options(cfg: JobConfig) -> dict:
@@ -132,11 +133,12 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
                 before_dp=None, fullgraph: bool = True) -> nn.Module:
-    """TP, activation checkpointing, data parallel, compile: in that order, in place
+    """LoRA, CP, TP, activation checkpointing, data parallel, compile: in that order, in place
     (the returned module is the compiled wrapper when compile is on). ``before_dp(model,
     mesh, cfg)`` runs just before data parallel (MoE: expert parallelism); ``fullgraph``
     is ``apply_compile``'s."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
+    apply_lora(model, cfg)  # [lora]: adapters in, the rest frozen; before anything wraps
     if cfg.parallel.dims().cp > 1:
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if cfg.parallel.tp > 1:

@@ -103,9 +103,12 @@ def before_build(cfg: JobConfig, ckpt_folder: Path, rank: int) -> None:
                   flush=True)
 
 
-def checkpoint_space(params: list[torch.nn.Parameter], folder: Path, rank: int) -> str | None:
-    """Free space vs one checkpoint: parameters plus AdamW's two states, all ranks."""
-    local = sharded_param_bytes(params) + optimizer_state_bytes(OPTIMIZER, params)
+def checkpoint_space(params: list[torch.nn.Parameter], folder: Path, rank: int,
+                     trainable: list[torch.nn.Parameter] | None = None) -> str | None:
+    """Free space vs one checkpoint: parameters plus AdamW's two states of the
+    ``trainable`` ones (default: all; LoRA: the adapters), all ranks."""
+    trainable = params if trainable is None else trainable
+    local = sharded_param_bytes(params) + optimizer_state_bytes(OPTIMIZER, trainable)
     total = torch.tensor(float(local), dtype=torch.float64)
     dist.all_reduce(total)
     return too_little_space(folder, float(total)) if rank == 0 else None

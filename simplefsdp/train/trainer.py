@@ -36,11 +36,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.job import PG_TIMEOUT_S, JobConfig
+from ..config.lora import lora_targets
 from ..corpus import build_loader
 from ..corpus.text import Tokenizer
 from ..errors import ConfigError
 from ..mesh import Coords
 from ..models.llama import num_params
+from ..models.lora import ADAPTER_FOLDER, init_adapters, save_adapter, trainable_summary
 from ..optim import build_optimizer
 from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
 from ..parallel.context import cp_batches
@@ -131,6 +133,10 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     runnable, model = family.build(cfg, mesh, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
         model.document_eos = tokenizer.eos_id
+    if cfg.lora.enable:  # the adapters' start, from the seed (a resume overwrites it)
+        init_adapters(model, cfg.training.seed)
+        if rank == 0:
+            print(trainable_summary(model), flush=True)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     ckpt, start_step = _checkpointing(cfg, ckpt_folder, resume_from, model, optimizer,
@@ -181,7 +187,8 @@ def _checkpointing(cfg: JobConfig, folder: Path, resume_from: Path | None, model
     then loads ``resume_from`` when given."""
     if not cfg.checkpoint.enable:
         return None, 0
-    space = preflight.checkpoint_space(params, folder, rank)
+    # the checkpoint holds every parameter (frozen ones too), optimizer state for ``params``
+    space = preflight.checkpoint_space(list(model.parameters()), folder, rank, params)
     preflight.agree([space] if space else [])
     c = cfg.checkpoint
     ckpt = CheckpointManager(folder, model, optimizer, state, c.every, c.keep_latest,
@@ -228,8 +235,14 @@ def _metrics(cfg: JobConfig, family, model: nn.Module, device: torch.device, at:
 
 
 def fingerprint(cfg: JobConfig) -> str:
-    """The model config a checkpoint was written for (a Hugging Face model: its folder)."""
-    return config_fingerprint(cfg.model.family_entry().fingerprint(cfg))
+    """The model config a checkpoint was written for (a Hugging Face model: its folder;
+    with ``[lora]``, its adapters' shape too)."""
+    facts = cfg.model.family_entry().fingerprint(cfg)
+    if cfg.lora.enable:
+        lo = cfg.lora
+        facts = {**facts, "lora": {"rank": lo.rank, "alpha": lo.alpha,
+                                   "target_modules": lora_targets(cfg)}}
+    return config_fingerprint(facts)
 
 
 def _build_loader(cfg: JobConfig, tokenizer: Tokenizer | None, at: Coords):
@@ -401,6 +414,9 @@ def _finish(s: Setup, result: TrainResult, saved: Path | None, started: float) -
         path = Path(cfg.metrics.output_dir) / "model.safetensors"
         export_safetensors(s.model, path, s.pp_group)
         outputs.append(path)
+    if cfg.lora.enable:  # the adapters as a peft folder
+        outputs.append(save_adapter(s.model, Path(cfg.metrics.output_dir) / ADAPTER_FOLDER,
+                                    cfg.model.hf_path))
     exported = s.family.export(cfg, s.model, s.tokenizer)
     result.metrics = metrics.summary()
     result.wall_time_s = time.perf_counter() - started
