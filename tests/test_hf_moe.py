@@ -34,6 +34,7 @@ from test_hf import (  # noqa: E402
     _documents,
     _train_tokenizer,
     exported_logits,
+    packed_documents,
     train_keeping_model,
 )
 
@@ -121,13 +122,12 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.config.job import load_config
-    from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.train import trainer
     from simplefsdp.train.__main__ import main
 
     result = main(argv)
-    dataset = DocumentDataset(data, load_tokenizer(model_dir), "body")
+    dataset = packed_documents(data, load_tokenizer(model_dir), "body")
     inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **EAGER)
     kwargs = dict(input_ids=inputs, labels=inputs, shift_labels=targets.contiguous())
