@@ -574,13 +574,14 @@ def test_moe_expert_counts_once_under_activation_checkpointing(mode):
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.hf.experts import adapt_experts, take_loads
-    from simplefsdp.hf.model import apply_ac
+    from simplefsdp.hf.model import decoder_layers
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     torch.manual_seed(0)
     config = _qwen3_moe_config()
     model = AutoModelForCausalLM.from_config(config)
     assert adapt_experts(model) == 2
-    apply_ac(model, config, mode)
+    apply_ac(model, mode, layers=decoder_layers(model, config))
     tokens = _tokens()
     out = model(input_ids=tokens, output_router_logits=True, use_cache=False)
     out.logits.sum().backward()  # the recompute runs here

@@ -115,8 +115,9 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     records their logits before data parallel casts them back to the model's dtype (its
     balance loss sees the float32 logits)."""
     from ..models.parallelize import apply_dp, with_fp32_modules
+    from ..parallel.activation_checkpoint import apply_ac
     from .experts import adapt_experts, expert_parallel, router_globs
-    from .model import apply_ac
+    from .model import decoder_layers
 
     if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
         from .context_parallel import apply_cp
@@ -125,7 +126,9 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     if adapt_experts(model):
         cfg = with_fp32_modules(cfg, router_globs(model))
         _record_router_logits_first(model)
-    apply_ac(model, model.config, cfg.activation_checkpoint.mode)
+    if cfg.activation_checkpoint.mode != "none":  # layers looked up only when wrapped
+        apply_ac(model, cfg.activation_checkpoint.mode,
+                 layers=decoder_layers(model, model.config))
     if cfg.parallel.ep > 1:
         expert_parallel(model, mesh, cfg)
     apply_dp(model, mesh, cfg)
