@@ -548,15 +548,16 @@ def _step(config, overrides, gpus, steps, profiled=False):
     try:
         p = cfg.parallel.resolve(gpus)
         cfg = dataclasses.replace(cfg, parallel=p)
-        mesh = p.dims().build_mesh(ARGS.device)
+        dims = p.dims()
+        mesh = dims.build_mesh(ARGS.device)
         start = time.time()
-        runnable, model = cfg.model.family_entry().build(cfg, mesh, dev)
+        runnable, model = cfg.model.family_entry().build(cfg, mesh, dims, dev)
         build_s = time.time() - start
         optimizer, _ = build_optimizer(model, cfg)
         t = cfg.training
         x = torch.randint(0, cfg.model.model_args().vocab_size, (t.batch_size, t.seq_len),
                           device=dev)
-        (inputs, targets), = cp_batches([(x, x)], mesh, t.seq_len) if p.dims().cp > 1 \
+        (inputs, targets), = cp_batches([(x, x)], mesh, t.seq_len) if dims.cp > 1 \
             else [(x, x)]
 
         def step():

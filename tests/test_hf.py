@@ -298,7 +298,8 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
                                       "--model.vocab_size", str(VOCAB)])):
         for mode in ("broadcast", "all_ranks"):
             cfg = load_config(None, [*extra, "--model.load_weights", mode])
-            _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
+            dims = cfg.parallel.dims().resolve(mesh.size())
+            _, model = cfg.model.family_entry().build(cfg, mesh, dims, torch.device("cpu"))
             state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
             # A collective on all ranks; numpy: plain pickles back to the test process
             # (tensors would go through shared memory that dies with the rank).

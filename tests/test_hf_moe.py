@@ -229,7 +229,8 @@ def _load_moe(rank: int, world: int, folder: str):
     for mode in ("broadcast", "all_ranks"):
         read.clear()
         cfg = load_config(None, ["--model.hf_path", folder, "--model.load_weights", mode])
-        _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
+        dims = cfg.parallel.dims().resolve(mesh.size())
+        _, model = cfg.model.family_entry().build(cfg, mesh, dims, torch.device("cpu"))
         state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
         full = {k: v.full_tensor().numpy() for k, v in state.items()}  # a collective
         out[mode] = {"full": full if rank == 0 else None, "read": sorted(read)}

@@ -75,7 +75,7 @@ def check_vocab(cfg, tokenizer) -> None:
 # ---------------------------------------------------------------------------------------
 # Model.
 # ---------------------------------------------------------------------------------------
-def build_hf(cfg, mesh, device):
+def build_hf(cfg, mesh, dims, device):
     """(module to call, model): transformers' class for ``model.hf_path``, built on meta,
     parallelized (:func:`parallelize_hf`), its weights loaded sharded."""
     from . import conversion
@@ -96,7 +96,7 @@ def build_hf(cfg, mesh, device):
     check_sources(model, files, sources)  # names and shapes, before anything is allocated
     if cfg.checkpoint.export_hf:
         conversion.check_export(model)
-    runnable = parallelize_hf(model, mesh, cfg, compile_=False)
+    runnable = parallelize_hf(model, mesh, dims, cfg, compile_=False)
     materialize(model, device)
     report = load_sharded(model, folder, cfg.model.load_weights, sources)
     _print_report(report, folder, cfg.model.load_weights)
@@ -105,7 +105,7 @@ def build_hf(cfg, mesh, device):
     return causal_lm_call(runnable, model), model
 
 
-def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
+def parallelize_hf(model: nn.Module, mesh, dims, cfg, compile_: bool = True) -> nn.Module:
     """A Hugging Face causal LM's parallelisms, in place: context parallelism
     (:mod:`.context_parallel`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
     (:mod:`.experts`) and, with ``parallel.ep``, split over the experts' mesh, activation
@@ -119,7 +119,7 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     from .experts import adapt_experts, expert_parallel, router_globs
     from .model import decoder_layers
 
-    if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
+    if dims.cp > 1:  # ring / Ulysses attention, global positions
         from .context_parallel import apply_cp
 
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
@@ -182,7 +182,7 @@ def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
 
 
-def build_llama_from_hf(cfg, mesh, device, convert):
+def build_llama_from_hf(cfg, mesh, dims, device, convert):
     """Our Llama preset, its weights read (sharded, ``convert``: our names -> the folder's)
     from a Hugging Face Llama folder. RoPE is recomputed; no full random init, so no rank
     holds the whole model."""
@@ -203,7 +203,7 @@ def build_llama_from_hf(cfg, mesh, device, convert):
     names = [n for names, _ in unique_tensors(model) for n in names]
     sources = convert(names, cfg)
     check_sources(model, WeightFiles(folder), sources)
-    runnable = parallelize(model, mesh, cfg)
+    runnable = parallelize(model, mesh, dims, cfg)
     model.to_empty(device=device)
     with simplefsdp.disable_active_parametrization():
         model.rope_cache = model._rope_cache(device)

@@ -197,7 +197,7 @@ def build_model(key: TraceKey):
             module.core = fused_kernel_attention
     mesh = key_mesh(key)
     dtype = DTYPES[key.param_dtype]
-    return parallelize(model, mesh, _job(key)), args, dtype
+    return parallelize(model, mesh, key.dims, _job(key)), args, dtype
 
 
 def stage_input(key: TraceKey, args, dtype: torch.dtype) -> torch.Tensor:
