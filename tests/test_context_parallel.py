@@ -489,7 +489,7 @@ def test_bad_cp_input_is_refused_at_load(flags, message):
 
 
 def test_cp_refused_for_a_family_without_cp_attention(monkeypatch):
-    """Every family has CP attention today (Hugging Face models through hf.context): a
+    """Every family has CP attention today (Hugging Face models through hf.context_parallel): a
     family without it stands in for the next one added."""
     import dataclasses
 

@@ -1,4 +1,4 @@
-"""The MoE model family in the trainer (train/moe_family.py): ``--parallel.ep`` with every
+"""The MoE model family in the trainer (models/moe_family.py): ``--parallel.ep`` with every
 ``dp_mode`` on 4 gloo ranks against the same run without expert parallelism, the balance
 loss and expert load in ``metrics.csv`` against a computation by hand, the router kept
 float32 under bf16, and the bad input refused at config load.
@@ -107,7 +107,7 @@ def _runs(rank: int, world: int, out: str) -> dict:
 # checkpointing, blocks): auto bucketing with selective AC on EP 2 x FSDP 2 with a dense
 # block before the routed one, as DeepSeek's (the experts' own data-parallel collectives
 # in graphs; each block's checkpoint around the eager expert dispatch; a compiled MoE
-# block recomputes whole under selective, ``parallelize.ac_mode_run``, so this is also
+# block recomputes whole under selective, ``ac_mode_run``, so this is also
 # full AC's cell: its failure came at step 2 for the dense block), and manual on TP 2 x
 # EP 4 x FSDP 2 (compiled TP on an MoE model). Against an eager twin without AC
 # ("<layout>_<blocks>_eager"; AC recomputes the same ops, so it does not change eager's
@@ -448,21 +448,18 @@ def test_compiled_equals_eager(runs, name):
     become a visible part of a step (lr 1e-2; measured worst 2.4e-6). So: later losses
     within 1e-6 relative, every exported parameter within 1e-5 absolute.
 
-    Compiled TP used to fail at step 1: the graph break around the routed experts fell
-    inside ``Transformer.forward``'s loop over blocks, so torch.compile gave up on the whole
-    ``forward`` and traced each module and each module hook as a frame of its own; the
-    vocabulary-parallel embedding's output hook then met an eager DTensor whose
-    ``_MaskPartial`` placement holds a real mask, applied to fake tensors. The blocks now
-    run in ``Transformer.run_blocks``: the break falls on that call and the embedding stays
-    in one graph with its hooks.
+    Compiled TP: the blocks run in ``Transformer.run_blocks``, so the graph break around
+    the routed experts falls on that call and the embedding stays in one graph with its
+    hooks (a break inside ``forward``'s loop over blocks would trace each module hook as a
+    frame of its own, and the vocabulary-parallel embedding's output hook would meet an
+    eager DTensor whose ``_MaskPartial`` placement holds a real mask, on fake tensors).
 
-    Compiled AC on an MoE block used to fail at step 1's backward: its checkpoint ran
-    eagerly around the compiled frames, and autograd's recomputation, outside the compiled
-    model, ran the block eagerly, saving other tensors (``CheckpointError``: "Recomputed
-    values ... have different metadata"); under selective AC the op counts also differed
-    (AOTAutograd's first trace and the collectives' lazy waits). Each block's own call is
-    now compiled (``train/parallelize._compile_checkpointed_blocks``). Its graphs recompute
-    whole under selective, but the token exchanges between them are kept
+    Compiled AC on an MoE block: each block's own call is compiled inside its checkpoint
+    (``parallel.activation_checkpoint.compile_checkpointed_blocks``), so autograd's
+    recomputation runs the same graphs (a checkpoint around the compiled frames would
+    recompute the block eagerly, saving other tensors: ``CheckpointError``, "Recomputed
+    values ... have different metadata"). Its graphs recompute whole under selective, but
+    the token exchanges between them are kept
     (``parallel.expert.keep_exchanges``): each of the 3 steps runs one routed block's
     counts exchange twice (forward and recomputation) and its tokens' four times (dispatch
     and combine, forward and backward), 6 all-to-alls, where full AC runs 8; without AC 5 (per
