@@ -236,9 +236,9 @@ def test_no_module_over_500_lines():
 
 
 # ------------------------------------------------------------------ one owner per fact
-# Issue 26 (debt 2): each of these is defined once in the package, and the old second
-# spellings (a literal list of collective kinds, 16 or 36 bytes per parameter, a block's
-# parameters from the FFN width, a roofline's memory term) do not come back elsewhere.
+# Issue 26 (debt 2): each of these is defined once in the package, and second spellings
+# (a literal list of collective kinds, 16 or 36 bytes per parameter, a block's parameters
+# from the FFN width, a roofline's memory term) stay out of the rest of it.
 
 def _sources() -> dict[str, str]:
     """``{path relative to the repository: source}`` of every module of the package."""

@@ -77,7 +77,7 @@ MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOU
 # the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2 when it ran, 1.72e-5
 # tp2_ep1, 1.25e-5 tp2_ep4, 7.8e-6 cp2_tp2_ep2) is one element of 4096 (an expert weight
 # whose gradient is near AdamW's eps, where lr * g / (|g| + eps) swings): about twice
-# that (was 5e-5).
+# that.
 PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2", "hsdp_tp2_ep2",
                                         "ddp_tp2_ep2")}
 
@@ -379,10 +379,10 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
     The same selective run compiled with Inductor (the trainer's default backend; its
     blocks' graphs recompute whole, the exchanges between them kept the same way): 6 a
     step too, and eager's losses within 1e-5 relative (Inductor's fused kernels may sum
-    in another order; measured 2026-11-27: bitwise equal, on both ranks). It used to fail
-    at step 1's backward ("aten._unsafe_view.default encountered during backward but not
-    found in storage": a selective-checkpoint mode around Inductor's graphs met ops of
-    their runtime wrappers in the recomputation that the forward had not run). And no
+    in another order). Step 1's backward is the one to watch: a selective-checkpoint mode
+    around Inductor's graphs would meet ops of their runtime wrappers in the recomputation
+    that the forward had not run ("aten._unsafe_view.default encountered during backward
+    but not found in storage"). And no
     frame recompiles for ``data_parallel._compiled_forward_depth``: when the traced hooks
     updated it, its value entered the guards, a block's recomputation (from backward, at
     another depth) compiled its frames again, and on DeepSeek-V3 16B's 27 blocks that
@@ -508,8 +508,8 @@ def test_compiled_equals_eager(runs, name):
 
 def test_grouped_mm_probe_under_no_grad(monkeypatch):
     """The grouped-matmul probe runs its backward in grad mode: probed first under
-    ``no_grad`` (an evaluation, test_metrics_by_hand's reference) it used to fail and turn
-    the grouped matmul off for the whole process."""
+    ``no_grad`` (an evaluation, test_metrics_by_hand's reference) it must still pass, or
+    the grouped matmul would be off for the whole process."""
     from simplefsdp import _torch_compat
 
     monkeypatch.setattr(_torch_compat, "_KERNEL_RUNS", {})
