@@ -7,8 +7,8 @@ short still returns what it measured):
 
 1. ``env``: torch, GPU, whether ``torch._grouped_mm`` runs for bf16 here.
 2. ``ring_single``: ring attention's CUDA kernels (flash with log-sum-exp, its backward,
-   the exact merge) on one process: each ring rank's ``RingCore`` over the whole K/V
-   against SDPA on the whole sequence in float32; causal and with documents.
+   the exact merge) on one process: each ring rank's ``GatheredKVAttention`` over the
+   whole K/V against SDPA on the whole sequence in float32; causal and with documents.
 3. ``ring_threads``: the point-to-point rotation (``RingPass``) with 4 ring ranks as
    threads of one process on the GPU, the shift between them in memory (NCCL refuses two
    ranks on one device; gloo with CUDA tensors crashed a rank with SIGSEGV on torch 2.11).
@@ -171,7 +171,11 @@ def _inputs(size, length, heads=8, kv_heads=2, dim=128, seed=0, docs=False):
 
 @section("ring_single")
 def ring_single():
-    from simplefsdp.parallel.ring import RingCore, natural_order, ring_chunks  # noqa: F401
+    from simplefsdp.parallel.ring import (  # noqa: F401
+        GatheredKVAttention,
+        natural_order,
+        ring_chunks,
+    )
     size, length = 4, 256
     out = {}
     for docs in (False, True):
@@ -190,7 +194,7 @@ def ring_single():
                               for c in ring_chunks(rank, size)]).to(q.device)
             qi = q[:, :, rows].detach().requires_grad_()
             ki, vi = kk.detach().requires_grad_(), vv.detach().requires_grad_()
-            o = RingCore.apply(qi, ki, vi, rank, size, doc)
+            o = GatheredKVAttention.apply(qi, ki, vi, rank, size, doc)
             o.backward(go[:, :, rows])
             worst["out"] = max(worst["out"], _rel(o, ref[:, :, rows]))
             worst["dq"] = max(worst["dq"], _rel(qi.grad, qr.grad[:, :, rows]))
@@ -329,7 +333,7 @@ def _pairs(rank, size, length):
 @section("attention")
 def attention():
     """One CP rank's attention per layer at Llama 3 8B's heads, bf16."""
-    from simplefsdp.parallel.ring import RingCore
+    from simplefsdp.parallel.ring import GatheredKVAttention
     heads, dim = 32, 128
     length = 1024 if ARGS.tiny else 16384
     out = {"length": length}
@@ -344,10 +348,10 @@ def attention():
             for rank in ((0,) if size < 8 else (0, size - 1)):
                 def fwd():
                     with torch.no_grad():
-                        RingCore.apply(q, k, v, rank, size, None)
+                        GatheredKVAttention.apply(q, k, v, rank, size, None)
 
                 def fwd_bwd():
-                    RingCore.apply(q, k, v, rank, size, None).backward(go)
+                    GatheredKVAttention.apply(q, k, v, rank, size, None).backward(go)
                 tf, tfb = timed(fwd), timed(fwd_bwd)
                 flops = 4 * dim * heads * _pairs(rank, size, length)
                 out[f"ring{size}_rank{rank}"] = {
@@ -544,15 +548,16 @@ def _step(config, overrides, gpus, steps, profiled=False):
     try:
         p = cfg.parallel.resolve(gpus)
         cfg = dataclasses.replace(cfg, parallel=p)
-        mesh = p.dims().build_mesh(ARGS.device)
+        dims = p.dims()
+        mesh = dims.build_mesh(ARGS.device)
         start = time.time()
-        runnable, model = cfg.model.family_entry().build(cfg, mesh, dev)
+        runnable, model = cfg.model.family_entry().build(cfg, mesh, dims, dev)
         build_s = time.time() - start
         optimizer, _ = build_optimizer(model, cfg)
         t = cfg.training
         x = torch.randint(0, cfg.model.model_args().vocab_size, (t.batch_size, t.seq_len),
                           device=dev)
-        (inputs, targets), = cp_batches([(x, x)], mesh, t.seq_len) if p.dims().cp > 1 \
+        (inputs, targets), = cp_batches([(x, x)], mesh, t.seq_len) if dims.cp > 1 \
             else [(x, x)]
 
         def step():

@@ -115,19 +115,15 @@ class ParallelDims:
             self._check_ep_source()
 
     def _check_ep_source(self) -> None:
-        """``ep`` divides the ranks its groups are carved out of: :attr:`expert_ranks`, or
-        ``dp_replicate`` where those are 1 (the one statement of the rule for sizes;
-        :meth:`check_ep` states it for a built mesh's ranks)."""
+        """:meth:`check_ep` on the sizes: the ranks the ``ep`` groups are carved out of are
+        :attr:`expert_ranks`, or ``dp_replicate`` where those are 1."""
         if self.expert_ranks > 1:
-            source, names = self.expert_ranks, self._expert_names()
-            why = "the experts are sharded over those ranks"
+            self.check_ep(self.ep, self.expert_ranks, self._expert_names(),
+                          "the experts are sharded over those ranks", self.prefix)
         else:
-            source, names = self.dp_replicate, f"{self.prefix}dp_replicate"
-            why = (f"with {self.prefix}dp_shard = 1 the expert-parallel groups are carved "
-                   f"out of the replicas")
-        if source % self.ep:
-            raise ValueError(f"{self.prefix}ep = {self.ep} must divide {names} = {source} "
-                             f"({why})")
+            self.check_ep(self.ep, self.dp_replicate, f"{self.prefix}dp_replicate",
+                          f"with {self.prefix}dp_shard = 1 the expert-parallel groups are "
+                          f"carved out of the replicas", self.prefix)
 
     @property
     def resolved(self) -> bool:
@@ -346,19 +342,20 @@ class ParallelDims:
         else:  # (pp, R, S, CR, CU, T) -> (pp, R, S * CR * CU * T / ep, ep, 1, 1, 1)
             at = MESH_DIMS.index("dp_shard")
         ranks = mesh.mesh.flatten(at)
-        ParallelDims.check_ep(ep, ranks.shape[at], dim=" * ".join(used))
+        ParallelDims.check_ep(ep, ranks.shape[at], " * ".join(used),
+                              "the expert-parallel groups are carved out of those ranks")
         tail = (1, ep, 1, 1, 1) if at == MESH_DIMS.index("dp_replicate") else (ep, 1, 1, 1)
         ranks = ranks.unflatten(at, (ranks.shape[at] // ep, *tail))
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @staticmethod
-    def check_ep(ep: int, dp_shard: int, prefix: str = "", dim: str = "dp_shard") -> None:
-        """Raise a ValueError unless ``ep`` divides ``dp_shard`` (the expert-parallel groups
-        are carved out of it; ``dim`` names another source); sizes named as the caller
-        spells them (``prefix``)."""
-        if dp_shard % ep:
-            raise ValueError(f"{prefix}ep = {ep} does not divide {prefix}{dim} = {dp_shard} "
-                             f"(the expert-parallel groups are carved out of {dim})")
+    def check_ep(ep: int, ranks: int, names: str, why: str, prefix: str = "") -> None:
+        """The expert-parallel rule, its one statement: a ValueError unless ``ep`` divides
+        the ``ranks`` its groups are carved out of. ``names``: those ranks' sizes as the
+        caller spells them; ``why``: which ranks they are. Checked on the sizes
+        (construction) and on a built mesh (:meth:`expert_mesh`)."""
+        if ranks % ep:
+            raise ValueError(f"{prefix}ep = {ep} must divide {names} = {ranks} ({why})")
 
     @staticmethod
     def local_rank(mesh: DeviceMesh, dim: int | str | None = None) -> int:

@@ -236,9 +236,9 @@ def test_no_module_over_500_lines():
 
 
 # ------------------------------------------------------------------ one owner per fact
-# Issue 26 (debt 2): each of these is defined once in the package, and the old second
-# spellings (a literal list of collective kinds, 16 or 36 bytes per parameter, a block's
-# parameters from the FFN width, a roofline's memory term) do not come back elsewhere.
+# Issue 26 (debt 2): each of these is defined once in the package, and second spellings
+# (a literal list of collective kinds, 16 or 36 bytes per parameter, a block's parameters
+# from the FFN width, a roofline's memory term) stay out of the rest of it.
 
 def _sources() -> dict[str, str]:
     """``{path relative to the repository: source}`` of every module of the package."""
@@ -741,3 +741,124 @@ def test_model_families_register_themselves():
         assert registry.get(name).name == name
         path = module.replace(".", "/") + ".py"
         assert "registry.register(" in src[path], path
+
+
+# ------------------------------------------------------------------ no dead code
+# Issue 45: a function, class or module-level name of the package that only tests call is
+# dead code (the tests then check something the package never runs): every definition is
+# named by the package or its scripts. Framework hooks are named by the framework.
+_FRAMEWORK_CALLED = frozenset({
+    ("simplefsdp/_torch_compat/internals.py", "_apply"),  # ParallelStyle._apply's override
+    ("simplefsdp/train/console.py", "emit"),  # logging.Handler.emit's override
+})
+
+
+def _names_used(tree: ast.Module) -> set[str]:
+    """Every name ``tree`` reads: names and attributes loaded, imports, and strings that
+    are a (dotted) name, such as ``__all__`` entries and a registry's module paths."""
+    used = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Store):
+            used.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            used.add(n.attr)
+        elif isinstance(n, ast.alias):
+            used.add(n.name.rsplit(".", 1)[-1])
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) \
+                and re.fullmatch(r"[A-Za-z_][\w.]*", n.value):
+            used.add(n.value.rsplit(".", 1)[-1])
+    return used
+
+
+def unused_definitions(sources: dict[str, str]) -> list[str]:
+    """``"path: name"`` of each function or class (any depth) and module-level assignment
+    of the package (``simplefsdp/``) whose name no module of ``sources`` (the package and
+    its scripts) reads (:func:`_names_used`)."""
+    used = set().union(*(_names_used(_parse(s)) for s in sources.values()))
+    found = []
+    for path, source in sources.items():
+        if not path.startswith("simplefsdp/"):
+            continue
+        tree = _parse(source)
+        names = [n.name for n in ast.walk(tree) if isinstance(
+            n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
+        names += [t.id for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign)
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                  if isinstance(t, ast.Name)]
+        found += [f"{path}: {name}" for name in names if name not in used
+                  and not (name.startswith("__") and name.endswith("__"))
+                  and (path, name) not in _FRAMEWORK_CALLED]
+    return sorted(found)
+
+
+def test_no_definition_only_tests_call():
+    src = _sources()
+    scripts = PACKAGE.parent / "scripts"
+    src.update({str(p.relative_to(PACKAGE.parent)): p.read_text()
+                for p in sorted(scripts.glob("*.py"))})
+    assert unused_definitions(src) == []
+
+
+@pytest.mark.parametrize("snippet, flagged", [
+    ("def helper():\n    return 1", ["simplefsdp/x.py: helper"]),
+    ("class Helper:\n    pass", ["simplefsdp/x.py: Helper"]),
+    ("ROLES = ('full', 'first')", ["simplefsdp/x.py: ROLES"]),
+    ("def helper():\n    return 1\n\n\ndef main():\n    return helper()",
+     ["simplefsdp/x.py: main"]),  # helper is called; main stands for an unused entry
+    ("from .y import *\n__all__ = ['helper']\n\n\ndef helper():\n    return 1", []),
+])
+def test_unused_definitions_are_flagged(snippet, flagged):
+    assert unused_definitions({"simplefsdp/x.py": snippet}) == flagged
+
+
+# ------------------------------------------------------------------ one view of the layout
+# Issue 45: a model family reads the run's ParallelDims it is given (the trainer's
+# Setup.dims, the config's while validating) and never rebuilds one from the config's
+# sizes; the ep rule (which ranks ep divides) is ParallelDims.check_ep's, the experts'
+# count parallel.expert.check_expert_split's.
+FAMILY_PACKAGES = ("simplefsdp/models/", "simplefsdp/hf/", "simplefsdp/parallel/")
+EP_RULE_OWNERS = ("simplefsdp/mesh.py", "simplefsdp/parallel/expert.py")
+
+
+def layout_rebuilt_or_ep_rule(sources: dict[str, str]) -> list[str]:
+    """``"path:line: what"``: ``.dims()`` called in a model family or a parallelism (the
+    config's sizes turned into a second ParallelDims), and a remainder by ``ep`` (the ep
+    rule spelled again) outside its owners."""
+    found = []
+    for path, source in sources.items():
+        for n in ast.walk(_parse(source)):
+            where = f"{path}:{getattr(n, 'lineno', 0)}"
+            if path.startswith(FAMILY_PACKAGES) and isinstance(n, ast.Call) \
+                    and getattr(n.func, "attr", "") == "dims" and not n.args:
+                found.append(f"{where}: ParallelDims rebuilt from the config")
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) \
+                    and "ep" in _mentioned(n.right) and path not in EP_RULE_OWNERS:
+                found.append(f"{where}: the ep rule spelled again")
+    return sorted(found)
+
+
+def test_families_read_the_runs_layout_and_the_ep_rule_has_owners():
+    src = _sources()
+    assert layout_rebuilt_or_ep_rule(src) == []
+    fn = ast.FunctionDef
+    assert _defs(src, fn, lambda n: n in ("check_ep", "check_expert_split")) == [
+        ("simplefsdp/mesh.py", "check_ep"),
+        ("simplefsdp/parallel/expert.py", "check_expert_split")]
+    # one activation-checkpointing entry for every family (no per-family wrapper)
+    assert _defs(src, fn, lambda n: n == "apply_ac") == [
+        ("simplefsdp/parallel/activation_checkpoint.py", "apply_ac")]
+    # the ring's two ways to bring K/V to the queries, named for what they do
+    ring = "simplefsdp/parallel/ring.py"
+    assert _defs({ring: src[ring]}, ast.ClassDef, lambda n: True) == [
+        (ring, "GatheredKVAttention"), (ring, "RingPass")]
+
+
+@pytest.mark.parametrize("path, snippet, what", [
+    ("simplefsdp/models/x.py", "def f(cfg):\n    return cfg.parallel.dims().cp", "rebuilt"),
+    ("simplefsdp/hf/x.py", "def f(p):\n    return p.dims()", "rebuilt"),
+    ("simplefsdp/bench/x.py", "def f(world, ep):\n    return world % ep", "ep rule"),
+    ("simplefsdp/hf/x.py", "def f(n, cfg):\n    return n % cfg.parallel.ep", "ep rule"),
+])
+def test_layout_rebuilt_or_ep_rule_is_flagged(path, snippet, what):
+    found = layout_rebuilt_or_ep_rule({path: snippet})
+    assert len(found) == 1 and what in found[0], found

@@ -29,7 +29,7 @@ from simplefsdp.compiler import auto_wrap as aw
 from simplefsdp.compiler import bucket_search as ps
 from simplefsdp.compiler.cost import CommModel
 from simplefsdp.compiler.fit_limit import fit_to_limit
-from simplefsdp.compiler.greedy import estimate_exposed, greedy_buckets
+from simplefsdp.compiler.greedy import greedy_buckets
 from simplefsdp.compiler.simulate import CollectiveCost, simulate
 from simplefsdp.compiler.steps import quantise_seconds
 
@@ -98,9 +98,9 @@ def test_slow_network_buckets_more(alpha_ms, expected):
     steps, comm = _steps([1] * 8), _model(alpha_ms, 0.001)
     buckets, _ = greedy_buckets(steps, comm)
     assert buckets == expected
-    chosen = estimate_exposed(steps, buckets, comm)
-    singles = estimate_exposed(steps, [[i] for i in range(8)], comm)
-    one = estimate_exposed(steps, [list(range(8))], comm)
+    chosen = simulate(steps, buckets, comm).exposed_s
+    singles = simulate(steps, [[i] for i in range(8)], comm).exposed_s
+    one = simulate(steps, [list(range(8))], comm).exposed_s
     assert chosen <= min(singles, one) + 1e-12, (chosen, singles, one)
 
 

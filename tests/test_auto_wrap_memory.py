@@ -47,7 +47,8 @@ def _build(cfg, mesh, make_backend):
     from simplefsdp.models.llama_family import build_model
     from simplefsdp.optim import build_optimizer
 
-    runnable, model = build_model(cfg, mesh, torch.device("cpu"))
+    dims = cfg.parallel.dims().resolve(mesh.size())
+    runnable, model = build_model(cfg, mesh, dims, torch.device("cpu"))
     optimizer, _ = build_optimizer(model, cfg)
     backend = make_backend(model)
     return torch.compile(runnable, fullgraph=True, backend=backend), model, optimizer, backend

@@ -297,7 +297,7 @@ def test_blocked_time_counts_outermost_communication_once():
 def test_overlap_scheduler_without_triton_is_unavailable_not_failed(monkeypatch):
     """torch 2.13's overlap scheduler reads the GPU bandwidth through triton for every
     compute node: without triton the variant is reported unavailable, with the reason,
-    before anything is built (it used to fail inside Inductor on every rank)."""
+    before anything is built (not a failure inside Inductor on every rank)."""
     from simplefsdp.bench.variants import VARIANTS, VariantUnavailable
 
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError

@@ -57,5 +57,5 @@ def test_a_finished_run_leaves_no_gloo_threads_and_exits_0(tmp_path):
     for rank, proc in enumerate(ranks):
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, (rank, proc.returncode, err[-3000:])
-        # before the fix: 18 (six mesh groups, three threads each) on each rank
+        # none left of the six mesh groups' three threads each
         assert f"rank {rank}: gloo threads after the run: 0" in out, (out, err[-2000:])

@@ -59,7 +59,7 @@ from simplefsdp.config.job import load_config
 from simplefsdp.corpus.text import ByteTokenizer
 from simplefsdp.errors import ConfigError
 from simplefsdp.parallel.context import positions
-from simplefsdp.parallel.ring import RingCore, natural_order
+from simplefsdp.parallel.ring import GatheredKVAttention, natural_order
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,8 @@ def _ring_equals_sdpa(ring: int, seq: int, doc: torch.Tensor | None = None) -> N
     total = 0
     for r in range(ring):
         index = positions(seq, (r, ring))
-        out = RingCore.apply(q[:, :, index], k, v, r, ring, *(() if doc is None else (doc,)))
+        masked = () if doc is None else (doc,)
+        out = GatheredKVAttention.apply(q[:, :, index], k, v, r, ring, *masked)
         torch.testing.assert_close(out, ref[:, :, index].detach(), rtol=0, atol=1e-12)
         total = total + (out * weight[:, :, index]).sum()
     total.backward()
@@ -101,13 +102,13 @@ def _ring_equals_sdpa(ring: int, seq: int, doc: torch.Tensor | None = None) -> N
 
 @pytest.mark.quick
 @pytest.mark.parametrize("ring", [2, 3])
-def test_ring_core_is_exact_attention_forward_and_backward(ring):
+def test_gathered_kv_attention_is_exact_attention_forward_and_backward(ring):
     """Causal attention, float64, 1e-12."""
     _ring_equals_sdpa(ring, 2 * ring * 5)
 
 
 @pytest.mark.parametrize("ring", [2, 3])
-def test_ring_core_with_documents_is_exact_masked_attention(ring):
+def test_gathered_kv_attention_with_documents_is_exact_masked_attention(ring):
     """The document mask (float64, 1e-12). Sequence 0 has documents starting at 3, 10 (a
     chunk start: its queries see nothing of the block before) and 13; sequence 1 one
     starting at 17 (some rows of its chunk see keys of the block before, some none)."""
@@ -155,7 +156,7 @@ def test_ring_load_balance_equal_attention_flops():
     per_rank = []
     for r in range(ring):
         with _AttentionFlops() as count:
-            RingCore.apply(q[:, :, positions(seq, (r, ring))], k, v, r, ring)
+            GatheredKVAttention.apply(q[:, :, positions(seq, (r, ring))], k, v, r, ring)
         per_rank.append(count.flops)
     whole = 2 * 2 * 3 * seq * seq * 8
     assert per_rank == [whole / ring] * ring, per_rank
@@ -488,7 +489,7 @@ def test_bad_cp_input_is_refused_at_load(flags, message):
 
 
 def test_cp_refused_for_a_family_without_cp_attention(monkeypatch):
-    """Every family has CP attention today (Hugging Face models through hf.context): a
+    """Every family has CP attention today (Hugging Face models through hf.context_parallel): a
     family without it stands in for the next one added."""
     import dataclasses
 

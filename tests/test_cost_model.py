@@ -293,18 +293,18 @@ def test_cache_is_keyed(tmp_path, monkeypatch):
            "device_name": "x86_64", "torch_version": torch.__version__}
     model = comm.CommModel((1e-4, 1e-9), (2e-4, 2e-9), (3e-4, 3e-9), world_size=2)
     comm._store_cached(key, model)
-    assert comm._load_cached(key) == model
+    assert comm.CommModel.from_dict(comm.load_record(key)["model"]) == model
     for field, other in [("world_size", 4), ("backend", "nccl"), ("device_type", "cuda"),
                          ("device_name", "H100"), ("torch_version", "0.0")]:
         changed = dict(key, **{field: other})
         assert comm.cache_path(changed) != comm.cache_path(key)
-        assert comm._load_cached(changed) is None
+        assert comm.load_record(changed) is None
     # a file whose stored key does not match (e.g. a hash collision) is ignored
     comm.cache_path(key).write_text(json.dumps({"key": dict(key, world_size=8),
                                               "model": model.to_dict()}))
-    assert comm._load_cached(key) is None
+    assert comm.load_record(key) is None
     comm.cache_path(key).write_text("{not json")
-    assert comm._load_cached(key) is None
+    assert comm.load_record(key) is None
 
 
 @pytest.mark.quick

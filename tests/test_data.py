@@ -118,8 +118,9 @@ def test_val_is_deterministic_and_separate(dataset: TextDataset):
 
 
 def test_bad_corpus_files_name_the_key_and_the_size_needed(tmp_path: Path):
-    """Empty, tiny and binary files used to give a raw ValueError / UnicodeDecodeError, and
-    a file smaller than one global batch was repeated within the batch."""
+    """Empty, tiny and binary files are refused naming the key (not a raw ValueError /
+    UnicodeDecodeError), and a file smaller than one global batch is refused, not repeated
+    within the batch."""
     from simplefsdp.errors import ConfigError
 
     empty, tiny, binary = tmp_path / "empty.txt", tmp_path / "tiny.txt", tmp_path / "x.bin"

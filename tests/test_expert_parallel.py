@@ -31,10 +31,11 @@ def test_source_to_expert_order_by_hand():
 def test_bad_input_refused():
     """Refused before any exchange, naming the size to change."""
     with pytest.raises(ValueError, match="parallel.ep = 3 does not divide the 8 experts"):
-        expert.check_ep(3, num_experts=8, prefix="parallel.")
-    with pytest.raises(ValueError, match="parallel.ep = 4 does not divide parallel.dp_shard = 2"):
-        expert.check_ep(4, num_experts=8, dp_shard=2, prefix="parallel.")
-    expert.check_ep(2, num_experts=8, dp_shard=4)  # fine
+        expert.check_expert_split(3, 8, prefix="parallel.")
+    expert.check_expert_split(2, 8)  # fine
+    with pytest.raises(ValueError, match=r"^parallel\.ep = 4 must divide parallel\.dp_shard = 2 "):
+        ParallelDims(dp_shard=2, ep=4, prefix="parallel.")
+    ParallelDims(dp_shard=4, ep=2)  # fine
     from simplefsdp.models.llama import ModelArgs, Transformer
 
     dense = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=8))
@@ -113,8 +114,8 @@ def test_expert_mesh_layout():
     assert names == ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
     assert ranks == [[[[[[[0]]], [[[1]]]], [[[[2]]], [[[3]]]]]]]  # (1, 1, 2, 2, 1, 1, 1)
     assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert refused == "ep = 3 does not divide dp_shard * tp = 4 (the expert-parallel " \
-                      "groups are carved out of dp_shard * tp)"
+    assert refused == "ep = 3 must divide dp_shard * tp = 4 (the expert-parallel groups " \
+                      "are carved out of those ranks)"
     slots = BATCH * SEQ // 2 * ARGS.top_k
     assert all(len(r[4]) == 2 * ARGS.n_layers for r in results)
     assert [r[4][::2] for r in results] == [[slots] * ARGS.n_layers] * 4

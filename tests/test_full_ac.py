@@ -13,12 +13,14 @@ ops on the same inputs, so compiled full AC, eager full AC and no AC are bitwise
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from rank_runner import run_ranks
+from torch import fx
 
 import simplefsdp as sf
 
@@ -26,6 +28,28 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH, SEQ = 2, 2, 16
 VARIANTS = ("none:eager", "full:eager", "full:manual", "full:auto", "selective:manual",
             "none:manual")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a partitioned forward saves for backward, graph inputs (parameters, the
+    batch) apart: they live anyway."""
+
+    count: int
+    nbytes: int
+    names: tuple[str, ...]
+    input_count: int  # saved values that are forward inputs (no extra memory)
+
+
+def saved_summary(fw_graph: fx.Graph, num_fwd_outputs: int) -> Saved:
+    """Count and bytes of the tensors ``fw_graph`` outputs for backward, outside its
+    inputs (placeholders), with their names."""
+    out = next(iter(fw_graph.find_nodes(op="output")))
+    saved = [n for n in list(out.args[0])[num_fwd_outputs:]
+             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    made = [n for n in saved if n.op != "placeholder"]
+    nbytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in made)
+    return Saved(len(made), int(nbytes), tuple(n.name for n in made), len(saved) - len(made))
 
 
 def _model():
@@ -86,7 +110,7 @@ def _variants(rank: int, world: int) -> dict:
 
     def recording(joint, inputs, *, num_fwd_outputs, **kwargs):  # what the forward saves
         fw, bw = partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        saved.append(recompute.saved_summary(fw.graph, num_fwd_outputs))
+        saved.append(saved_summary(fw.graph, num_fwd_outputs))
         return fw, bw
 
     recompute.partition = recording  # the backend looks it up at each compile

@@ -103,19 +103,47 @@ def _argv(out: Path, model: Path, data: Path, *extra: str) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # Data and tokenizers.
 # ---------------------------------------------------------------------------------------
-def test_documents_pack_with_eos_and_formats_agree(assets):
-    from simplefsdp.hf.data import DocumentDataset, read_documents
+def packed_documents(data, tokenizer, text_field: str = "text"):
+    """The trainer's corpus rebuilt in memory without its token cache, as the reference
+    the trainer's batches are checked against: every non-empty document of ``data`` (read
+    as the cache reads them), tokenized one by one and followed by EOS, in order, with the
+    trainer's train/validation split (``corpus.setup.VAL_FRACTION``)."""
+    from simplefsdp.corpus.setup import VAL_FRACTION
+    from simplefsdp.corpus.sources import documents, resolve
+    from simplefsdp.corpus.text import TextDataset
+
+    stream: list[int] = []
+    for _, text in documents(resolve(str(data)).files, text_field):
+        if text:
+            stream += [*tokenizer.encode(text), tokenizer.eos_id]
+    return TextDataset(str(data), tokenizer, VAL_FRACTION,
+                       tokens=torch.tensor(stream, dtype=torch.int32))
+
+
+def test_token_cache_packs_documents_with_eos_and_formats_agree(assets, tmp_path):
+    """The trainer's token cache (``corpus.setup.open_caches``) of a .jsonl file and of a
+    folder of parquet files holding the same documents: the same stream, each document's
+    tokens followed by exactly one EOS, in order (against :func:`packed_documents`)."""
+    from simplefsdp.config.job import DataConfig
+    from simplefsdp.corpus.setup import open_caches
+    from simplefsdp.corpus.sources import documents, resolve
     from simplefsdp.hf.tokenizer import load_tokenizer
 
     tok = load_tokenizer(assets["llama"])
     assert tok.eos_id == 0 and tok.vocab_size == TOKENIZER_VOCAB
-    jsonl = read_documents(assets["jsonl"], "body")
-    assert jsonl == _documents() == read_documents(assets["parquet"])  # folder: a, b in order
-    a = DocumentDataset(assets["jsonl"], tok, "body")
-    b = DocumentDataset(assets["parquet"], tok)
-    assert torch.equal(a.train_tokens, b.train_tokens)
-    # Documents are joined by exactly one EOS each, in order.
-    stream = torch.cat([a.train_tokens, a.val_tokens])
+
+    def read(name: str, field: str) -> list[str]:
+        return [text for _, text in documents(resolve(str(assets[name])).files, field)]
+
+    jsonl = read("jsonl", "body")
+    assert jsonl == _documents() == read("parquet", "text")  # folder: a, b in order
+    reference = packed_documents(assets["jsonl"], tok, "body")
+    stream = torch.cat([reference.train_tokens, reference.val_tokens]).long()
+    for name, field in (("jsonl", "body"), ("parquet", "text")):
+        data = DataConfig(dataset=str(assets[name]), text_field=field, cache_dir=str(tmp_path),
+                          tokenize_workers=1)
+        (cache,) = open_caches(data, tok)
+        assert torch.equal(torch.from_numpy(cache.tokens.astype("int64")), stream), name
     assert int((stream == tok.eos_id).sum()) == len(jsonl)
     first = tok.encode(jsonl[0])
     assert stream[:len(first)].tolist() == first and int(stream[len(first)]) == tok.eos_id
@@ -144,12 +172,11 @@ def _first_loss(rank: int, world: int, argv: list[str], model_dir: str, text_fie
                 data: str, hf_kwargs: dict | None = None):
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.train.__main__ import main
 
     ours = main(argv).losses[0]
-    dataset = DocumentDataset(data, load_tokenizer(model_dir), text_field)
+    dataset = packed_documents(data, load_tokenizer(model_dir), text_field)
     inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **(hf_kwargs or {}))
     with torch.no_grad():
@@ -271,7 +298,8 @@ def _load_both_modes(rank: int, world: int, llama_dir: str, ours_dir: str):
                                       "--model.vocab_size", str(VOCAB)])):
         for mode in ("broadcast", "all_ranks"):
             cfg = load_config(None, [*extra, "--model.load_weights", mode])
-            _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
+            dims = cfg.parallel.dims().resolve(mesh.size())
+            _, model = cfg.model.family_entry().build(cfg, mesh, dims, torch.device("cpu"))
             state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
             # A collective on all ranks; numpy: plain pickles back to the test process
             # (tensors would go through shared memory that dies with the rank).
@@ -354,10 +382,9 @@ def exported_logits(runnable, out: str, data: str, **hf_kwargs):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
 
-    tokens = DocumentDataset(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
+    tokens = packed_documents(data, load_tokenizer(Path(out) / "hf"), "body").val_tokens
     batch = tokens[: 2 * 32].long().view(2, 32)
     with torch.no_grad():
         ours = runnable(batch)

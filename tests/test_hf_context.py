@@ -1,4 +1,4 @@
-"""Context parallelism on Hugging Face models (issue 29; ``simplefsdp/hf/context.py``).
+"""Context parallelism on Hugging Face models (issue 29; ``simplefsdp/hf/context_parallel.py``).
 
 * The trainer on 4 gloo processes, a tiny Llama saved here with ``save_pretrained``
   (4 query heads, 2 KV heads: GQA), DP 2 x ring 2 and ring 2 x Ulysses 2, against one

@@ -34,6 +34,7 @@ from test_hf import (  # noqa: E402
     _documents,
     _train_tokenizer,
     exported_logits,
+    packed_documents,
     train_keeping_model,
 )
 
@@ -121,13 +122,12 @@ def _first_step(rank: int, world: int, argv: list[str], model_dir: str, data: st
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.config.job import load_config
-    from simplefsdp.hf.data import DocumentDataset
     from simplefsdp.hf.tokenizer import load_tokenizer
     from simplefsdp.train import trainer
     from simplefsdp.train.__main__ import main
 
     result = main(argv)
-    dataset = DocumentDataset(data, load_tokenizer(model_dir), "body")
+    dataset = packed_documents(data, load_tokenizer(model_dir), "body")
     inputs, targets = next(dataset.loader("train", 2, 32, seed=0))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **EAGER)
     kwargs = dict(input_ids=inputs, labels=inputs, shift_labels=targets.contiguous())
@@ -229,7 +229,8 @@ def _load_moe(rank: int, world: int, folder: str):
     for mode in ("broadcast", "all_ranks"):
         read.clear()
         cfg = load_config(None, ["--model.hf_path", folder, "--model.load_weights", mode])
-        _, model = cfg.model.family_entry().build(cfg, mesh, torch.device("cpu"))
+        dims = cfg.parallel.dims().resolve(mesh.size())
+        _, model = cfg.model.family_entry().build(cfg, mesh, dims, torch.device("cpu"))
         state = {unwrapped_name(k): v for k, v in model.state_dict().items()}
         full = {k: v.full_tensor().numpy() for k, v in state.items()}  # a collective
         out[mode] = {"full": full if rank == 0 else None, "read": sorted(read)}
@@ -574,13 +575,14 @@ def test_moe_expert_counts_once_under_activation_checkpointing(mode):
     from transformers import AutoModelForCausalLM
 
     from simplefsdp.hf.experts import adapt_experts, take_loads
-    from simplefsdp.hf.model import apply_ac
+    from simplefsdp.hf.model import decoder_layers
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
 
     torch.manual_seed(0)
     config = _qwen3_moe_config()
     model = AutoModelForCausalLM.from_config(config)
     assert adapt_experts(model) == 2
-    apply_ac(model, config, mode)
+    apply_ac(model, mode, layers=decoder_layers(model, config))
     tokens = _tokens()
     out = model(input_ids=tokens, output_router_logits=True, use_cache=False)
     out.logits.sum().backward()  # the recompute runs here

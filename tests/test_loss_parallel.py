@@ -77,7 +77,7 @@ def _logits(rank: int, world: int) -> list[tuple]:
                                  "--training.seq_len", "16"])
         p = cfg.parallel.resolve(world)
         mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, tp=p.tp, device_type="cpu")
-        runnable, _ = build_model(cfg, mesh, torch.device("cpu"))
+        runnable, _ = build_model(cfg, mesh, p.dims(), torch.device("cpu"))
         out = runnable(torch.zeros(2, 16, dtype=torch.long))
         placements = [(type(x).__name__, getattr(x, "dim", None))
                       for x in getattr(out, "placements", ())]

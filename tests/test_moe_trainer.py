@@ -1,4 +1,4 @@
-"""The MoE model family in the trainer (train/moe_family.py): ``--parallel.ep`` with every
+"""The MoE model family in the trainer (models/moe_family.py): ``--parallel.ep`` with every
 ``dp_mode`` on 4 gloo ranks against the same run without expert parallelism, the balance
 loss and expert load in ``metrics.csv`` against a computation by hand, the router kept
 float32 under bf16, and the bad input refused at config load.
@@ -77,7 +77,7 @@ MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOU
 # the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2 when it ran, 1.72e-5
 # tp2_ep1, 1.25e-5 tp2_ep4, 7.8e-6 cp2_tp2_ep2) is one element of 4096 (an expert weight
 # whose gradient is near AdamW's eps, where lr * g / (|g| + eps) swings): about twice
-# that (was 5e-5).
+# that.
 PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2", "hsdp_tp2_ep2",
                                         "ddp_tp2_ep2")}
 
@@ -107,7 +107,7 @@ def _runs(rank: int, world: int, out: str) -> dict:
 # checkpointing, blocks): auto bucketing with selective AC on EP 2 x FSDP 2 with a dense
 # block before the routed one, as DeepSeek's (the experts' own data-parallel collectives
 # in graphs; each block's checkpoint around the eager expert dispatch; a compiled MoE
-# block recomputes whole under selective, ``parallelize.ac_mode_run``, so this is also
+# block recomputes whole under selective, ``ac_mode_run``, so this is also
 # full AC's cell: its failure came at step 2 for the dense block), and manual on TP 2 x
 # EP 4 x FSDP 2 (compiled TP on an MoE model). Against an eager twin without AC
 # ("<layout>_<blocks>_eager"; AC recomputes the same ops, so it does not change eager's
@@ -379,10 +379,10 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
     The same selective run compiled with Inductor (the trainer's default backend; its
     blocks' graphs recompute whole, the exchanges between them kept the same way): 6 a
     step too, and eager's losses within 1e-5 relative (Inductor's fused kernels may sum
-    in another order; measured 2026-11-27: bitwise equal, on both ranks). It used to fail
-    at step 1's backward ("aten._unsafe_view.default encountered during backward but not
-    found in storage": a selective-checkpoint mode around Inductor's graphs met ops of
-    their runtime wrappers in the recomputation that the forward had not run). And no
+    in another order). Step 1's backward is the one to watch: a selective-checkpoint mode
+    around Inductor's graphs would meet ops of their runtime wrappers in the recomputation
+    that the forward had not run ("aten._unsafe_view.default encountered during backward
+    but not found in storage"). And no
     frame recompiles for ``data_parallel._compiled_forward_depth``: when the traced hooks
     updated it, its value entered the guards, a block's recomputation (from backward, at
     another depth) compiled its frames again, and on DeepSeek-V3 16B's 27 blocks that
@@ -448,21 +448,18 @@ def test_compiled_equals_eager(runs, name):
     become a visible part of a step (lr 1e-2; measured worst 2.4e-6). So: later losses
     within 1e-6 relative, every exported parameter within 1e-5 absolute.
 
-    Compiled TP used to fail at step 1: the graph break around the routed experts fell
-    inside ``Transformer.forward``'s loop over blocks, so torch.compile gave up on the whole
-    ``forward`` and traced each module and each module hook as a frame of its own; the
-    vocabulary-parallel embedding's output hook then met an eager DTensor whose
-    ``_MaskPartial`` placement holds a real mask, applied to fake tensors. The blocks now
-    run in ``Transformer.run_blocks``: the break falls on that call and the embedding stays
-    in one graph with its hooks.
+    Compiled TP: the blocks run in ``Transformer.run_blocks``, so the graph break around
+    the routed experts falls on that call and the embedding stays in one graph with its
+    hooks (a break inside ``forward``'s loop over blocks would trace each module hook as a
+    frame of its own, and the vocabulary-parallel embedding's output hook would meet an
+    eager DTensor whose ``_MaskPartial`` placement holds a real mask, on fake tensors).
 
-    Compiled AC on an MoE block used to fail at step 1's backward: its checkpoint ran
-    eagerly around the compiled frames, and autograd's recomputation, outside the compiled
-    model, ran the block eagerly, saving other tensors (``CheckpointError``: "Recomputed
-    values ... have different metadata"); under selective AC the op counts also differed
-    (AOTAutograd's first trace and the collectives' lazy waits). Each block's own call is
-    now compiled (``train/parallelize._compile_checkpointed_blocks``). Its graphs recompute
-    whole under selective, but the token exchanges between them are kept
+    Compiled AC on an MoE block: each block's own call is compiled inside its checkpoint
+    (``parallel.activation_checkpoint.compile_checkpointed_blocks``), so autograd's
+    recomputation runs the same graphs (a checkpoint around the compiled frames would
+    recompute the block eagerly, saving other tensors: ``CheckpointError``, "Recomputed
+    values ... have different metadata"). Its graphs recompute whole under selective, but
+    the token exchanges between them are kept
     (``parallel.expert.keep_exchanges``): each of the 3 steps runs one routed block's
     counts exchange twice (forward and recomputation) and its tokens' four times (dispatch
     and combine, forward and backward), 6 all-to-alls, where full AC runs 8; without AC 5 (per
@@ -511,8 +508,8 @@ def test_compiled_equals_eager(runs, name):
 
 def test_grouped_mm_probe_under_no_grad(monkeypatch):
     """The grouped-matmul probe runs its backward in grad mode: probed first under
-    ``no_grad`` (an evaluation, test_metrics_by_hand's reference) it used to fail and turn
-    the grouped matmul off for the whole process."""
+    ``no_grad`` (an evaluation, test_metrics_by_hand's reference) it must still pass, or
+    the grouped matmul would be off for the whole process."""
     from simplefsdp import _torch_compat
 
     monkeypatch.setattr(_torch_compat, "_KERNEL_RUNS", {})

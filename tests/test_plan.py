@@ -35,7 +35,7 @@ def _measured_peak(rank, world, overrides):
     p = cfg.parallel.resolve(world)
     cfg = dataclasses.replace(cfg, parallel=p)
     mesh = simplefsdp.make_mesh(dp_shard=p.dp_shard, device_type="cpu")
-    runnable, model = build_model(cfg, mesh, torch.device("cpu"))
+    runnable, model = build_model(cfg, mesh, p.dims(), torch.device("cpu"))
     optimizer, _ = build_optimizer(model, cfg)
     t = cfg.training
     x = torch.randint(0, 256, (t.batch_size, t.seq_len))

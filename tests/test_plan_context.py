@@ -102,7 +102,7 @@ def test_attention_inside_full_acs_rng_wrappers_is_costed_as_attention():
     # the causal mask: 2 x 4 x 64 x 128 x (16 + 16) / 2 = 1,048,576 FLOPs
     expected = ("attention", 1_048_576)
     assert _flops(plain) == _flops(saved) == _flops(replayed) == expected
-    # and timed as the op they run (they used to cost nothing, as higher-order ops)
+    # and timed as the op they run (a higher-order op would otherwise cost nothing)
     dev = GPU_PROFILES["h100-96gb"]
     seconds = [node_seconds(n, dev, compiled=True) for n in (plain, saved, replayed)]
     assert seconds[0] > 0 and seconds[1] == seconds[2] == seconds[0], seconds

@@ -311,7 +311,7 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s
     fake process group of 8 (real kernels and memory; the all-to-all made the identity,
     so the rank's experts get an EP rank's rows). Selective 1.139 s a step,
     ``max_memory_allocated`` 62.20 GiB; full 1.138 s, 42.68 GiB. The same graphs (both
-    recompute a compiled MoE model's blocks whole, ``parallelize.ac_mode_run``); selective
+    recompute a compiled MoE model's blocks whole, ``ac_mode_run``); selective
     keeps the 26 routed blocks' exchanged rows, 26 x 768 MiB = 19.5 GiB, the measured
     difference. Predicted: the step less the exposed communication 1.011 s for both
     (-11.3% and -11.2%), memory 62.56 GiB (+0.6%) and 43.06 GiB (+0.9%).
@@ -340,7 +340,7 @@ def test_deepseek_published_memory(planner, ac, published_gib):
     default (selective) AC, 52.02 GiB with full recompute. Predicted 75.07 GiB (-11.5%)
     and 51.67 GiB (-0.7%), within the issue's 15%. Selective keeps the token exchanges'
     outputs, 2 x 16,384 x 6 x 2,048 x 2 B = 768 MiB a routed block (26 of them), where full
-    AC exchanges again (``parallelize._exchange_policy``); the graphs recompute whole in
+    AC exchanges again (``parallel.expert.keep_exchanges``); the graphs recompute whole in
     both (our compiled MoE blocks), where the published graph SAC also keeps matmul
     outputs: the selective row's remaining gap. Not checked here (README, "Validation"):
     the tokens/s, 8,325 and 7,444 published, 10,803 and 10,444 predicted (+30%, +40%, out

@@ -51,9 +51,10 @@ def _saved_slope(path, overrides):
 
 # One Llama 3 8B block (dim 4096, 32 heads of 128, 8 KV heads, FFN 14336), batch 1 x
 # 8192 tokens, bf16 compute, on 8 data-parallel ranks, by hand. torchtitan's selective
-# policy (train/parallelize.py) saves every other matmul's output (wq, wv, w1, w2; wk, wo
-# and w3 are recomputed) and attention's output and logsumexp; the all-gathers are
-# recomputed from the bf16 casts of the block's parameter shards, which are saved.
+# policy (ours too: parallel/activation_checkpoint.py) saves every other matmul's output
+# (wq, wv, w1, w2; wk, wo and w3 are recomputed) and attention's output and logsumexp;
+# the all-gathers are recomputed from the bf16 casts of the block's parameter shards,
+# which are saved.
 _TOKENS = 8192
 _BLOCK_PARAMS = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096  # 218.1 M
 _SAVED_PER_BLOCK = {

@@ -341,8 +341,9 @@ def test_write_problems_are_found_before_training_or_cleaned_up(startup):
 
 # 5. Resume is not exact with randomness. -----------------------------------------------
 def test_resume_is_exact_with_a_random_batch_transform(reference, resumed):
-    """Rank 0 used to measure its peak FLOP/s with torch.randn after the RNG state was
-    restored, so the random masking differed after resume. The metrics.csv of the
+    """Nothing draws from the RNG between restoring its state and the first step (a
+    peak-FLOP/s probe with torch.randn there would change the random masking after
+    resume). The metrics.csv of the
     stopped run (rows up to step 5, checkpoint at step 4) is continued, not replaced."""
     _, ref = reference
     exact = resumed["exact"][0]

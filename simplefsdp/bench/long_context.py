@@ -10,8 +10,14 @@ rank holds (``measure.held_bytes``) plus the transient peak of a step over it
 (``measure.least_transient``: torch's CPU allocations during the step, the least of
 ``--profiled`` profiled steps). Prints a table and writes
 ``bench_results/long_context-<time>.json``.
-Figures depend on the machine and its load: README's section "Long sequences: context
-parallelism" gives one run with its load.
+Figures depend on the machine and its load: ``docs/performance.md`` gives one run with
+its load.
+
+A command-line entry point that sits above the trainer: what it times is the trainer's
+own setup and step (``train.trainer.setup``, ``train.step.train_step``: the family's
+model, the loader, the optimizer, clipping), so it imports them inside the rank function
+and importing ``simplefsdp.bench`` leaves the trainer unloaded. The side-by-side
+benchmark (``bench.runner``) builds its models from the lower layers instead.
 """
 
 from __future__ import annotations

@@ -202,10 +202,15 @@ def _check_ep(ctx: BuildContext, ep: int) -> int:
     if not isinstance(ctx.args, MoEArgs):
         raise VariantUnavailable("expert parallelism needs an MoE preset (model.name = "
                                  "'debug_moe')")
+    from ..mesh import ParallelDims
+    from ..parallel.expert import check_expert_split
+
     world = ctx.fsdp_mesh.size()
-    if world % ep or ctx.args.num_experts % ep:
-        raise VariantUnavailable(f"ep {ep} must divide the world size {world} and the "
-                                 f"{ctx.args.num_experts} experts")
+    try:  # the rules' owners: the ranks (all of them, dp_shard here), the experts
+        ParallelDims(dp_shard=world, ep=ep)
+        check_expert_split(ep, ctx.args.num_experts)
+    except ValueError as e:
+        raise VariantUnavailable(str(e)) from None
     return world
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cost import CommModel
-from .simulate import CollectiveCost, comm_seconds, reduction_seconds, simulate
+from .simulate import CollectiveCost, comm_seconds, reduction_seconds
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,3 @@ def greedy_buckets(steps: Sequence[CollectiveCost], comm: CommModel,
     buckets.append(current)
     return buckets, decisions
 
-
-def estimate_exposed(steps: Sequence[CollectiveCost], buckets: Sequence[Sequence[int]],
-                     comm: CommModel, kind: str = "all_gather",
-                     scatter_kind: str = "reduce_scatter") -> float:
-    """Seconds of communication left exposed by ``buckets`` in the simulated step."""
-    return simulate(steps, buckets, comm, kind, scatter_kind).exposed_s

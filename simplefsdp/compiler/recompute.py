@@ -25,9 +25,6 @@ mesh and no such tensors, and the layout is already right there.
 :func:`inductor_partitioner` wraps it for Inductor's ``custom_partitioner_fn``.
 
 Full recomputation itself comes from the checkpoint wrapper, the same code path as eager.
-
-:func:`saved_summary` counts what a partitioned forward saves for backward (tests,
-memory checks).
 """
 
 from __future__ import annotations
@@ -152,25 +149,3 @@ def _partitioner_class(base: type) -> type:
     Partitioner.__name__ = Partitioner.__qualname__ = "InductorPartitioner"
     globals()["InductorPartitioner"] = Partitioner
     return Partitioner
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What a partitioned forward saves for backward, graph inputs (parameters, the
-    batch) apart: they live anyway."""
-
-    count: int
-    nbytes: int
-    names: tuple[str, ...]
-    input_count: int  # saved values that are forward inputs (no extra memory)
-
-
-def saved_summary(fw_graph: fx.Graph, num_fwd_outputs: int) -> Saved:
-    """Count and bytes of the tensors ``fw_graph`` outputs for backward, outside its
-    inputs (placeholders), with their names."""
-    out = next(iter(fw_graph.find_nodes(op="output")))
-    saved = [n for n in list(out.args[0])[num_fwd_outputs:]
-             if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
-    made = [n for n in saved if n.op != "placeholder"]
-    nbytes = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in made)
-    return Saved(len(made), int(nbytes), tuple(n.name for n in made), len(saved) - len(made))

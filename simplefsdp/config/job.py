@@ -172,8 +172,8 @@ class ParallelConfig:
     # point to point, overlapping attention: two blocks held, its own kept for backward;
     # backward passes them around again with their dK/dV). Only with cp_ring > 1.
     cp_rotate: Literal["allgather", "ring"] = "allgather"
-    # expert-parallel ranks (MoE models), dividing dp_shard and model.num_experts; with
-    # dp_shard = 1 (replicate), dividing dp_replicate
+    # expert-parallel ranks (MoE models), dividing model.num_experts and the ranks their
+    # groups come out of: dp_shard x cp x tp (dp_replicate where those are 1)
     ep: int = 1
     # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
     # replicas over dp_replicate; replicate: DDP over dp_replicate.
@@ -340,8 +340,9 @@ class JobConfig:
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
         if world_size is not None:
             p = p.resolve(world_size)  # the world first; then dp_mode on the sizes
+        dims = p.dims()  # the sizes' one view while validating; a run builds its own
         with config_errors():
-            p.dims().check_mode(p.dp_mode)
+            dims.check_mode(p.dp_mode)
         if p.pp > 1 and t.batch_size % p.pp_microbatches:
             raise ConfigError(f"training.batch_size = {t.batch_size} must be divisible by "
                               f"parallel.pp_microbatches = {p.pp_microbatches}")
@@ -355,7 +356,7 @@ class JobConfig:
                               "true: pass --checkpoint.enable true as well")
         if not hf_model:
             _check_shapes(args, p)
-        _check_cp(self, args)
+        _check_cp(self, args, dims)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
         _check_data(self)
@@ -372,7 +373,7 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_lora(self)
-        family.validate(self)
+        family.validate(self, dims)
 
 
 def _check_hf_balance(m: ModelConfig) -> None:
@@ -402,12 +403,11 @@ def _check_data(cfg: JobConfig) -> None:
                           "turn data.document_mask off")
 
 
-def _check_cp(cfg: JobConfig, args: ModelArgs) -> None:
+def _check_cp(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """Context parallelism: the family must have CP attention (our Llama and MoE; Hugging
     Face Llama-family models, whose heads ``hf.context_parallel.check_config`` checks); the
     sequence and heads must split (``ParallelDims.check_cp``), named by their keys."""
     p = cfg.parallel
-    dims = p.dims()
     if p.cp_rotate != "allgather" and p.cp_ring == 1:
         raise ConfigError(f"parallel.cp_rotate = {p.cp_rotate!r} passes K/V around a ring, but "
                           f"parallel.cp_ring = 1 has none: set parallel.cp_ring > 1 or "

@@ -1,19 +1,21 @@
-"""Hugging Face models, tokenizers and data in the trainer (the optional ``[hf]`` extra).
+"""Hugging Face models and tokenizers in the trainer (the optional ``[hf]`` extra).
 
+- :mod:`.family`: the ``hf`` model family of ``models.registry`` (``model.hf_path``).
 - :mod:`.model`: build a local Hugging Face causal LM on the meta device, parallelize it
   with ``data_parallel`` and load its weights sharded (no rank holds the whole model).
 - :mod:`.weights`: reading safetensors folders one tensor (or one row range) at a time.
 - :mod:`.conversion`: transformers' checkpoint conversion mapping (file layout <->
   in-memory layout, e.g. per-expert files <-> fused MoE experts) for loading and export.
 - :mod:`.experts`: transformers' fused MoE experts, run so that every rank gathers alike.
-- :mod:`.convert`: our Llama <-> Hugging Face Llama names, shapes and RoPE layout.
+- :mod:`.context_parallel`: ring / Ulysses attention registered in transformers.
+- :mod:`.llama_layout`: our Llama <-> Hugging Face Llama names, shapes and RoPE layout.
 - :mod:`.tokenizer`: Hugging Face (``tokenizer.json``) and tiktoken tokenizers.
-- :mod:`.data`: ``.txt`` / ``.jsonl`` / ``.parquet`` files or folders via ``datasets``.
 - :mod:`.export`: write a folder ``AutoModelForCausalLM.from_pretrained`` opens.
 - :mod:`.hooks`: the few calls the trainer makes.
 
-Nothing here imports transformers & co. at import time: :func:`require` checks them
-when a job asks for them, and every load runs with the hub switched off.
+Documents (``.txt`` / ``.jsonl`` / ``.parquet``) are read by ``simplefsdp.corpus`` for
+every family. Nothing here imports transformers & co. at import time: :func:`require`
+checks them when a job asks for them, and every load runs with the hub switched off.
 """
 
 from __future__ import annotations

@@ -89,15 +89,15 @@ def _attention_dropout(text) -> tuple[str, float] | None:
     return None
 
 
-def check_config(cfg) -> None:
+def check_config(cfg, dims) -> None:
     """Refuse at config load (an HFError naming the key) a ``model.hf_path`` model that
     context parallelism cannot run, and split its sequence and heads
     (``ParallelDims.check_cp`` on config.json's ``num_attention_heads``). Imports
-    transformers (to read the config) only when ``cp > 1``."""
+    transformers (to read the config) only when ``cp > 1``. ``dims``: the config's
+    ``ParallelDims``."""
     from ..errors import config_errors
     from .model import job_config, text_config
 
-    dims = cfg.parallel.dims()
     if dims.cp == 1:
         return
     where = Path(cfg.model.hf_path) / "config.json"

@@ -165,7 +165,7 @@ def expert_parallel(model: nn.Module, mesh, cfg) -> None:
     from ..data_parallel import data_parallel
     from ..mesh import ParallelDims
     from ..models.parallelize import dp_options
-    from ..parallel.expert import split_experts
+    from ..parallel.expert import check_expert_split, split_experts
 
     ep = cfg.parallel.ep
     found = experts_modules(model)
@@ -174,10 +174,10 @@ def expert_parallel(model: nn.Module, mesh, cfg) -> None:
                       f"{type(model).__name__} (model.hf_path) has no fused experts; set "
                       f"parallel.ep = 1")
     for name, module in found:
-        experts = module._parameters["gate_up_proj"].shape[0]
-        if experts % ep:
-            raise HFError(f"parallel.ep = {ep} does not divide the {experts} experts of "
-                          f"{name} (model.hf_path); pick a divisor of {experts}")
+        try:
+            check_expert_split(ep, module._parameters["gate_up_proj"].shape[0], "parallel.")
+        except ValueError as e:
+            raise HFError(f"{e} ({name}, model.hf_path)") from None
     experts_mesh = ParallelDims.expert_mesh(mesh, ep)
     for _, module in found:
         split_experts(module, experts_mesh["ep"])

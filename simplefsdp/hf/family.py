@@ -11,12 +11,12 @@ from ..models import registry
 from . import HFError, context_parallel, hooks
 
 
-def _validate(cfg) -> None:
+def _validate(cfg, dims) -> None:
     if cfg.model.hf_path is None:
         raise HFError(f"model.family = {cfg.model.family!r} trains a Hugging Face model: set "
                       f"model.hf_path to its local folder")
     hooks.validate_folder(cfg, cfg.model.hf_path)
-    context_parallel.check_config(cfg)  # parallel.cp_ring / cp_ulysses: does the model fit
+    context_parallel.check_config(cfg, dims)  # parallel.cp_ring / cp_ulysses: does it fit
 
 
 def _fingerprint(cfg) -> dict:

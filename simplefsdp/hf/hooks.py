@@ -75,7 +75,7 @@ def check_vocab(cfg, tokenizer) -> None:
 # ---------------------------------------------------------------------------------------
 # Model.
 # ---------------------------------------------------------------------------------------
-def build_hf(cfg, mesh, device):
+def build_hf(cfg, mesh, dims, device):
     """(module to call, model): transformers' class for ``model.hf_path``, built on meta,
     parallelized (:func:`parallelize_hf`), its weights loaded sharded."""
     from . import conversion
@@ -96,7 +96,7 @@ def build_hf(cfg, mesh, device):
     check_sources(model, files, sources)  # names and shapes, before anything is allocated
     if cfg.checkpoint.export_hf:
         conversion.check_export(model)
-    runnable = parallelize_hf(model, mesh, cfg, compile_=False)
+    runnable = parallelize_hf(model, mesh, dims, cfg, compile_=False)
     materialize(model, device)
     report = load_sharded(model, folder, cfg.model.load_weights, sources)
     _print_report(report, folder, cfg.model.load_weights)
@@ -105,7 +105,7 @@ def build_hf(cfg, mesh, device):
     return causal_lm_call(runnable, model), model
 
 
-def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Module:
+def parallelize_hf(model: nn.Module, mesh, dims, cfg, compile_: bool = True) -> nn.Module:
     """A Hugging Face causal LM's parallelisms, in place: LoRA adapters (``[lora]``,
     ``models/lora.py``), context parallelism
     (:mod:`.context_parallel`, ``parallel.cp_ring`` / ``cp_ulysses``), MoE experts adapted
@@ -117,18 +117,21 @@ def parallelize_hf(model: nn.Module, mesh, cfg, compile_: bool = True) -> nn.Mod
     balance loss sees the float32 logits)."""
     from ..models.lora import apply_lora
     from ..models.parallelize import apply_dp, with_fp32_modules
+    from ..parallel.activation_checkpoint import apply_ac
     from .experts import adapt_experts, expert_parallel, router_globs
-    from .model import apply_ac
+    from .model import decoder_layers
 
     apply_lora(model, cfg)  # [lora]: adapters in, the rest frozen; before anything wraps
-    if cfg.parallel.dims().cp > 1:  # ring / Ulysses attention, global positions
+    if dims.cp > 1:  # ring / Ulysses attention, global positions
         from .context_parallel import apply_cp
 
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if adapt_experts(model):
         cfg = with_fp32_modules(cfg, router_globs(model))
         _record_router_logits_first(model)
-    apply_ac(model, model.config, cfg.activation_checkpoint.mode)
+    if cfg.activation_checkpoint.mode != "none":  # layers looked up only when wrapped
+        apply_ac(model, cfg.activation_checkpoint.mode,
+                 layers=decoder_layers(model, model.config))
     if cfg.parallel.ep > 1:
         expert_parallel(model, mesh, cfg)
     apply_dp(model, mesh, cfg)
@@ -182,7 +185,7 @@ def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
 
 
-def build_llama_from_hf(cfg, mesh, device, convert):
+def build_llama_from_hf(cfg, mesh, dims, device, convert):
     """Our Llama preset, its weights read (sharded, ``convert``: our names -> the folder's)
     from a Hugging Face Llama folder. RoPE is recomputed; no full random init, so no rank
     holds the whole model."""
@@ -203,7 +206,7 @@ def build_llama_from_hf(cfg, mesh, device, convert):
     names = [n for names, _ in unique_tensors(model) for n in names]
     sources = convert(names, cfg)
     check_sources(model, WeightFiles(folder), sources)
-    runnable = parallelize(model, mesh, cfg)
+    runnable = parallelize(model, mesh, dims, cfg)
     model.to_empty(device=device)
     with simplefsdp.disable_active_parametrization():
         model.rope_cache = model._rope_cache(device)

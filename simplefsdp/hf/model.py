@@ -117,7 +117,9 @@ def build_on_meta(config) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module, config) -> nn.ModuleList:
-    """The ``nn.ModuleList`` of the model's ``num_hidden_layers`` decoder blocks."""
+    """The ``nn.ModuleList`` of the model's ``num_hidden_layers`` decoder blocks (what
+    activation checkpointing wraps: ``parallel.activation_checkpoint.apply_ac``'s
+    ``layers``)."""
     text = text_config(config)
     n = getattr(text, "num_hidden_layers", None)
     for _, module in model.named_modules():
@@ -125,16 +127,6 @@ def decoder_layers(model: nn.Module, config) -> nn.ModuleList:
             return module
     raise HFError(f"cannot find the {n} decoder layers of {type(model).__name__} for "
                   f"activation checkpointing; set activation_checkpoint.mode = 'none'")
-
-
-def apply_ac(model: nn.Module, config, mode: str) -> None:
-    """Wrap each decoder layer for ``full`` or ``selective`` activation checkpointing
-    (``parallel/activation_checkpoint.py``, as our Llama's blocks)."""
-    if mode == "none":
-        return
-    from ..parallel.activation_checkpoint import apply_ac as checkpoint_blocks
-
-    checkpoint_blocks(model, mode, layers=decoder_layers(model, config))
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

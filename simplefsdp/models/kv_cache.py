@@ -1,8 +1,9 @@
 """Incremental decoding for our Llama and MoE models: a key/value cache put in from
 outside, as the parallelisms are, so the models stay plain training modules.
 
-Every attention module (``llama.Attention``, ``mla.MLAttention``) calls its ``core(q, k,
-v, mask)`` with the rotated keys and the values of the tokens it is given. :class:`KVCache`
+Every attention module (``llama.Attention``, ``mla.MultiHeadLatentAttention``) calls its
+``core(q, k, v, mask)`` with the rotated keys and the values of the tokens it is given.
+:class:`KVCache`
 swaps each core for one that appends those keys and values to the layer's cache and
 attends the new queries to everything cached, and sets the model's ``positions`` so that
 RoPE turns each new token by its place in the whole sequence. A forward over the prompt

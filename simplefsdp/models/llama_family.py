@@ -58,7 +58,8 @@ def _copy_full_init(model: nn.Module, cfg: JobConfig, model_cls: type = Transfor
             param.copy_(source)
 
 
-def build_model(cfg: JobConfig, mesh, device: torch.device, model_cls: type = Transformer,
+def build_model(cfg: JobConfig, mesh, dims: ParallelDims, device: torch.device,
+                model_cls: type = Transformer,
                 parallelize_fn=parallelize) -> tuple[nn.Module, nn.Module]:
     """(module to call, the underlying Transformer/stage): built on meta, split for PP,
     parallelized, then materialized on ``device`` and initialized (or, with
@@ -67,12 +68,12 @@ def build_model(cfg: JobConfig, mesh, device: torch.device, model_cls: type = Tr
     if cfg.model.init_from_hf is not None:
         from ..hf.hooks import build_llama_from_hf
 
-        return build_llama_from_hf(cfg, mesh, device, _convert)
+        return build_llama_from_hf(cfg, mesh, dims, device, _convert)
     args = cfg.model.model_args()
     with torch.device("meta"):
         model = model_cls(args)
     split_stage(model, cfg.parallel.pp, ParallelDims.local_rank(mesh, "pp"))
-    runnable = parallelize_fn(model, mesh, cfg)
+    runnable = parallelize_fn(model, mesh, dims, cfg)
     model.to_empty(device=device)
     with simplefsdp.disable_active_parametrization():
         with warnings.catch_warnings():  # CPU DTensor random ops; overwritten just below
@@ -84,7 +85,7 @@ def build_model(cfg: JobConfig, mesh, device: torch.device, model_cls: type = Tr
     return runnable, model
 
 
-def _validate(cfg: JobConfig) -> None:
+def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.model.name in MOE_PRESETS:
         raise ConfigError(f"model.name = {cfg.model.name!r} is a mixture-of-experts preset: "
                           f"set model.family = 'moe' (or leave model.family out)")

@@ -45,7 +45,7 @@ from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.expert import (
     MOE_COLUMNS,
     apply_ep,
-    check_ep,
+    check_expert_split,
     expert_figures,
     set_token_group,
     shard_experts,
@@ -56,7 +56,7 @@ from .parallelize import dp_options, parallelize, with_fp32_modules
 ROUTER_GLOB = "layers.*.feed_forward.gate"  # every MoE block's router (models/moe.Router)
 
 
-def _validate(cfg: JobConfig) -> None:
+def _validate(cfg: JobConfig, dims: ParallelDims) -> None:
     m, p = cfg.model, cfg.parallel
     if m.hf_path is not None or m.init_from_hf is not None:
         key = "hf_path" if m.hf_path is not None else "init_from_hf"
@@ -67,9 +67,9 @@ def _validate(cfg: JobConfig) -> None:
         raise ConfigError(f"model.family = 'moe' needs an MoE preset, but model.name = "
                           f"{m.name!r} is dense; choose one of {', '.join(moe.MOE_PRESETS)}")
     with config_errors():
-        check_ep(p.ep, num_experts=args.num_experts, prefix="parallel.")
+        check_expert_split(p.ep, args.num_experts, prefix="parallel.")
     if args.mla:
-        _validate_mla(cfg)
+        _validate_mla(cfg, dims)
     if args.shared_hidden_dim % p.tp:
         raise ConfigError(f"parallel.tp = {p.tp} does not divide model.shared_hidden_dim = "
                           f"{args.shared_hidden_dim} (the shared expert is split over TP); "
@@ -78,11 +78,11 @@ def _validate(cfg: JobConfig) -> None:
         _validate_export(args, p.pp)
 
 
-def _validate_mla(cfg: JobConfig) -> None:
+def _validate_mla(cfg: JobConfig, dims: ParallelDims) -> None:
     """MLA (``model.attention = "mla"``) is not yet split by tensor or context parallelism
     (their plans and ring/Ulysses cores are written for Llama's q/k/v of one head size) and
     has no Hugging Face export: refused, naming the key."""
-    p, dims = cfg.parallel, cfg.parallel.dims()
+    p = cfg.parallel
     for key, on in (("parallel.tp", p.tp > 1), ("parallel.cp_ring / parallel.cp_ulysses",
                                                 dims.cp > 1),
                     ("checkpoint.export_hf", cfg.checkpoint.export_hf)):
@@ -145,7 +145,7 @@ SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective
                   "outputs of the token all-to-alls between them, which are not repeated")
 
 
-def _parallelize(model, mesh, cfg: JobConfig):
+def _parallelize(model, mesh, dims: ParallelDims, cfg: JobConfig):
     """The dense model's parallelisms with expert parallelism before data parallel;
     compiled with graph breaks around the routed experts (:data:`COMPILE_NOTE`)."""
     if cfg.compile.enable and dist.get_rank() == 0:
@@ -153,7 +153,7 @@ def _parallelize(model, mesh, cfg: JobConfig):
         mode = cfg.activation_checkpoint.mode
         if ac_mode_run(mode, compiled=True, fullgraph=FULLGRAPH) != mode:
             print(SELECTIVE_NOTE, flush=True)
-    return parallelize(model, mesh, _with_router_fp32(cfg), before_dp=_shard_experts,
+    return parallelize(model, mesh, dims, _with_router_fp32(cfg), before_dp=_shard_experts,
                        fullgraph=FULLGRAPH)
 
 

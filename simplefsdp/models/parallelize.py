@@ -131,15 +131,15 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     return torch.compile(model, fullgraph=fullgraph, backend=backend)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, cfg: JobConfig,
+def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
                 before_dp=None, fullgraph: bool = True) -> nn.Module:
     """LoRA, CP, TP, activation checkpointing, data parallel, compile: in that order, in place
-    (the returned module is the compiled wrapper when compile is on). ``before_dp(model,
-    mesh, cfg)`` runs just before data parallel (MoE: expert parallelism); ``fullgraph``
-    is ``apply_compile``'s."""
+    (the returned module is the compiled wrapper when compile is on). ``dims``: the run's
+    ``ParallelDims``, ``mesh`` built from it. ``before_dp(model, mesh, cfg)`` runs just
+    before data parallel (MoE: expert parallelism); ``fullgraph`` is ``apply_compile``'s."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
     apply_lora(model, cfg)  # [lora]: adapters in, the rest frozen; before anything wraps
-    if cfg.parallel.dims().cp > 1:
+    if dims.cp > 1:
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if cfg.parallel.tp > 1:
         apply_tp(model, mesh["tp"], cfg.training.seq_len, cfg.parallel.vocab_sharded_loss)

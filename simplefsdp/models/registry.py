@@ -30,16 +30,21 @@ Config = Any  # a config.job.JobConfig; the registry imports no config
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One family's entry. Every callable takes the job's config first."""
+    """One family's entry. Every callable takes the job's config first (``parallelize``:
+    the model). ``dims`` is the run's ``mesh.ParallelDims`` (the trainer's ``Setup.dims``;
+    while validating, the config's sizes), ``mesh`` the mesh built from it: a family reads
+    the layout from them and never rebuilds one from ``cfg.parallel``."""
 
     name: str
     # Config checks of this family, run when the config is loaded: cheap, no model built.
-    validate: Callable[[Config], None]
+    # (cfg, dims)
+    validate: Callable[[Config, Any], None]
     # (module the loop calls, the underlying model): built, parallelized (``parallelize``),
-    # materialized on the device and initialized or loaded (``convert``).
-    build: Callable[[Config, Any, Any], tuple[Any, Any]]
-    # The parallelisms applied to a built model: (model, mesh, cfg) -> module to call.
-    parallelize: Callable[[Any, Any, Config], Any]
+    # materialized on the device and initialized or loaded (``convert``):
+    # (cfg, mesh, dims, device).
+    build: Callable[[Config, Any, Any, Any], tuple[Any, Any]]
+    # The parallelisms applied to a built model: (model, mesh, dims, cfg) -> module to call.
+    parallelize: Callable[[Any, Any, Any, Config], Any]
     # The tokenizer ``data.tokenizer`` names ('auto': this family's default).
     tokenizer: Callable[[Config], Any]
     # Refuse a tokenizer whose ids the model's embedding cannot index.

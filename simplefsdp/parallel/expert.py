@@ -40,20 +40,18 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from .._torch_compat import all_to_all_single_autograd, flatten_mesh
 from .._torch_compat.internals import module_style
-from ..mesh import CP_DIMS, ParallelDims, local_shard
+from ..mesh import CP_DIMS, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers
 from ..module_swap import derived_class
 
 
-def check_ep(ep: int, num_experts: int | None = None, dp_shard: int | None = None,
-             prefix: str = "") -> None:
-    """Raise a ValueError unless ``ep`` divides the experts and the ``dp_shard`` ranks
-    (each when given); ``prefix`` as the caller spells the sizes (``"parallel."``)."""
-    if num_experts is not None and num_experts % ep:
+def check_expert_split(ep: int, num_experts: int, prefix: str = "") -> None:
+    """Raise a ValueError unless ``ep`` divides the ``num_experts`` experts (each rank of
+    an ``ep`` group holds as many); ``prefix`` as the caller spells the sizes
+    (``"parallel."``). The ranks ``ep`` divides are ``ParallelDims.check_ep``'s rule."""
+    if num_experts % ep:
         raise ValueError(f"{prefix}ep = {ep} does not divide the {num_experts} experts; pick "
                          f"a divisor of the number of experts")
-    if dp_shard is not None:
-        ParallelDims.check_ep(ep, dp_shard, prefix)
 
 
 def apply_ep(model: nn.Module, experts_mesh: DeviceMesh) -> None:
@@ -76,7 +74,7 @@ def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     """One experts module's weights (``gate_up_proj``, ``down_proj``: experts on dim 0)
     become ``Shard(0)`` DTensors on ``ep_mesh`` (from rank 0 of each group unless on
     ``meta``), and the exchange's group is recorded (:func:`ep_forward` uses it)."""
-    check_ep(ep_mesh.size(), num_experts=experts._parameters["gate_up_proj"].shape[0])
+    check_expert_split(ep_mesh.size(), experts._parameters["gate_up_proj"].shape[0])
     for name in ("gate_up_proj", "down_proj"):
         param = experts._parameters[name]
         src = None if param.device.type == "meta" else 0
@@ -309,7 +307,7 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
             + torch.arange(total, device=sizes.device))
 
 
-__all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_ep",
+__all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_expert_split",
            "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
            "set_token_group", "shard_experts", "split_experts"]
 

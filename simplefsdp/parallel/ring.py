@@ -10,10 +10,10 @@ the *merged* output and log-sum-exp, which gives that block's exact share of dq/
 
 Two ways to bring the keys and values to the queries (``parallel.cp_rotate``):
 
-* ``"allgather"`` (:class:`RingCore`): K/V all-gathered over the ring once per layer; a
-  rank holds the whole sequence's K/V for its heads (``size`` blocks each of K and V,
-  after GQA's repeat), kept for backward; the all-gather's backward reduce-scatters
-  dK/dV. Two kernel calls per query chunk.
+* ``"allgather"`` (:class:`GatheredKVAttention`): K/V all-gathered over the ring once
+  per layer; a rank holds the whole sequence's K/V for its heads (``size`` blocks each
+  of K and V, after GQA's repeat), kept for backward; the all-gather's backward
+  reduce-scatters dK/dV. Two kernel calls per query chunk.
 * ``"ring"`` (:class:`RingPass`): K/V passed point to point around the ring, ``size``
   steps: each step a rank sends the block it holds to the next rank and receives the
   previous rank's (a ring shift: ``all_to_all_single`` with only the neighbour's split
@@ -152,7 +152,7 @@ def _visible(chunk: int, length: int, doc: torch.Tensor | None):
             yield start, end, causal, allowed
 
 
-class RingCore(torch.autograd.Function):
+class GatheredKVAttention(torch.autograd.Function):
     """Causal attention of a rank's two query chunks over the whole (naturally ordered,
     all-gathered) key/value sequence, ``(batch, heads, seq, head_dim)`` each; within
     documents with ``doc``."""
@@ -202,7 +202,8 @@ def natural_order(size: int, length: int) -> torch.Tensor:
 
 
 def _allgather_attention(q, k, v, group, rank, size, doc):
-    """:class:`RingCore` on the all-gathered K/V; ``(batch, heads, seq, head_dim)``."""
+    """:class:`GatheredKVAttention` on the all-gathered K/V; ``(batch, heads, seq,
+    head_dim)``."""
     order = natural_order(size, q.shape[2] // 2).to(q.device)
 
     def gather(x):  # (b, h, s, d) -> the whole sequence in order, (b, h, S, d)
@@ -211,7 +212,7 @@ def _allgather_attention(q, k, v, group, rank, size, doc):
 
     n_rep = q.shape[1] // k.shape[1]
     k, v = (repeat_heads(gather(x), n_rep, dim=1) for x in (k, v))
-    return RingCore.apply(q, k, v, rank, size, doc)
+    return GatheredKVAttention.apply(q, k, v, rank, size, doc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Exact causal attention of this ring rank's tokens (its two chunks, ``(batch, seq,
     heads, head_dim)``; k/v may have fewer heads) over the whole ring's sequence; within
     documents with ``doc``. ``rotate`` (``parallel.cp_rotate``): how K/V reach the
-    queries, "allgather" (:class:`RingCore`) or "ring" (:class:`RingPass`)."""
+    queries, "allgather" (:class:`GatheredKVAttention`) or "ring" (:class:`RingPass`)."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if rotate == "ring":
         out = RingPass.apply(q, k, v, group.group_name, rank, size, doc)

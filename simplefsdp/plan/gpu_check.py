@@ -33,8 +33,9 @@ def measure(cfg, gpus: int, steps: int = 3) -> dict:
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
     p = cfg.parallel.resolve(gpus)
     cfg = dataclasses.replace(cfg, parallel=p)
-    mesh = p.dims().build_mesh("cuda")
-    runnable, model = build_model(cfg, mesh, torch.device("cuda", 0))
+    dims = p.dims()
+    mesh = dims.build_mesh("cuda")
+    runnable, model = build_model(cfg, mesh, dims, torch.device("cuda", 0))
     optimizer, _ = build_optimizer(model, cfg)
     t = cfg.training
     x = torch.randint(0, cfg.model.model_args().vocab_size, (t.batch_size, t.seq_len),

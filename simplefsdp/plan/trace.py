@@ -31,11 +31,10 @@ from ..models.parallelize import parallelize
 from ..parallel.pipeline import split_stage
 from .moe import stand_in
 
-ROLES = ("full", "first", "last")
 # One fake world for the whole process, never torn down: DTensor caches sharding
 # decisions by mesh *equality*, so a rebuilt equal mesh would get stale mesh objects
 # back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``).
-FAKE_WORLD = 64  # whole model (pp = 1); first / last pipeline stage
+FAKE_WORLD = 64
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class TraceKey:
 
     model: str
     args: tuple  # fields of args_type, n_layers = traced blocks
-    role: str
+    role: str  # "full": the whole model (pp = 1); "first" / "last": a pipeline stage
     dp_mode: str
     dp_replicate: int
     dp_shard: int
@@ -198,7 +197,7 @@ def build_model(key: TraceKey):
             module.core = fused_kernel_attention
     mesh = key_mesh(key)
     dtype = DTYPES[key.param_dtype]
-    return parallelize(model, mesh, _job(key)), args, dtype
+    return parallelize(model, mesh, key.dims, _job(key)), args, dtype
 
 
 def stage_input(key: TraceKey, args, dtype: torch.dtype) -> torch.Tensor:

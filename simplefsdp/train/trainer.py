@@ -130,7 +130,7 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
     loader, tokenizer = _build_loader(cfg, tokenizer, at)
     held_out = held_out_batches(cfg, tokenizer, at)  # too few held-out windows: refused now
     phase("start-up: building the model (and loading its weights)")
-    runnable, model = family.build(cfg, mesh, device)
+    runnable, model = family.build(cfg, mesh, dims, device)
     if cfg.data.document_mask:  # our Llama (checked): attention stops at each EOS
         model.document_eos = tokenizer.eos_id
     if cfg.lora.enable:  # the adapters' start, from the seed (a resume overwrites it)

@@ -271,13 +271,6 @@ def load_record(key: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def _load_cached(key: dict[str, Any]) -> CommModel | None:
-    data = load_record(key)
-    if data is None:
-        return None
-    return dataclasses.replace(CommModel.from_dict(data["model"]), source="cache")
-
-
 def _store_cached(key: dict[str, Any], model: CommModel,
                   probe: dict[str, float] | None = None) -> None:
     path = cache_path(key)
