@@ -20,6 +20,7 @@ collective on one rank only.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal, get_args
@@ -154,12 +155,14 @@ class _ReduceOverReplicas(torch.autograd.Function):
     reduce-scatters over the shard group and then all-reduces only the reduced shard,
     as HSDP should (DTensor alone would all-reduce the full gradient first). Kept on
     the DTensor (no ``from_local`` in forward), which activation checkpointing under
-    compile cannot save."""
+    compile cannot save. ``pending`` (a local tensor or None): gradients accumulated
+    while the all-reduce was off, added before this one all-reduce."""
 
     @staticmethod
     def forward(ctx, shard: DTensor, group_name: str, reduce_op: str,
-                dtype: torch.dtype | None) -> DTensor:
+                dtype: torch.dtype | None, pending: torch.Tensor | None = None) -> DTensor:
         ctx.group_name, ctx.reduce_op, ctx.dtype = group_name, reduce_op, dtype
+        _keep_for_backward(ctx, pending)
         return shard.view_as(shard)
 
     @staticmethod
@@ -167,11 +170,62 @@ class _ReduceOverReplicas(torch.autograd.Function):
         c10d = c10d_functional
         local = grad.to_local()
         reduced = local.to(ctx.dtype) if ctx.dtype is not None else local
+        pending = _kept_for_backward(ctx)
+        if pending is not None:
+            reduced = reduced + pending.to(reduced.dtype)
         reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
                                                    ctx.group_name)).to(local.dtype)
         out = DTensor.from_local(reduced, grad.device_mesh, grad.placements, run_check=False,
                                  shape=grad.shape, stride=grad.stride())
-        return out, None, None, None
+        return out, None, None, None, None
+
+
+def _keep_for_backward(ctx, tensor: torch.Tensor | None) -> None:
+    """Keep ``tensor`` for backward. Compiled: a saved tensor (the graph's input). Eager:
+    a plain attribute, so an activation-checkpoint recomputation (which runs without it:
+    the pending gradient was consumed by the first forward) saves the same tensors."""
+    ctx.has_kept, ctx.kept = tensor is not None, tensor
+    if tensor is not None and torch.compiler.is_compiling():
+        ctx.save_for_backward(tensor)
+        ctx.kept = None
+
+
+def _kept_for_backward(ctx) -> torch.Tensor | None:
+    if not ctx.has_kept:
+        return None
+    return ctx.saved_tensors[0] if ctx.kept is None else ctx.kept
+
+
+class _GradientToSink(torch.autograd.Function):
+    """Identity on ``value`` (which does not require grad); its gradient goes to the leaf
+    ``sink`` (cast to the sink's dtype), where autograd accumulates it in ``sink.grad``.
+    Used while gradient sync (or the HSDP all-reduce) is off: the gradient stops before
+    the collective that would reduce it."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        ctx.sink_dtype = sink.dtype
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad.to(ctx.sink_dtype)
+
+
+class _AddToGradient(torch.autograd.Function):
+    """Identity in forward; backward adds ``pending`` (the gradients accumulated while
+    sync was off) to the gradient before it reaches the reduction: one collective
+    reduces the sum of every micro-step."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        _keep_for_backward(ctx, pending)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pending = _kept_for_backward(ctx)
+        return (grad.to(pending.dtype) + pending).to(grad.dtype), None
 
 
 class _ReplicateComputation:
@@ -207,26 +261,75 @@ class _ReplicateComputation:
         self.tp = tp
         self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
                                                  for d in range(dp_mesh.ndim))}
+        # Gradient sync control (``set_requires_gradient_sync`` / ``set_requires_all_reduce``).
+        # Read in forward, so a compiled graph is specialized on them (Dynamo guards on
+        # these attributes): flipping one compiles the other variant once, never a stale one.
+        self.gradient_sync = True
+        self.all_reduce = True
+        # While sync is off: leaves whose ``.grad`` accumulates the unreduced gradient,
+        # full-size (``full_sink``) or the reduce-scattered shard (``shard_sink``, HSDP
+        # with the all-reduce off). When sync comes back their sums wait in ``pending_*``
+        # until the next forward hands them to the backward that reduces them.
+        self.full_sink: torch.Tensor | None = None
+        self.shard_sink: DTensor | None = None
+        self.pending_full: torch.Tensor | None = None
+        self.pending_shard: torch.Tensor | None = None
 
-    def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
-        return self._as_tp(self._gather(sharded))
+    @property
+    def accumulation_dtype(self) -> torch.dtype | None:
+        """Unreduced gradients accumulate in the reduction dtype (as FSDP2 does)."""
+        return self.reduce_dtype or self.param_dtype
 
-    def _gather(self, sharded: DTensor) -> torch.Tensor:
+    def set_sync(self, sharded: DTensor, gradient_sync: bool, all_reduce: bool) -> None:
+        """Switch gradient sync; eager, between steps. Turning one back on moves what
+        its sink accumulated into the pending gradient of the next backward."""
+        if not sharded.requires_grad:
+            return  # frozen: never reduced anyway
+        if not gradient_sync and self.full_sink is None:
+            shape = self.tp[2] if self.tp is not None else sharded.shape
+            dtype = self.accumulation_dtype or sharded.dtype
+            # only its gradient is used: a stride-0 view costs no memory
+            self.full_sink = torch.zeros((), dtype=dtype, device=sharded.device) \
+                .expand(shape).requires_grad_()
+        if gradient_sync and self.full_sink is not None:
+            self.pending_full = _plus(self.pending_full, self.full_sink.grad)
+            self.full_sink = None
+        has_replicas = self.replica_group is not None
+        if has_replicas and not all_reduce and self.shard_sink is None:
+            self.shard_sink = torch.zeros_like(sharded, dtype=self.reduce_dtype or sharded.dtype) \
+                .requires_grad_()
+        if all_reduce and self.shard_sink is not None:
+            grad = self.shard_sink.grad
+            self.pending_shard = _plus(self.pending_shard,
+                                       None if grad is None else grad.to_local())
+            self.shard_sink = None
+        self.gradient_sync, self.all_reduce = gradient_sync, all_reduce
+
+    def replicate_compute(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
+        return self._as_tp(self._gather(sharded, replica_step))
+
+    def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         """The gathered (local, for TP: the TP shard) tensor; differentiable. Its
         collectives (and under compile their gradients' reductions) carry the
-        data-parallel groups in their node metadata (``DP_GROUPS_META``)."""
+        data-parallel groups in their node metadata (``DP_GROUPS_META``).
+        ``replica_step`` (see :meth:`_replica_step`) says what happens to the gradient
+        over the replica group."""
         with annotate(self.annotation):
-            return self._gather_local(sharded)
+            return self._gather_local(sharded, replica_step)
 
-    def _gather_local(self, sharded: DTensor) -> torch.Tensor:
+    def _gather_local(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
             shape = self.tp[2]
             sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
                                          run_check=False, shape=shape,
                                          stride=_contiguous_stride(shape))
-        if self.replica_group is not None:
-            sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
-                                                self.reduce_dtype)
+        if replica_step is not None:
+            sink, pending = replica_step
+            if sink is not None:  # all-reduce off: the shard's gradient goes to the sink
+                sharded = _GradientToSink.apply(sharded.detach(), sink)
+            else:
+                sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
+                                                    self.reduce_dtype, pending)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
@@ -244,18 +347,51 @@ class _ReplicateComputation:
         """The gathered value again, without autograd (eager backward)."""
         return self._gather(sharded)
 
+    def _replica_step(self, sharded: DTensor, to_sink: bool):
+        """(sink, pending) for the replica all-reduce of this read's gradient, or None
+        when there is none (no replica group, no gradient, or the gradient stops at the
+        full-size sink). Consumes ``pending_shard``: only one read of a tied parameter
+        adds it."""
+        if self.replica_group is None or to_sink or not _gradient_flows(sharded):
+            return None
+        if not self.all_reduce:
+            return self.shard_sink, None
+        pending, self.pending_shard = self.pending_shard, None
+        return None, pending
+
     def __call__(self, sharded: DTensor) -> torch.Tensor:
+        to_sink = not self.gradient_sync and _gradient_flows(sharded)
+        replica_step = self._replica_step(sharded, to_sink)
+        source = sharded.detach() if to_sink else sharded
         if not self.reshard_after_forward:
-            return self.replicate_compute(sharded)
-        if torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
+            local = self._gather(source, replica_step)
+        elif torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
             # Only plain tensors cross the checkpoint boundary: a DTensor output (TP) would
             # make AOTAutograd save its DeviceMesh under an enclosing activation checkpoint.
-            local = checkpoint(self._gather, sharded, use_reentrant=False,
+            local = checkpoint(self._gather, source, replica_step, use_reentrant=False,
                                context_fn=_gather_policy_contexts)
-            return self._as_tp(local)
-        local = self._gather(sharded)  # eager: saved-tensor hooks re-gather it
-        eager_reshard.note_gathered(local, sharded, self.regather)
+        else:
+            local = self._gather(source, replica_step)
+        if to_sink:  # sync off: the full gradient accumulates, unreduced
+            local = _GradientToSink.apply(local, self.full_sink)
+        elif self.pending_full is not None and _gradient_flows(sharded):
+            local = _AddToGradient.apply(local, self.pending_full)
+            self.pending_full = None  # one read (of a tied parameter) adds it
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
+            # uses: the note ends when that tensor dies (a view above keeps only storage)
+            eager_reshard.note_gathered(local, sharded, self.regather)
         return self._as_tp(local)
+
+
+def _gradient_flows(sharded: torch.Tensor) -> bool:
+    return sharded.requires_grad and torch.is_grad_enabled()
+
+
+def _plus(total: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    if total is None or more is None:
+        return more if total is None else total
+    return total + more
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -463,8 +599,44 @@ def data_parallel(
         _mark_forward(module)
     _mark_forward(model)
     model._sf_root = True
+    model.set_requires_gradient_sync = types.MethodType(set_requires_gradient_sync, model)
+    model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
     return model
+
+
+def _gathers(model: nn.Module) -> Iterator[tuple[_ReplicateComputation, DTensor]]:
+    """Each parameter's gather (once for a tied one) and its sharded parameter, including
+    those of submodules sharded by an earlier call (experts on their own mesh)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, gather in getattr(module, "_sf_compute", {}).items():
+            if id(gather) not in seen:
+                seen.add(id(gather))
+                yield gather, module._parameters[name]
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync``: with False, backward reduces nothing and
+    each parameter's full-size gradient accumulates unreduced (in the reduction dtype);
+    the next backward with True adds that sum to its own gradient and reduces it once
+    (one reduce-scatter / all-reduce per optimizer step). Bound to the model as a method
+    by :func:`data_parallel`; a compiled model compiles one graph for each setting."""
+    if not isinstance(requires_gradient_sync, bool):
+        raise TypeError(f"set_requires_gradient_sync takes a bool, got {requires_gradient_sync!r}")
+    for gather, param in _gathers(model):
+        gather.set_sync(param, requires_gradient_sync, gather.all_reduce)
+
+
+def set_requires_all_reduce(model: nn.Module, requires_all_reduce: bool) -> None:
+    """FSDP2's ``set_requires_all_reduce`` (``hybrid_shard``, also ``replicate``): with
+    False, backward still reduce-scatters over the shard group but skips the all-reduce
+    over replicas; the reduced shards accumulate and the next backward with True
+    all-reduces their sum once. No effect on ``fully_shard`` (it has no replicas)."""
+    if not isinstance(requires_all_reduce, bool):
+        raise TypeError(f"set_requires_all_reduce takes a bool, got {requires_all_reduce!r}")
+    for gather, param in _gathers(model):
+        gather.set_sync(param, gather.gradient_sync, requires_all_reduce)
 
 
 def _sharded_already(module: nn.Module) -> bool:
