@@ -21,7 +21,7 @@ collective on one rank only.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from contextlib import contextmanager
 from typing import Literal, get_args
 
@@ -515,6 +515,7 @@ def data_parallel(
     reshard_after_forward: bool = True,
     reduce_op: Literal["avg", "sum"] = "avg",
     mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
+    ignored_params: Set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
@@ -542,6 +543,13 @@ def data_parallel(
             so an fp32 module (a router, a norm) sits inside a bf16 model. Bucketing
             never merges collectives of different dtypes. A glob that matches no module
             raises.
+        ignored_params: parameters left alone (FSDP2's ``ignored_params``): they stay
+            plain parameters, are never gathered, and their gradients are never reduced
+            (each rank keeps its own); each must be a parameter of ``model``.
+
+    Frozen parameters (``requires_grad=False``, e.g. a LoRA base) are sharded and
+    gathered for compute like the others, but get no gradient and so no reduce-scatter
+    or all-reduce, in eager and compiled graphs.
     Returns:
         ``model`` itself, with its parameters sharded.
 
@@ -572,13 +580,19 @@ def data_parallel(
     if getattr(model, "_sf_root", False):
         raise ValueError("data_parallel was already applied to this model; apply it once "
                          "(a submodule may be sharded first, on its own mesh)")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: pass True (free "
+                         f"gathered parameters after forward) or False (keep them); an int "
+                         f"(reshard to a smaller group) is not supported yet")
+    ignored = _check_ignored(model, ignored_params)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
 
     sharded: dict[int, tuple[nn.Parameter, _ReplicateComputation]] = {}  # tied weights
     for module_name, module in list(model.named_modules()):
-        names = tuple(n for n, p in module._parameters.items() if p is not None)
+        names = tuple(n for n, p in module._parameters.items()
+                      if p is not None and id(p) not in ignored)
         if not names or _sharded_already(module):  # a submodule sharded on its own mesh
             continue
         compute: dict[str, _ReplicateComputation] = {}
@@ -603,6 +617,22 @@ def data_parallel(
     model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
     return model
+
+
+def _check_ignored(model: nn.Module, ignored_params: Set[nn.Parameter] | None) -> set[int]:
+    """The ids of ``ignored_params``; each must be one of ``model``'s parameters."""
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, Set):
+        raise TypeError(f"ignored_params must be a set of the model's parameters, got "
+                        f"{type(ignored_params).__name__}")
+    own = {id(p) for p in model.parameters()}
+    strangers = [p for p in ignored_params if id(p) not in own]
+    if strangers:
+        raise ValueError(f"ignored_params holds {len(strangers)} tensor(s) that are not "
+                         f"parameters of this model (shape {tuple(strangers[0].shape)}); pass "
+                         f"the model's own parameters, e.g. {{model.norm.weight}}")
+    return {id(p) for p in ignored_params}
 
 
 def _gathers(model: nn.Module) -> Iterator[tuple[_ReplicateComputation, DTensor]]:
