@@ -266,6 +266,10 @@ class _ReplicateComputation:
         # these attributes): flipping one compiles the other variant once, never a stale one.
         self.gradient_sync = True
         self.all_reduce = True
+        # What each level does given those (``set_sync``): reduce over the shard group
+        # (or, replicate, nothing to skip there) and all-reduce over the replicas.
+        self.full_on = True
+        self.replica_on = True
         # While sync is off: leaves whose ``.grad`` accumulates the unreduced gradient,
         # full-size (``full_sink``) or the reduce-scattered shard (``shard_sink``, HSDP
         # with the all-reduce off). When sync comes back their sums wait in ``pending_*``
@@ -282,28 +286,35 @@ class _ReplicateComputation:
 
     def set_sync(self, sharded: DTensor, gradient_sync: bool, all_reduce: bool) -> None:
         """Switch gradient sync; eager, between steps. Turning one back on moves what
-        its sink accumulated into the pending gradient of the next backward."""
+        its sink accumulated into the pending gradient of the next backward.
+
+        ``replicate`` skips its one collective, the all-reduce, at the replica level,
+        where the sum is added in the reduction dtype; ``fully_shard``/``hybrid_shard``
+        stop the gradient before the reduce-scatter, where the sum is added to the
+        compute-dtype gradient (exact without mixed precision; with a low-precision
+        ``param_dtype`` the sum is rounded to it once before being reduced)."""
+        self.gradient_sync, self.all_reduce = gradient_sync, all_reduce
         if not sharded.requires_grad:
             return  # frozen: never reduced anyway
-        if not gradient_sync and self.full_sink is None:
+        self.full_on = gradient_sync or self.replicated
+        self.replica_on = all_reduce and (gradient_sync or not self.replicated)
+        if not self.full_on and self.full_sink is None:
             shape = self.tp[2] if self.tp is not None else sharded.shape
             dtype = self.accumulation_dtype or sharded.dtype
             # only its gradient is used: a stride-0 view costs no memory
             self.full_sink = torch.zeros((), dtype=dtype, device=sharded.device) \
                 .expand(shape).requires_grad_()
-        if gradient_sync and self.full_sink is not None:
+        if self.full_on and self.full_sink is not None:
             self.pending_full = _plus(self.pending_full, self.full_sink.grad)
             self.full_sink = None
-        has_replicas = self.replica_group is not None
-        if has_replicas and not all_reduce and self.shard_sink is None:
+        if self.replica_group is not None and not self.replica_on and self.shard_sink is None:
             self.shard_sink = torch.zeros_like(sharded, dtype=self.reduce_dtype or sharded.dtype) \
                 .requires_grad_()
-        if all_reduce and self.shard_sink is not None:
+        if self.replica_on and self.shard_sink is not None:
             grad = self.shard_sink.grad
             self.pending_shard = _plus(self.pending_shard,
                                        None if grad is None else grad.to_local())
             self.shard_sink = None
-        self.gradient_sync, self.all_reduce = gradient_sync, all_reduce
 
     def replicate_compute(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         return self._as_tp(self._gather(sharded, replica_step))
@@ -354,13 +365,13 @@ class _ReplicateComputation:
         adds it."""
         if self.replica_group is None or to_sink or not _gradient_flows(sharded):
             return None
-        if not self.all_reduce:
+        if not self.replica_on:
             return self.shard_sink, None
         pending, self.pending_shard = self.pending_shard, None
         return None, pending
 
     def __call__(self, sharded: DTensor) -> torch.Tensor:
-        to_sink = not self.gradient_sync and _gradient_flows(sharded)
+        to_sink = not self.full_on and _gradient_flows(sharded)
         replica_step = self._replica_step(sharded, to_sink)
         source = sharded.detach() if to_sink else sharded
         if not self.reshard_after_forward:

@@ -130,8 +130,12 @@ CASES = {2: (("fully_shard", False), ("replicate", False)),
          4: (("hybrid_shard", False), ("hybrid_shard", True))}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world, compiled", [
+    pytest.param(2, False, id="2-eager", marks=pytest.mark.quick),
+    pytest.param(2, True, id="2-compiled"),
+    pytest.param(4, False, id="4-eager"),
+    pytest.param(4, True, id="4-compiled"),
+])
 def test_sync_off_accumulates_and_reduces_once(world, compiled):
     report = run_ranks(_sync_off_parity, world, CASES[world], compiled)[0]
     for (mode, all_reduce_only), (diff, ref_counts, counts) in report.items():
