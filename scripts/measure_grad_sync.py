@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from rank_runner import run_ranks  # noqa: E402
 
 import simplefsdp as sf  # noqa: E402
-from simplefsdp.data_parallel import _gathers  # noqa: E402
+from simplefsdp.gradient_sync import gathers  # noqa: E402
 from simplefsdp.models.llama import LLAMA3_PRESETS, Transformer  # noqa: E402
 
 MICRO, BATCH, SEQ = 4, 2, 64
@@ -52,7 +52,7 @@ def _profile(fn) -> tuple[dict, dict]:
 def _unreduced_bytes(model: torch.nn.Module) -> int:
     """Bytes of the gradients accumulated unreduced (sync off) on this rank."""
     total = 0
-    for gather, _ in _gathers(model):
+    for gather, _ in gathers(model):
         for sink in (gather.full_sink, gather.shard_sink):
             if sink is not None and sink.grad is not None:
                 grad = sink.grad

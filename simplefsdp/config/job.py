@@ -142,10 +142,9 @@ class TrainingConfig:
     eps: float = 1e-8  # AdamW's term added to the denominator, for numerical stability
     max_norm: float = 1.0  # gradient clipping: the global gradient norm is scaled to at most this
     grad_accum_steps: int = 1  # micro-steps (forward + backward) per optimizer step
-    # When gradients are reduced with grad_accum_steps > 1: "every_microstep" reduces each
-    # micro-step's gradients (sharded gradient memory); "last_microstep" turns sync off
-    # (set_requires_gradient_sync) until the last micro-step, which reduces the sum once:
-    # 1/grad_accum_steps of the reduce-scatters/all-reduces, full-size gradient memory.
+    # "every_microstep" reduces each micro-step's gradients; "last_microstep" accumulates
+    # them unreduced (full-size gradient memory) and reduces the sum once, on the last
+    # micro-step: 1/grad_accum_steps of the reduce-scatters/all-reduces.
     gradient_sync: Literal["every_microstep", "last_microstep"] = "every_microstep"
     seed: int = 0  # initialization and data order
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
