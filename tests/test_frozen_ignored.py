@@ -133,7 +133,12 @@ def _bad_ignored(rank: int, world: int) -> None:
         sf.data_parallel(Toy(), mesh, ignored_params=[Toy().norm.weight])
     with pytest.raises(ValueError, match=r"reshard_after_forward=2: pass True"):
         sf.data_parallel(Toy(), mesh, reshard_after_forward=2)
+    model = sf.data_parallel(Toy(), mesh)
+    with pytest.raises(TypeError, match="set_requires_gradient_sync takes a bool, got 0"):
+        model.set_requires_gradient_sync(0)
+    with pytest.raises(TypeError, match="set_requires_all_reduce takes a bool, got None"):
+        model.set_requires_all_reduce(None)
 
 
-def test_bad_ignored_params_and_reshard_refused():
+def test_bad_ignored_params_reshard_and_sync_flags_refused():
     run_ranks(_bad_ignored, 2)
