@@ -8,6 +8,7 @@ first all-gather mismatch, and gloo only says "collective mismatch").
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch.distributed as dist
@@ -82,3 +83,19 @@ def _first_difference(everyone: list[list[tuple]], ranks: list[int]) -> str | No
                 return (f"parameter {name!r} is {list(s0)} {d0} on rank {ranks[0]} but "
                         f"{list(s1)} {d1} on rank {rank}")
     return None
+
+
+def check_ignored(model: nn.Module, ignored_params: Set[nn.Parameter] | None) -> set[int]:
+    """The ids of ``ignored_params``; each must be one of ``model``'s parameters."""
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, Set):
+        raise TypeError(f"ignored_params must be a set of the model's parameters, got "
+                        f"{type(ignored_params).__name__}")
+    own = {id(p) for p in model.parameters()}
+    strangers = [p for p in ignored_params if id(p) not in own]
+    if strangers:
+        raise ValueError(f"ignored_params holds {len(strangers)} tensor(s) that are not "
+                         f"parameters of this model (shape {tuple(strangers[0].shape)}); pass "
+                         f"the model's own parameters, e.g. {{model.norm.weight}}")
+    return {id(p) for p in ignored_params}

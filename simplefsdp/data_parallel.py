@@ -20,7 +20,8 @@ collective on one rank only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Iterator, Mapping, Set
 from contextlib import contextmanager
 from typing import Literal, get_args
 
@@ -51,8 +52,16 @@ from ._torch_compat import (
     root_mesh,
     slice_flattened,
 )
-from .checks import check_model
+from .checks import check_ignored, check_model
 from .gloo_kernel import install_gloo_collectives, uses_gloo
+from .gradient_sync import (
+    GradientSyncControl,
+    GradientToSink,
+    ReduceOverReplicas,
+    gradient_flows,
+    set_requires_all_reduce,
+    set_requires_gradient_sync,
+)
 from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
@@ -146,35 +155,7 @@ def _gather_policy_contexts():
     return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
-class _ReduceOverReplicas(torch.autograd.Function):
-    """Identity in forward on the sharded (Replicate, Shard) parameter; in backward,
-    all-reduce its gradient's local shard over the HSDP replica group (in ``dtype``).
-
-    With the gather's gradient labelled (Replicate, Partial), backward first
-    reduce-scatters over the shard group and then all-reduces only the reduced shard,
-    as HSDP should (DTensor alone would all-reduce the full gradient first). Kept on
-    the DTensor (no ``from_local`` in forward), which activation checkpointing under
-    compile cannot save."""
-
-    @staticmethod
-    def forward(ctx, shard: DTensor, group_name: str, reduce_op: str,
-                dtype: torch.dtype | None) -> DTensor:
-        ctx.group_name, ctx.reduce_op, ctx.dtype = group_name, reduce_op, dtype
-        return shard.view_as(shard)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):
-        c10d = c10d_functional
-        local = grad.to_local()
-        reduced = local.to(ctx.dtype) if ctx.dtype is not None else local
-        reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), ctx.reduce_op,
-                                                   ctx.group_name)).to(local.dtype)
-        out = DTensor.from_local(reduced, grad.device_mesh, grad.placements, run_check=False,
-                                 shape=grad.shape, stride=grad.stride())
-        return out, None, None, None
-
-
-class _ReplicateComputation:
+class _ReplicateComputation(GradientSyncControl):
     """Turns a sharded DTensor parameter into the full tensor used by the computation.
 
     For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
@@ -197,9 +178,9 @@ class _ReplicateComputation:
         self.dp_placements = dp_placements
         self.compute_placements = (Replicate(),) * dp_mesh.ndim
         self.grad_placements = (Partial(reduce_op),) * dp_mesh.ndim
-        if self.hybrid:  # replicas: reduced by _ReduceOverReplicas, after the shard dim
+        if self.hybrid:  # replicas: reduced by ReduceOverReplicas, after the shard dim
             self.grad_placements = (Replicate(), Partial(reduce_op))
-        elif self.replicated:  # all-reduced by _ReduceOverReplicas, inside the gather's
+        elif self.replicated:  # all-reduced by ReduceOverReplicas, inside the gather's
             self.grad_placements = (Replicate(),)  # annotation (DP_GROUPS_META)
         self.param_dtype = mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
@@ -207,26 +188,32 @@ class _ReplicateComputation:
         self.tp = tp
         self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
                                                  for d in range(dp_mesh.ndim))}
+        self.init_sync()
+    def replicate_compute(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
+        return self._as_tp(self._gather(sharded, replica_step))
 
-    def replicate_compute(self, sharded: DTensor) -> torch.Tensor:
-        return self._as_tp(self._gather(sharded))
-
-    def _gather(self, sharded: DTensor) -> torch.Tensor:
+    def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         """The gathered (local, for TP: the TP shard) tensor; differentiable. Its
         collectives (and under compile their gradients' reductions) carry the
-        data-parallel groups in their node metadata (``DP_GROUPS_META``)."""
+        data-parallel groups in their node metadata (``DP_GROUPS_META``).
+        ``replica_step`` (see :meth:`_replica_step`) says what happens to the gradient
+        over the replica group."""
         with annotate(self.annotation):
-            return self._gather_local(sharded)
+            return self._gather_local(sharded, replica_step)
 
-    def _gather_local(self, sharded: DTensor) -> torch.Tensor:
+    def _gather_local(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         if self.tp is not None:  # view our piece as a DTensor on the DP mesh alone
             shape = self.tp[2]
             sharded = DTensor.from_local(sharded.to_local(), self.dp_mesh, self.dp_placements,
                                          run_check=False, shape=shape,
                                          stride=_contiguous_stride(shape))
-        if self.replica_group is not None:
-            sharded = _ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
-                                                self.reduce_dtype)
+        if replica_step is not None:
+            sink, pending = replica_step
+            if sink is not None:  # all-reduce off: the shard's gradient goes to the sink
+                sharded = GradientToSink.apply(sharded.detach(), sink)
+            else:
+                sharded = ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
+                                                    self.reduce_dtype, pending)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
@@ -245,16 +232,23 @@ class _ReplicateComputation:
         return self._gather(sharded)
 
     def __call__(self, sharded: DTensor) -> torch.Tensor:
+        to_sink = not self.full_on and gradient_flows(sharded)
+        replica_step = self.replica_step(sharded, to_sink)
+        source = sharded.detach() if to_sink else sharded
         if not self.reshard_after_forward:
-            return self.replicate_compute(sharded)
-        if torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
+            local = self._gather(source, replica_step)
+        elif torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
             # Only plain tensors cross the checkpoint boundary: a DTensor output (TP) would
             # make AOTAutograd save its DeviceMesh under an enclosing activation checkpoint.
-            local = checkpoint(self._gather, sharded, use_reentrant=False,
+            local = checkpoint(self._gather, source, replica_step, use_reentrant=False,
                                context_fn=_gather_policy_contexts)
-            return self._as_tp(local)
-        local = self._gather(sharded)  # eager: saved-tensor hooks re-gather it
-        eager_reshard.note_gathered(local, sharded, self.regather)
+        else:
+            local = self._gather(source, replica_step)
+        local = self.route_gradient(local, sharded, to_sink)
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
+            # uses: the note ends when that tensor dies (a view above keeps only storage)
+            eager_reshard.note_gathered(local, sharded, self.regather)
         return self._as_tp(local)
 
 
@@ -379,6 +373,7 @@ def data_parallel(
     reshard_after_forward: bool = True,
     reduce_op: Literal["avg", "sum"] = "avg",
     mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
+    ignored_params: Set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
@@ -406,6 +401,13 @@ def data_parallel(
             so an fp32 module (a router, a norm) sits inside a bf16 model. Bucketing
             never merges collectives of different dtypes. A glob that matches no module
             raises.
+        ignored_params: parameters left alone (FSDP2's ``ignored_params``): they stay
+            plain parameters, are never gathered, and their gradients are never reduced
+            (each rank keeps its own); each must be a parameter of ``model``.
+
+    Frozen parameters (``requires_grad=False``, e.g. a LoRA base) are sharded and
+    gathered for compute like the others, but get no gradient and so no reduce-scatter
+    or all-reduce, in eager and compiled graphs.
     Returns:
         ``model`` itself, with its parameters sharded.
 
@@ -436,13 +438,19 @@ def data_parallel(
     if getattr(model, "_sf_root", False):
         raise ValueError("data_parallel was already applied to this model; apply it once "
                          "(a submodule may be sharded first, on its own mesh)")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: pass True (free "
+                         f"gathered parameters after forward) or False (keep them); an int "
+                         f"(reshard to a smaller group) is not supported yet")
+    ignored = check_ignored(model, ignored_params)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
 
     sharded: dict[int, tuple[nn.Parameter, _ReplicateComputation]] = {}  # tied weights
     for module_name, module in list(model.named_modules()):
-        names = tuple(n for n, p in module._parameters.items() if p is not None)
+        names = tuple(n for n, p in module._parameters.items()
+                      if p is not None and id(p) not in ignored)
         if not names or _sharded_already(module):  # a submodule sharded on its own mesh
             continue
         compute: dict[str, _ReplicateComputation] = {}
@@ -463,6 +471,8 @@ def data_parallel(
         _mark_forward(module)
     _mark_forward(model)
     model._sf_root = True
+    model.set_requires_gradient_sync = types.MethodType(set_requires_gradient_sync, model)
+    model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
     return model
 

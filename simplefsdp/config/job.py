@@ -143,6 +143,10 @@ class TrainingConfig:
     eps: float = 1e-8  # AdamW's term added to the denominator, for numerical stability
     max_norm: float = 1.0  # gradient clipping: the global gradient norm is scaled to at most this
     grad_accum_steps: int = 1  # micro-steps (forward + backward) per optimizer step
+    # "every_microstep" reduces each micro-step's gradients; "last_microstep" accumulates
+    # them unreduced (full-size gradient memory) and reduces the sum once, on the last
+    # micro-step: 1/grad_accum_steps of the reduce-scatters/all-reduces.
+    gradient_sync: Literal["every_microstep", "last_microstep"] = "every_microstep"
     seed: int = 0  # initialization and data order
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
     mixed_precision_reduce: DType = "float32"  # dtype of gradient reduction
@@ -338,6 +342,10 @@ class JobConfig:
         if not hf_model:
             check_seq_len(t.seq_len, args)
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
+        if t.gradient_sync == "last_microstep" and p.pp > 1:
+            raise ConfigError("training.gradient_sync = 'last_microstep' is not supported with "
+                              f"parallel.pp = {p.pp} yet: use training.gradient_sync = "
+                              "'every_microstep' (the default) with pipeline parallelism")
         if world_size is not None:
             p = p.resolve(world_size)  # the world first; then dp_mode on the sizes
         dims = p.dims()  # the sizes' one view while validating; a run builds its own

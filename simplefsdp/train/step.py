@@ -89,8 +89,10 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
     step_loss = torch.zeros((), device=s.device)
     aux_of, step_aux = s.cfg.model.family_entry().aux_loss, None
     with loss_context(s.cfg.parallel.vocab_sharded_loss):  # the backward too
-        for inputs, targets in batches:
+        for index, (inputs, targets) in enumerate(batches):
             inputs, targets = inputs.to(s.device), targets.to(s.device)
+            if s.cfg.training.gradient_sync == "last_microstep":  # reduce the sum once
+                s.model.set_requires_gradient_sync(index == len(batches) - 1)
             if s.pipeline_schedule is None:
                 loss = token_loss_sum(s.runnable(inputs), targets) / global_tokens
                 step_loss += loss.detach()
