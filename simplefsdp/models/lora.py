@@ -34,8 +34,7 @@ from ..state_dict import unwrapped_name
 
 ADAPTER = "default"  # peft's adapter name: one adapter per run
 ADAPTER_FOLDER = "lora"  # under metrics.output_dir
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name (its config writes its own)
 
 
 def is_adapter(name: str) -> bool:
