@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from ..config.job import CompileBackend, Device, ModelConfig, check_seq_len
+from ..config.job import CompileBackend, Device, ModelConfig
 from ..config.reader import config_help, read_config, split_argv
+from ..config.shapes import check_seq_len
 from ..errors import ConfigError, require
 from ..models.llama import ModelArgs
 from ..models.moe import MOE_PRESETS

@@ -26,12 +26,13 @@ from ..data_parallel import Mode
 from ..errors import ConfigError, choices, config_errors, require
 from ..mesh import ParallelDims
 from ..models import registry
-from ..models.llama import LLAMA3_PRESETS, ModelArgs, ffn_hidden_dim
+from ..models.llama import LLAMA3_PRESETS, ModelArgs
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
+from .shapes import check_pipeline, check_seq_len, check_tp
 from .watch import ProfilingConfig, ValidationConfig, check_profiling, check_validation
 
 DType = Literal["float32", "bfloat16"]
@@ -431,37 +432,6 @@ def _check_cp(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
         return
     with config_errors():
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
-
-
-def check_tp(args: ModelArgs, tp: int) -> None:
-    """Raise a ConfigError if the model's heads or FFN width cannot be split ``tp`` ways."""
-    for what, value in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
-                        ("the FFN hidden size", ffn_hidden_dim(args))):
-        if value % tp:
-            raise ConfigError(f"parallel.tp = {tp} does not divide {what} = {value}")
-
-
-def check_pipeline(args: ModelArgs, pp: int) -> None:
-    """Raise a ConfigError if the model cannot be cut into ``pp`` pipeline stages: each
-    stage needs a block, and tied embeddings would need the embedding and the output
-    (first and last stage) on one rank. ``pipeline.split_stage`` relies on this."""
-    if pp == 1:
-        return
-    if args.n_layers < pp:
-        raise ConfigError(f"parallel.pp = {pp} stages need at least {pp} layers, the model "
-                          f"has model.n_layers = {args.n_layers}")
-    if args.tie_embeddings:
-        raise ConfigError("model.tie_embeddings = true cannot be split into pipeline stages "
-                          "(parallel.pp > 1): the embedding and the output live on "
-                          "different ranks")
-
-
-def check_seq_len(seq_len: int, args: ModelArgs) -> None:
-    """Raise a ConfigError if ``training.seq_len`` exceeds the model's ``max_seq_len``."""
-    if seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len = {seq_len} exceeds the model's max_seq_len = "
-                          f"{args.max_seq_len}; lower training.seq_len or raise "
-                          f"model.max_seq_len")
 
 
 def _check_shapes(args: ModelArgs, p: ParallelConfig) -> None:

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.job import check_pipeline
+from ..config.shapes import check_pipeline
 from ..mesh import ParallelDims
 from ..models.llama import Transformer
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
     """Block indices of ``stage``: an even split, the first stages take the remainder.
-    Needs ``n_layers >= pp`` (``config.job.check_pipeline``)."""
+    Needs ``n_layers >= pp`` (``config.shapes.check_pipeline``)."""
     base, extra = divmod(n_layers, pp)
     start = stage * base + min(stage, extra)
     return list(range(start, start + base + (stage < extra)))
@@ -33,7 +33,7 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
 
 def split_stage(model: Transformer, pp: int, stage: int) -> Transformer:
     """Delete in place what ``stage`` of ``pp`` does not run; returns ``model``. Raises a
-    ConfigError if the model cannot be split (``config.job.check_pipeline``)."""
+    ConfigError if the model cannot be split (``config.shapes.check_pipeline``)."""
     check_pipeline(model.args, pp)
     if pp == 1:
         return model

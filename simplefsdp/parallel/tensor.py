@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config.job import check_tp
+from ..config.shapes import check_tp
 from ..errors import ConfigError
 from ..mesh import local_shard
 from ..models.llama import Transformer
