@@ -189,8 +189,6 @@ class _ReplicateComputation(GradientSyncControl):
         self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
                                                  for d in range(dp_mesh.ndim))}
         self.init_sync()
-    def replicate_compute(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
-        return self._as_tp(self._gather(sharded, replica_step))
 
     def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
         """The gathered (local, for TP: the TP shard) tensor; differentiable. Its
