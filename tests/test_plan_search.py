@@ -8,6 +8,8 @@ caches emptied per call) and traces as little as it can.
 
 from __future__ import annotations
 
+import pytest
+
 from simplefsdp.config.job import load_config
 
 # The anomaly's own layout: 405B, tp 8 (sequence parallel), bf16 compute, selective AC,
@@ -96,6 +98,11 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     # the CLI's default, --keep 3 (every graph traced by now: this adds predictions only)
     keep3_stats: dict = {}
     keep3 = search(cfg, gpus, "h100-sxm", per_node, keep=3, stats=keep3_stats)
+    traces = trace.cache_info()._asdict()
+    # the pruned search again in two worker processes (tp 1 and tp 2), each tracing its
+    # own graphs (not this process's cache, whose counts are read above)
+    workers_stats: dict = {}
+    workers = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=workers_stats, workers=2)
     configs = {(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.pp,
                 c.activation_checkpoint.mode, c.training.batch_size): c
                for c in layouts(cfg, gpus, per_node)}
@@ -103,19 +110,28 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     bounds = [(speed_bound(configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac,
                                     r.batch_size)], gpus, dev), r.tokens_per_s_per_gpu)
               for r in full]
-    return ([r.to_dict() for r in pruned], [r.to_dict() for r in full], pruned_stats,
-            full_stats, bounds, trace.cache_info()._asdict(), [r.to_dict() for r in keep3],
-            keep3_stats)
+    rows = {"pruned": pruned, "full": full, "keep3": keep3, "workers": workers}
+    return ({k: [r.to_dict() for r in v] for k, v in rows.items()},
+            {"pruned": pruned_stats, "full": full_stats, "keep3": keep3_stats,
+             "workers": workers_stats}, bounds, traces)
 
 
-def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(planner):
+@pytest.fixture(scope="module")
+def searches(planner):
+    """The searches of SMALL on 2 GPUs of 2 per node (tp 1 and 2, pp 1 and 2), in one
+    planner call: keep 1, exhaustive, keep 3, and keep 1 in two worker processes."""
+    return planner(_keep_vs_exhaustive, *SMALL, 2, 2)
+
+
+def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
     """``keep = 1`` skips the layouts whose speed bound (compute FLOPs at the roofline)
     cannot beat the best found, and gives the exhaustive search's best row; ``keep = 3``
     (the CLI's default) gives its first 3 rows; the bound holds for every layout
     predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
     under PP) trace them once."""
-    pruned, full, pruned_stats, full_stats, bounds, traces, keep3, keep3_stats = planner(
-        _keep_vs_exhaustive, *SMALL, 4, 2)
+    rows, stats, bounds, traces = searches
+    pruned, full, keep3 = rows["pruned"], rows["full"], rows["keep3"]
+    pruned_stats, full_stats, keep3_stats = stats["pruned"], stats["full"], stats["keep3"]
     # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
     assert keep3[:3] == full[:3] and all(r["fits"] for r in full[:3])
     assert keep3_stats["bound"] > 0 and keep3_stats["traces"] == 0
@@ -155,23 +171,14 @@ def test_keep_bar_is_the_kth_best_fitting_speed():
     assert (seeded.beaten(4.9), seeded.beaten(5.0)) == (True, False)
 
 
-def _workers_vs_one(path, overrides):
-    from simplefsdp.plan.search import search
-
-    cfg = load_config(path, overrides)
-    one, two = {}, {}
-    rows_one = search(cfg, 2, "h100-sxm", 2, keep=1, stats=one)
-    rows_two = search(cfg, 2, "h100-sxm", 2, keep=1, stats=two, workers=2)
-    return [r.to_dict() for r in rows_one], [r.to_dict() for r in rows_two], one, two
-
-
-def test_search_workers_split_by_tp(planner):
+def test_search_workers_split_by_tp(searches):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
     best row as one process, and report their traces."""
-    one, two, stats_one, stats_two = planner(_workers_vs_one, *SMALL)
-    assert one[0] == two[0]
-    assert stats_one["traces"] > 0 and stats_two["traces"] > 0
-    assert stats_one["predicted"] == len(one) and stats_two["predicted"] == len(two)
+    rows, stats, _, _ = searches
+    assert rows["pruned"][0] == rows["workers"][0]
+    assert stats["pruned"]["traces"] > 0 and stats["workers"]["traces"] > 0
+    for name in ("pruned", "workers"):
+        assert stats[name]["predicted"] == len(rows[name]), name
 
 # The debug model (4 heads, bf16 compute) with a 131,072-token vocabulary at 65,536
 # tokens, 2 GPUs of 1 per node (tp 1): its loss alone, by hand, needs the bf16 logits,
