@@ -14,7 +14,7 @@ Phases (where in step ``step`` rank ``rank`` dies):
 * ``manifest``: the checkpoint is renamed to ``step-<N>`` but its manifest not written.
 
 Unset, nothing is hooked and :func:`point` costs a dictionary lookup. ``scripts/
-fault_injection.py`` drives this; ``tests/test_elastic.py`` uses two fixed kills.
+fault_injection.py`` drives this; ``tests/test_restarts.py`` uses two fixed kills.
 """
 
 from __future__ import annotations
