@@ -194,8 +194,8 @@ class _ReplicateComputation(GradientSyncControl):
         """The gathered (local, for TP: the TP shard) tensor; differentiable. Its
         collectives (and under compile their gradients' reductions) carry the
         data-parallel groups in their node metadata (``DP_GROUPS_META``).
-        ``replica_step`` (see :meth:`_replica_step`) says what happens to the gradient
-        over the replica group."""
+        ``replica_step`` (see :meth:`GradientSyncControl.replica_step`) says what happens
+        to the gradient over the replica group."""
         with annotate(self.annotation):
             return self._gather_local(sharded, replica_step)
 
@@ -233,11 +233,10 @@ class _ReplicateComputation(GradientSyncControl):
         to_sink = not self.full_on and gradient_flows(sharded)
         replica_step = self.replica_step(sharded, to_sink)
         source = sharded.detach() if to_sink else sharded
-        if not self.reshard_after_forward:
-            local = self._gather(source, replica_step)
-        elif torch.compiler.is_compiling():  # the partitioner recomputes the tagged gather
-            # Only plain tensors cross the checkpoint boundary: a DTensor output (TP) would
-            # make AOTAutograd save its DeviceMesh under an enclosing activation checkpoint.
+        if self.reshard_after_forward and torch.compiler.is_compiling():
+            # the partitioner recomputes the tagged gather. Only plain tensors cross the
+            # checkpoint boundary: a DTensor output (TP) would make AOTAutograd save its
+            # DeviceMesh under an enclosing activation checkpoint.
             local = checkpoint(self._gather, source, replica_step, use_reentrant=False,
                                context_fn=_gather_policy_contexts)
         else:
