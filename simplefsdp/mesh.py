@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._torch_compat import flatten_mesh, slice_flattened
 
@@ -429,3 +429,11 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (``to_local()``); a plain tensor as it is. The one
     helper for code that works on sharded and unsharded tensors alike."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` (the whole tensor, the same on every rank) into ``param``: this rank's
+    piece of it for a DTensor, all of it for a plain tensor. Nothing is communicated."""
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    local_shard(param).copy_(local_shard(full))

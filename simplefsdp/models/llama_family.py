@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import simplefsdp
 from simplefsdp.state_dict import unwrapped_name
@@ -27,7 +26,7 @@ from simplefsdp.state_dict import unwrapped_name
 from ..config.job import JobConfig
 from ..corpus.text import build_tokenizer
 from ..errors import ConfigError
-from ..mesh import ParallelDims
+from ..mesh import ParallelDims, copy_into_shard
 from ..models import registry
 from ..models.llama import Transformer, flops_per_token
 from ..models.lora import is_adapter
@@ -49,13 +48,7 @@ def _copy_full_init(model: nn.Module, cfg: JobConfig, model_cls: type = Transfor
     for name, param in model.named_parameters():
         if is_adapter(name):  # LoRA: models.lora.init_adapters sets them
             continue
-        source = full[unwrapped_name(name)]
-        if isinstance(param, DTensor):
-            piece = distribute_tensor(source, param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            param.to_local().copy_(piece)
-        else:
-            param.copy_(source)
+        copy_into_shard(param, full[unwrapped_name(name)])
 
 
 def build_model(cfg: JobConfig, mesh, dims: ParallelDims, device: torch.device,

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..config.lora import lora_targets
 from ..errors import ConfigError
+from ..mesh import copy_into_shard
 from ..state_dict import unwrapped_name
 
 ADAPTER = "default"  # peft's adapter name: one adapter per run
@@ -97,12 +98,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             full = torch.zeros(param.shape, dtype=param.dtype)
             if ".lora_A." in f".{name}.":
                 nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-            if isinstance(param, DTensor):
-                piece = distribute_tensor(full, param.device_mesh, param.placements,
-                                          src_data_rank=None).to_local()
-                param.to_local().copy_(piece)
-            else:
-                param.copy_(full)
+            copy_into_shard(param, full)
 
 
 def trainable_summary(model: nn.Module) -> str:
