@@ -52,3 +52,11 @@ def planner():
     finally:
         os.kill(worker, signal.SIGKILL)
         pool.shutdown(wait=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every pytest process (the main one, or each pytest-xdist worker) stops the rank
+    processes' forkserver before it exits (``rank_runner.stop_forkserver``)."""
+    from rank_runner import stop_forkserver
+
+    stop_forkserver()

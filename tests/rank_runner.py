@@ -42,6 +42,20 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dyn
            "matplotlib.pyplot", "transformers.modeling_utils"]
 
 
+def stop_forkserver() -> None:
+    """Stop the forkserver the rank processes came from, if one runs, and wait for it.
+    Python 3.11 leaves it running when the interpreter exits, so no one would wait for
+    it: its ranks (which it reaped) would be lost to the CPU-time count of
+    ``scripts/test_cpu.py``, and a pytest-xdist worker would leave it behind.
+    ``conftest.pytest_sessionfinish`` calls it in every pytest process."""
+    import multiprocessing.forkserver as forkserver
+
+    server = forkserver._forkserver
+    stop = getattr(server, "_stop", None)
+    if stop is not None and getattr(server, "_forkserver_pid", None) is not None:
+        stop()
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
