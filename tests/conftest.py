@@ -55,8 +55,11 @@ def planner():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Every pytest process (the main one, or each pytest-xdist worker) stops the rank
-    processes' forkserver before it exits (``rank_runner.stop_forkserver``)."""
-    from rank_runner import stop_forkserver
+    """Every pytest process that ran ranks (the main one, or a pytest-xdist worker) stops
+    their forkserver before it exits (``rank_runner.stop_forkserver``); a process that
+    never imported ``rank_runner`` started none."""
+    import sys
 
-    stop_forkserver()
+    runner = sys.modules.get("rank_runner")
+    if runner is not None:
+        runner.stop_forkserver()
