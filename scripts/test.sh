@@ -21,4 +21,4 @@ if [[ "${1:-}" == "--quick" ]]; then
     tier=(-m quick)
 fi
 python -m pytest -q --durations=40 -n "${SIMPLEFSDP_TEST_WORKERS:-2}" --dist loadfile \
-    "${tier[@]}" "$@"
+    --no-loadscope-reorder "${tier[@]}" "$@"
