@@ -21,14 +21,14 @@ def release_mesh_groups() -> int:
     joining its threads while the interpreter is whole. Every group is already destroyed
     when this runs, so no mesh was usable anyway."""
     import gc
-    import warnings
 
     from torch.distributed.device_mesh import DeviceMesh
 
     dropped = 0
-    with warnings.catch_warnings():  # isinstance on some torch objects warns (deprecations)
-        warnings.simplefilter("ignore")
-        meshes = [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]
+    # the object's own type, not isinstance: isinstance reads ``__class__``, which a
+    # weakref.proxy forwards to its referent, and one whose referent is gone raises
+    # ReferenceError (compiled graphs under activation checkpointing leave such proxies)
+    meshes = [obj for obj in gc.get_objects() if issubclass(type(obj), DeviceMesh)]
     for mesh in meshes:
         registry = getattr(mesh, "_pg_registry", None)
         if registry:
