@@ -53,6 +53,7 @@ from ._torch_compat import (
     slice_flattened,
 )
 from .checks import check_ignored, check_model
+from .float8 import Float8Weight, float8_gather_for, install_float8_scales
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .gradient_sync import (
     GradientSyncControl,
@@ -186,6 +187,7 @@ class _ReplicateComputation(GradientSyncControl):
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
+        self.float8_gather = None  # set by data_parallel for a float8-gathered weight
         self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
                                                  for d in range(dp_mesh.ndim))}
         self.init_sync()
@@ -212,12 +214,24 @@ class _ReplicateComputation(GradientSyncControl):
             else:
                 sharded = ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
                                                     self.reduce_dtype, pending)
+        if self.float8_gather is not None:  # (gradient path, float8 data, scale): float8.py
+            return self.float8_gather(sharded)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
             backward_dtype=self.reduce_dtype,
         )
         return gathered.to_local(grad_placements=self.grad_placements)
+
+    def _float8_weight(self, parts: tuple, sharded: DTensor, to_sink: bool) -> Float8Weight:
+        """The float8-gathered weight for the float8 matmul: the gradient goes through the
+        full-shape stand-in (routed as a gathered tensor's); in eager, the float8 copy is
+        freed after forward and gathered again for backward like any gathered copy."""
+        grad_path, data, scale = parts
+        grad_path = self.route_gradient(grad_path, sharded, to_sink)
+        if self.reshard_after_forward and not torch.compiler.is_compiling():
+            eager_reshard.note_gathered(data, sharded, lambda s: self.regather(s)[1])
+        return Float8Weight(data, scale, grad_path)
 
     def _as_tp(self, local: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -241,6 +255,8 @@ class _ReplicateComputation(GradientSyncControl):
                                context_fn=_gather_policy_contexts)
         else:
             local = self._gather(source, replica_step)
+        if self.float8_gather is not None:
+            return self._float8_weight(local, sharded, to_sink)
         local = self.route_gradient(local, sharded, to_sink)
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
@@ -459,6 +475,7 @@ def data_parallel(
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
                                                reshard_after_forward, tp)
+                gather.float8_gather = float8_gather_for(module, name, gather)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]
             module._parameters[name] = new
@@ -471,6 +488,7 @@ def data_parallel(
     model.set_requires_gradient_sync = types.MethodType(set_requires_gradient_sync, model)
     model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
+    install_float8_scales(model)  # float8-gathered weights: one amax all-reduce per forward
     return model
 
 
