@@ -165,7 +165,8 @@ class Float8Linear(nn.Linear):
             out = _Float8Matmul.apply(flat, weight, None, None,
                                       self.float8_recipe == "rowwise")
         out = out.reshape(*x.shape[:-1], out.shape[-1])
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        bias = self.bias  # read once: under data_parallel each read gathers
+        return out if bias is None else out + bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, float8={self.float8_recipe}"
