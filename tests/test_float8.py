@@ -203,6 +203,10 @@ def test_float8_gather_moves_half_the_bytes(bytes_runs):
         assert _gathered(g8, torch.bfloat16) == 0, name  # none gathered in bf16 as well
         amax = [c["bytes"] for c in g8 if c["kind"] == "all_reduce"]
         assert amax == ([scales] if name == "forward" else []), name
+    # gradients stay high precision: every reduce-scatter runs in the reduce dtype
+    scatters = [c["dtype"] for _, cs in graphs8 for c in cs if c["kind"] == "reduce_scatter"]
+    scatters += [d for k, d, _ in eager8 if k == "reduce_scatter"]
+    assert len(scatters) > 8 and set(scatters) == {torch.float32}
 
 
 def _gathered(collectives: list[dict], dtype: torch.dtype, world: int = 2) -> int:
@@ -222,3 +226,146 @@ def test_buckets_never_mix_dtypes(bytes_runs):
     assert any(len(c["members"]) > 1 and c["dtype"] == torch.uint8 for c in gathers)
     for c in gathers:
         assert {d for d, _ in c["members"]} == {c["dtype"]}, c
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints and export: float8 is a compute and communication format.
+# ---------------------------------------------------------------------------------------
+def _toy(rank: int, world: int, float8: bool):
+    torch.manual_seed(rank + 10 * float8)  # different starting values: loading must move them
+    model = Toy()
+    if float8:
+        sf.convert_to_float8(model, all_gather=True)
+    mp = sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return sf.data_parallel(model, sf.make_mesh(dp_shard=world, device_type="cpu"),
+                            mp_policy=mp)
+
+
+def _step(model, rank: int, world: int, step: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, global_batch(step, world)[2 * rank:2 * rank + 2]).backward()
+    opt.step()
+
+
+def _same_state(a, b) -> bool:
+    return all(torch.equal(_full(x), _full(y)) for x, y in
+               zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def _replicate_refused(world: int) -> str:
+    """The float8 all-gather under ``mode="replicate"``: refused by data_parallel."""
+    model = sf.convert_to_float8(Toy(), all_gather=True)
+    try:
+        sf.data_parallel(model, sf.make_mesh(dp_replicate=world, dp_shard=1,
+                                             device_type="cpu"), mode="replicate")
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def _checkpoint_round_trip(rank: int, world: int, folder: str) -> dict:
+    from safetensors.torch import load_file
+    from transformers import PretrainedConfig
+
+    from simplefsdp.hf.export import export_hf
+
+    refused = _replicate_refused(world)
+    f8, bf16 = _toy(rank, world, True), _toy(rank, world, False)
+    assert list(f8.state_dict()) == list(bf16.state_dict())  # the same names, no extras
+    _step(f8, rank, world, 0)
+    sf.save_checkpoint(f"{folder}/float8", {"model": f8.state_dict()})
+    sf.load_checkpoint(f"{folder}/float8", {"model": bf16.state_dict()})
+    into_bf16 = _same_state(f8, bf16)
+    _step(bf16, rank, world, 1)  # the bf16 run trains on, then hands back to float8
+    sf.save_checkpoint(f"{folder}/bf16", {"model": bf16.state_dict()})
+    sf.load_checkpoint(f"{folder}/bf16", {"model": f8.state_dict()})
+    back = _same_state(f8, bf16)
+    _step(f8, rank, world, 2)  # and the float8 model still trains from it
+    export_hf(f8, f"{folder}/hf", PretrainedConfig())
+    full = {k: _full(v) for k, v in f8.state_dict().items()}
+    if rank != 0:
+        return {}
+    files = load_file(f"{folder}/hf/model.safetensors")
+    exported = all(torch.equal(files[k], full[k]) for k in files)
+    return {"refused": refused, "into_bf16": into_bf16, "back": back, "exported": exported,
+            "dtypes": {str(t.dtype) for t in files.values()}, "names": sorted(files)}
+
+
+def test_checkpoint_loads_into_bf16_and_back(tmp_path):
+    report = run_ranks(_checkpoint_round_trip, 2, str(tmp_path))[0]
+    assert report["into_bf16"] and report["back"] and report["exported"], report
+    assert report["dtypes"] == {"torch.float32"}  # the master weights, never float8
+    assert "layers.0.up.weight" in report["names"]
+    assert "mode='fully_shard'" in report["refused"]  # the float8 gather outside fully_shard
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals: before any work, naming the key or argument and the fix.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--float8.recipe", "blockwise"], "float8.recipe"),
+    (["--float8.recipe", "rowwise"], "float8.all_gather = true needs float8.recipe"),
+    (["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
+      "--parallel.dp_replicate", "2"], "float8.all_gather = true gathers fully_shard"),
+    (["--parallel.tp", "2"], "parallel.tp = 2: set parallel.tp = 1"),
+    (["--lora.enable", "true"], "float8.enable = true with lora.enable = true"),
+])
+def test_config_refusals(flags, message):
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = load_config(None, ["--float8.enable", "true", *flags])
+        cfg.validate(world_size=2)
+
+
+def test_api_refusals(monkeypatch):
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ValueError, match="recipe 'blockwise' is unknown"):
+        sf.convert_to_float8(Toy(), recipe="blockwise")
+    with pytest.raises(ValueError, match="needs recipe='tensorwise'"):
+        sf.convert_to_float8(Toy(), recipe="rowwise", all_gather=True)
+    model = sf.convert_to_float8(Toy(), exclude=[])
+    assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
+                                    "layers.1.down"]  # the output head is tied: left out
+    monkeypatch.delattr(torch, "_scaled_mm")
+    with pytest.raises(RuntimeError, match="has no torch._scaled_mm"):
+        sf.convert_to_float8(Toy())
+    with pytest.raises(ConfigError, match="float8.enable = true needs torch._scaled_mm"):
+        load_config(None, ["--float8.enable", "true"]).validate(world_size=1)
+
+
+
+
+# ---------------------------------------------------------------------------------------
+# Loss against bf16 on the debug config.
+# ---------------------------------------------------------------------------------------
+# |float8 loss - bf16 loss| per step, both from one seed, bf16 parameters and fp32
+# reductions, 2 ranks. scripts/float8_loss_gap.py measured it over 200 steps (the largest
+# gap and the date: docs/performance.md); the bound leaves ~30% over that for rounding
+# that differs with thread counts and machines. The test runs the first steps only.
+LOSS_GAP = 0.025
+GAP_STEPS = 8
+
+
+def _losses(rank: int, world: int, out: str) -> dict[str, list[float]]:
+    from simplefsdp.train.__main__ import main
+
+    runs = {}
+    for name in ("bf16", "float8"):
+        result = main(["--training.steps", str(GAP_STEPS), "--metrics.log_every", "1",
+                       "--training.mixed_precision_param", "bfloat16",
+                       "--float8.enable", str(name == "float8").lower(),
+                       "--metrics.output_dir", f"{out}/{name}"])
+        runs[name] = list(result.losses)
+    return runs
+
+
+def test_float8_loss_stays_near_bf16(tmp_path):
+    runs = run_ranks(_losses, 2, str(tmp_path))[0]
+    assert len(runs["bf16"]) == len(runs["float8"]) == GAP_STEPS
+    gaps = [abs(a - b) for a, b in zip(runs["bf16"], runs["float8"], strict=True)]
+    assert max(gaps) <= LOSS_GAP, gaps
+    assert runs["float8"] != runs["bf16"]  # float8 did run: its rounding shows
