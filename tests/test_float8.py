@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toy import DIM, HIDDEN, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
-from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, is_data_parallel
+from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, find_collectives, is_data_parallel
 
 STEPS = 3
 # (recipe, all_gather, backend): eager and compiled float8 all-gathers, and rowwise
@@ -116,8 +116,9 @@ class _CollectiveLog(TorchDispatchMode):
 
 def _graph_collectives(graph) -> list[dict]:
     """Each collective start of a graph after our passes: its kind, dtype, full bytes,
-    whether it is a data-parallel one, and its bucket members' (dtype, shard shape)."""
-    found = []
+    whether it is a data-parallel one, the bytes our passes' cost model counts for it
+    (``Collective.nbytes``), and its bucket members' (dtype, shard shape)."""
+    found, costed = [], {c.start: c.nbytes for c in find_collectives(graph)}
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in KINDS:
             continue
@@ -130,6 +131,7 @@ def _graph_collectives(graph) -> list[dict]:
                        for m in source.args[0]]
         found.append({"kind": kind, "dtype": full.dtype, "bytes": full.numel() *
                       full.element_size(), "ours": is_data_parallel(node),
+                      "costed": costed.get(node),  # what bucketing's cost model reads
                       "members": [(m.meta["val"].dtype, tuple(m.meta["val"].shape))
                                   for m in members]})
     return found
@@ -201,6 +203,8 @@ def test_float8_gather_moves_half_the_bytes(bytes_runs):
         assert _gathered(g8, torch.uint8) == fp8, name
         assert _gathered(g16, torch.bfloat16) == bf16, name
         assert _gathered(g8, torch.bfloat16) == 0, name  # none gathered in bf16 as well
+        # the auto-wrap cost model and bucket reports count the bytes moved: uint8's
+        assert all(c["costed"] == c["bytes"] for c in g8 if c["ours"]), name
         amax = [c["bytes"] for c in g8 if c["kind"] == "all_reduce"]
         assert amax == ([scales] if name == "forward" else []), name
     # gradients stay high precision: every reduce-scatter runs in the reduce dtype
@@ -369,3 +373,46 @@ def test_float8_loss_stays_near_bf16(tmp_path):
     gaps = [abs(a - b) for a, b in zip(runs["bf16"], runs["float8"], strict=True)]
     assert max(gaps) <= LOSS_GAP, gaps
     assert runs["float8"] != runs["bf16"]  # float8 did run: its rounding shows
+
+
+# ---------------------------------------------------------------------------------------
+# The planner: float8 matmuls at the float8 tensor cores' rate.
+# ---------------------------------------------------------------------------------------
+def test_planner_prices_float8_matmuls_at_the_float8_peak():
+    """One float8 matmul of a traced step, (8192 x 4096) @ (4096 x 4096), on the H100 of
+    the published runs, by hand: 2 x 8192 x 4096^2 = 2.749e11 FLOPs at 60% (the matmul
+    efficiency) of 1,979 TFLOP/s dense float8 = 0.2315 ms, FLOP-bound (its 32 + 16 MiB
+    of operands and 64 MiB of output take 0.07 ms at 70% of 2.4 TB/s), plus the compiled
+    kernel floor (3 us); bf16 takes the 989 TFLOP/s peak. A GPU without float8 tensor
+    cores (A100) is refused. Relative tolerance 1e-9: float rounding of the same sums."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp.hardware import GPU_PROFILES
+    from simplefsdp.plan.timing import _flops, node_seconds
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = {"a": torch.empty(8192, 4096, dtype=torch.float8_e4m3fn),
+                "b": torch.empty(4096, 4096, dtype=torch.float8_e4m3fn).t(),
+                "sa": torch.empty(()), "sb": torch.empty(()),
+                "out": torch.empty(8192, 4096, dtype=torch.bfloat16),
+                "a16": torch.empty(8192, 4096, dtype=torch.bfloat16),
+                "b16": torch.empty(4096, 4096, dtype=torch.bfloat16).t()}
+    nodes = {}
+    for name, value in vals.items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = value
+    fp8 = graph.call_function(torch.ops.aten._scaled_mm.default,
+                              tuple(nodes[n] for n in ("a", "b", "sa", "sb")),
+                              {"out_dtype": torch.bfloat16})
+    bf16 = graph.call_function(torch.ops.aten.mm.default, (nodes["a16"], nodes["b16"]))
+    fp8.meta["val"] = bf16.meta["val"] = vals["out"]
+    flops = 2 * 8192 * 4096 * 4096
+    assert _flops(fp8) == _flops(bf16) == ("matmul", flops)
+    dev = GPU_PROFILES["h100-96gb"]
+    assert node_seconds(fp8, dev, compiled=True) == pytest.approx(
+        flops / (1979e12 * 0.60) + 3e-6, rel=1e-9)
+    assert node_seconds(bf16, dev, compiled=True) == pytest.approx(
+        flops / (989e12 * 0.60) + 3e-6, rel=1e-9)
+    with pytest.raises(ValueError, match="no float8 tensor cores"):
+        node_seconds(fp8, GPU_PROFILES["a100-80gb"], compiled=True)
