@@ -53,7 +53,7 @@ from ._torch_compat import (
     slice_flattened,
 )
 from .checks import check_ignored, check_model
-from .float8 import Float8Weight, float8_gather_for, install_float8_scales
+from .float8 import float8_gather_for, float8_weight, install_float8_scales
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .gradient_sync import (
     GradientSyncControl,
@@ -223,16 +223,6 @@ class _ReplicateComputation(GradientSyncControl):
         )
         return gathered.to_local(grad_placements=self.grad_placements)
 
-    def _float8_weight(self, parts: tuple, sharded: DTensor, to_sink: bool) -> Float8Weight:
-        """The float8-gathered weight for the float8 matmul: the gradient goes through the
-        full-shape stand-in (routed as a gathered tensor's); in eager, the float8 copy is
-        freed after forward and gathered again for backward like any gathered copy."""
-        grad_path, data, scale = parts
-        grad_path = self.route_gradient(grad_path, sharded, to_sink)
-        if self.reshard_after_forward and not torch.compiler.is_compiling():
-            eager_reshard.note_gathered(data, sharded, lambda s: self.regather(s)[1])
-        return Float8Weight(data, scale, grad_path)
-
     def _as_tp(self, local: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return local
@@ -255,8 +245,8 @@ class _ReplicateComputation(GradientSyncControl):
                                context_fn=_gather_policy_contexts)
         else:
             local = self._gather(source, replica_step)
-        if self.float8_gather is not None:
-            return self._float8_weight(local, sharded, to_sink)
+        if self.float8_gather is not None:  # (gradient path, float8 data, scale)
+            return float8_weight(self, local, sharded, to_sink)
         local = self.route_gradient(local, sharded, to_sink)
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation

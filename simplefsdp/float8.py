@@ -39,7 +39,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import eager_reshard
 from ._torch_compat import c10d_functional
+from ._torch_compat.float8 import has_scaled_mm, scaled_mm
+from .mesh import ParallelDims
 from .state_dict import unwrapped_name
 
 RECIPES = ("tensorwise", "rowwise")
@@ -86,8 +89,7 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 def _mm(a8: torch.Tensor, b8: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
         out_dtype: torch.dtype) -> torch.Tensor:
     """``(a8 / a_scale) @ (b8 / b_scale)``: ``a8`` row-major, ``b8`` column-major."""
-    return torch._scaled_mm(a8, b8, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
-                            out_dtype=out_dtype)
+    return scaled_mm(a8, b8, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -268,12 +270,24 @@ def float8_gather_for(module: nn.Module, name: str, gather) -> object | None:
     gather.float8_scale = None
 
     def gather_fn(sharded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        spec = _GatherSpec(mesh.get_group(0).group_name, mesh.size(), mesh.get_local_rank(),
+        spec = _GatherSpec(mesh.get_group(0).group_name, mesh.size(), ParallelDims.local_rank(mesh),
                            sharded.shape[0], gather.reduce_op, gather.reduce_dtype,
                            gather.param_dtype or sharded.dtype)
         return gather_float8(sharded.to_local(), sharded.shape, spec, gather.float8_scale)
 
     return gather_fn
+
+
+def float8_weight(gather, parts: tuple, sharded, to_sink: bool) -> Float8Weight:
+    """What a float8-gathered weight's read returns (``data_parallel``): the gradient goes
+    through the stand-in, routed as a gathered tensor's (gradient sync off: to the sink);
+    in eager mode the float8 copy is freed after forward and gathered again for backward
+    like any gathered copy."""
+    grad_path, data, scale = parts
+    grad_path = gather.route_gradient(grad_path, sharded, to_sink)
+    if gather.reshard_after_forward and not torch.compiler.is_compiling():
+        eager_reshard.note_gathered(data, sharded, lambda s: gather.regather(s)[1])
+    return Float8Weight(data, scale, grad_path)
 
 
 def _float8_gathers(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
@@ -325,15 +339,15 @@ def check_scaled_mm(device: torch.device | str = "cpu") -> str | None:
     """Why float8 matmuls cannot run on ``device`` (None when they can): this torch has
     no ``torch._scaled_mm``, or it refuses a tiny float8 matmul there (e.g. a GPU older
     than compute capability 8.9)."""
-    if not hasattr(torch, "_scaled_mm"):
-        return f"torch {torch.__version__} has no torch._scaled_mm"
+    if not has_scaled_mm():
+        return f"torch {torch.__version__} has no _scaled_mm"
     try:
         a = torch.ones(16, 16, device=device).to(E4M3)
         one = torch.ones((), device=device)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        torch._scaled_mm(a.to(E5M2), a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        scaled_mm(a, a.t(), one, one, torch.bfloat16)
+        scaled_mm(a.to(E5M2), a.t(), one, one, torch.bfloat16)
     except (RuntimeError, NotImplementedError) as err:
-        return f"torch._scaled_mm fails on {device}: {str(err).splitlines()[0]}"
+        return f"the float8 matmul (_scaled_mm) fails on {device}: {str(err).splitlines()[0]}"
     return None
 
 

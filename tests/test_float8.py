@@ -335,7 +335,7 @@ def test_api_refusals(monkeypatch):
     assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
                                     "layers.1.down"]  # the output head is tied: left out
     monkeypatch.delattr(torch, "_scaled_mm")
-    with pytest.raises(RuntimeError, match="has no torch._scaled_mm"):
+    with pytest.raises(RuntimeError, match="has no _scaled_mm"):
         sf.convert_to_float8(Toy())
     with pytest.raises(ConfigError, match="float8.enable = true needs torch._scaled_mm"):
         load_config(None, ["--float8.enable", "true"]).validate(world_size=1)

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from .._torch_compat.float8 import scaled_mm_op
+from ..float8 import E4M3, E5M2
 from ..hardware import GpuSpec
 
-FLOAT8_MATMULS = frozenset({torch.ops.aten._scaled_mm.default})
-FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+FLOAT8_MATMULS = frozenset({scaled_mm_op()})
 
 
 def matmul_peak_flops(spec: GpuSpec, dtype: torch.dtype) -> float:
     """Dense peak FLOP/s of a matmul whose operands are ``dtype`` on ``spec``'s GPU: the
     float8 tensor cores for float8 operands (a GPU without them is refused), bf16's for
     bf16/fp16, fp32's otherwise."""
-    if dtype in FLOAT8_DTYPES:
+    if dtype in (E4M3, E5M2):
         if spec.fp8_flops is None:
             raise ValueError(f"{spec.name} has no float8 tensor cores: plan it with "
                              f"float8.enable = false, or pick a GPU that has them (--gpu)")
