@@ -334,6 +334,9 @@ def test_api_refusals(monkeypatch):
     model = sf.convert_to_float8(Toy(), exclude=[])
     assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
                                     "layers.1.down"]  # the output head is tied: left out
+    from simplefsdp.plan.trace import trace_key  # the planner: refused, not planned as bf16
+    with pytest.raises(ConfigError, match="planner does not trace float8"):
+        trace_key(load_config(None, ["--float8.enable", "true"]), "full", 1, 1, 1, 1)
     monkeypatch.delattr(torch, "_scaled_mm")
     with pytest.raises(RuntimeError, match="has no _scaled_mm"):
         sf.convert_to_float8(Toy())

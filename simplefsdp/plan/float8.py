@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._torch_compat.float8 import scaled_mm_op
+from ..errors import ConfigError
 from ..float8 import E4M3, E5M2
 from ..hardware import GpuSpec
 
@@ -28,3 +29,11 @@ def matmul_peak_flops(spec: GpuSpec, dtype: torch.dtype) -> float:
                              f"float8.enable = false, or pick a GPU that has them (--gpu)")
         return spec.fp8_flops
     return spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) else spec.fp32_flops
+
+
+def check_plannable(cfg) -> None:
+    """The planner does not trace ``[float8]`` yet (its fake-tensor capture of the float8
+    step fails in AOTAutograd's runtime wrapper): refuse it rather than plan bf16."""
+    if cfg.float8.enable:
+        raise ConfigError("float8.enable = true: the planner does not trace float8 steps "
+                          "yet; plan with --float8.enable false (the bf16 step)")
