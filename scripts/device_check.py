@@ -22,6 +22,10 @@ short still returns what it measured):
    kernels SDPA has for them.
 7. ``step``: rank 0's whole training step (eager) under a fake process group of 8:
    DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC).
+8. ``float8``: ``torch._scaled_mm`` against a bf16 matmul at a Llama 3 8B projection's
+   shape (the planner's float8 rate), then rank 0's Llama 3 8B FSDP 8 step in bf16 and
+   with ``[float8]`` (tensorwise, float8 all-gather), eager, under the fake process group
+   (its gathered bytes are unwritten memory: timing and memory only, not the loss).
 """
 
 # ruff: noqa: B023  (each closure in a loop is timed within its own iteration)
@@ -649,6 +653,38 @@ def step_262k():
                   "--compile.enable", "false"], 8, 1)
 
 
+def _matmul_rates(m, k, n):
+    """TFLOP/s of ``(m x k) @ (k x n)`` in bf16 and as a tensorwise float8 matmul."""
+    dev = ARGS.device
+    a, b = torch.randn(m, k, device=dev), torch.randn(n, k, device=dev)
+    a16, b16 = a.bfloat16(), b.bfloat16().t()
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    flops = 2 * m * k * n
+    bf16_s = timed(lambda: a16 @ b16, reps=10)
+    fp8_s = timed(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                           out_dtype=torch.bfloat16), reps=10)
+    return {"shape": [m, k, n], "bf16_tflops": flops / bf16_s / 1e12,
+            "float8_tflops": flops / fp8_s / 1e12}
+
+
+@section("float8")
+def float8():
+    from simplefsdp.float8 import check_scaled_mm
+
+    why = check_scaled_mm(ARGS.device)
+    if why is not None:
+        return {"skipped": why}
+    out = {"matmul": _matmul_rates(*((256, 256, 256) if ARGS.tiny else (16384, 4096, 14336)))}
+    config, gpus, flags = ("configs/debug.toml", 2, []) if ARGS.tiny else \
+        ("configs/llama3_8b.toml", 8, ["--training.batch_size", "1"])
+    common = [*flags, "--training.mixed_precision_param", "bfloat16",
+              "--compile.enable", "false"]
+    for name, on in (("bf16", "false"), ("float8", "true")):
+        out[name] = _step(config, [*common, "--float8.enable", on], gpus, 2)
+    return out
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser()
@@ -659,7 +695,7 @@ def main():
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k, *MOE]
+                step_deepseek, step_262k, *MOE, float8]
     for fn in sections:
         if ARGS.only and fn.__name__ not in ARGS.only.split(","):
             continue

@@ -53,6 +53,7 @@ from ._torch_compat import (
     slice_flattened,
 )
 from .checks import check_ignored, check_model
+from .float8 import float8_gather_for, float8_weight, install_float8_scales
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .gradient_sync import (
     GradientSyncControl,
@@ -186,6 +187,7 @@ class _ReplicateComputation(GradientSyncControl):
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
+        self.float8_gather = None  # set by data_parallel for a float8-gathered weight
         self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
                                                  for d in range(dp_mesh.ndim))}
         self.init_sync()
@@ -212,6 +214,8 @@ class _ReplicateComputation(GradientSyncControl):
             else:
                 sharded = ReduceOverReplicas.apply(sharded, self.replica_group, self.reduce_op,
                                                     self.reduce_dtype, pending)
+        if self.float8_gather is not None:  # (gradient path, float8 data, scale): float8.py
+            return self.float8_gather(sharded)
         gathered = sharded.redistribute(
             placements=self.compute_placements,
             forward_dtype=self.param_dtype,
@@ -241,6 +245,8 @@ class _ReplicateComputation(GradientSyncControl):
                                context_fn=_gather_policy_contexts)
         else:
             local = self._gather(source, replica_step)
+        if self.float8_gather is not None:  # (gradient path, float8 data, scale)
+            return float8_weight(self, local, sharded, to_sink)
         local = self.route_gradient(local, sharded, to_sink)
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
@@ -459,6 +465,7 @@ def data_parallel(
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
                                                reshard_after_forward, tp)
+                gather.float8_gather = float8_gather_for(module, name, gather)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]
             module._parameters[name] = new
@@ -471,6 +478,7 @@ def data_parallel(
     model.set_requires_gradient_sync = types.MethodType(set_requires_gradient_sync, model)
     model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
+    install_float8_scales(model)  # float8-gathered weights: one amax all-reduce per forward
     return model
 
 

@@ -15,25 +15,30 @@ __all__ = ["GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Efficiency", "Fabric"
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Dense peak FLOP/s (bf16/fp16 tensor cores; fp32 without TF32) and HBM bandwidth."""
+    """Dense peak FLOP/s (bf16/fp16 tensor cores; fp32 without TF32; float8 tensor cores,
+    None where the GPU has none) and HBM bandwidth."""
 
     name: str
     bf16_flops: float
     fp32_flops: float
     mem_bandwidth_Bps: float
+    fp8_flops: float | None = None
 
 
 # Matched by substrings of ``torch.cuda.get_device_name``, first match wins: the more
 # specific entries come first ("H200" before "H20", "H100 PCIe" before "H100").
 KNOWN_GPUS: tuple[tuple[tuple[str, ...], GpuSpec], ...] = (
+    # Float8 peaks: NVIDIA's datasheets give FP8 tensor-core figures "with sparsity";
+    # dense is half (H100 SXM / H200: 3,958 -> 1,979 TFLOP/s; H100 PCIe: 3,026 -> 1,513;
+    # H20: 296 dense). Ampere (A100) has no float8 tensor cores.
     # H200 SXM: H100's compute, HBM3e 4.8 TB/s.
-    (("H200",), GpuSpec("H200", 989e12, 67e12, 4.8e12)),
+    (("H200",), GpuSpec("H200", 989e12, 67e12, 4.8e12, 1979e12)),
     # H20 (export part): 148 TFLOP/s bf16 dense, 44 TFLOP/s fp32, HBM3 4.0 TB/s.
-    (("H20",), GpuSpec("H20", 148e12, 44e12, 4.0e12)),
+    (("H20",), GpuSpec("H20", 148e12, 44e12, 4.0e12, 296e12)),
     # H100 PCIe: 756 TFLOP/s bf16 dense, 51 TFLOP/s fp32, HBM2e 2.0 TB/s.
-    (("H100", "PCIe"), GpuSpec("H100 PCIe", 756e12, 51e12, 2.0e12)),
+    (("H100", "PCIe"), GpuSpec("H100 PCIe", 756e12, 51e12, 2.0e12, 1513e12)),
     # H100 SXM: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, HBM3 3.35 TB/s.
-    (("H100",), GpuSpec("H100 SXM", 989e12, 67e12, 3.35e12)),
+    (("H100",), GpuSpec("H100 SXM", 989e12, 67e12, 3.35e12, 1979e12)),
     # A100 SXM: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32, 2.0 TB/s (80 GB).
     (("A100",), GpuSpec("A100", 312e12, 19.5e12, 2.0e12)),
 )
@@ -173,7 +178,8 @@ GPU_PROFILES: dict[str, GpuProfile] = {
                            "H100 SXM5 80 GB HBM3, 700 W"),
     # The H100 of the published torchtitan / SimpleFSDP runs (Meta's Grand Teton):
     # 96 GB HBM2e at 2.4 TB/s, 500 W power cap; same SMs and datasheet peak.
-    "h100-96gb": GpuProfile(GpuSpec("H100 96GB", 989e12, 67e12, 2.4e12), 94.5 * GiB,
+    "h100-96gb": GpuProfile(GpuSpec("H100 96GB", 989e12, 67e12, 2.4e12,
+                                                   1979e12), 94.5 * GiB,
                             "nvlink_h100", "infiniband_ndr", "H100 96 GB HBM2e, 500 W cap"),
     "h200": GpuProfile(gpu_spec("H200"), 139.8 * GiB, "nvlink_h100", "infiniband_ndr",
                        "H200 SXM 141 GB HBM3e"),

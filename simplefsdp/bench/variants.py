@@ -78,9 +78,10 @@ def plain_model(ctx: BuildContext) -> Transformer:
 # simplefsdp variants.
 # ---------------------------------------------------------------------------------------
 def _simplefsdp(bucketing: str | None, reordering: bool = False,
-                ac: str = "none") -> Callable[[BuildContext], Built]:
+                ac: str = "none", float8: bool = False) -> Callable[[BuildContext], Built]:
     """Eager (``bucketing=None``) or compiled with our backend and these passes; ``ac``:
-    each block checkpointed as the trainer does ("none", "selective", "full")."""
+    each block checkpointed as the trainer does ("none", "selective", "full");
+    ``float8``: linear layers in float8 (tensorwise) with the float8 all-gather."""
 
     def build(ctx: BuildContext) -> Built:
         from ..parallel.activation_checkpoint import apply_ac, check_composition
@@ -91,6 +92,8 @@ def _simplefsdp(bucketing: str | None, reordering: bool = False,
             backend = sf.compile_backend(backend=ctx.compile_backend, bucketing=bucketing,
                                          reordering=reordering)
         model = plain_model(ctx)
+        if float8:  # before AC and sharding, as the trainer converts
+            sf.convert_to_float8(model, recipe="tensorwise", all_gather=True)
         apply_ac(model, ac)
         model = sf.data_parallel(model, ctx.fsdp_mesh)
         if backend is not None:
@@ -323,6 +326,9 @@ _SPECS = [
                 "checkpointing per block", _simplefsdp("manual", True, "full"), compiled=True),
     VariantSpec("simplefsdp-auto", "+ auto wrapping + reordering",
                 _simplefsdp("auto", True), compiled=True),
+    VariantSpec("simplefsdp-float8", "simplefsdp-reordering with float8 linear layers and "
+                "the float8 all-gather (its losses differ from the reference by float8 "
+                "rounding)", _simplefsdp("manual", True, float8=True), compiled=True),
     VariantSpec("upstream-fx-bucketing",
                 "our frontend, plain Inductor + bucket_*_fx + reorder_for_compute_comm_overlap",
                 _upstream(UPSTREAM_FX_BUCKETING), compiled=True),

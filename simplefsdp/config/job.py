@@ -29,6 +29,7 @@ from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
+from .float8 import Float8Config, check_float8
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -316,6 +317,7 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
     job: JobSection = field(default_factory=JobSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -382,6 +384,7 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_lora(self)
+        check_float8(self)
         family.validate(self, dims)
 
 

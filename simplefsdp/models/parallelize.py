@@ -3,6 +3,9 @@ plain options, applied to a built model in the order they compose. Each parallel
 its own module, usable without the trainer; this is the one place a ``JobConfig`` meets
 them.
 
+Float8 first (``float8``; ``simplefsdp/float8.py``): linear layers swapped for float8
+ones, so data parallel gathers their weights in float8 (``float8.all_gather``).
+
 0. Context parallelism (``parallel.cp_ring``, ``parallel.cp_ulysses``;
    ``parallel/context.py``): each block's attention sees the whole sequence of which
    this rank holds a part; RoPE takes the part's global positions.
@@ -131,14 +134,28 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     return torch.compile(model, fullgraph=fullgraph, backend=backend)
 
 
+def apply_float8(model: nn.Module, cfg: JobConfig) -> None:
+    """``[float8]``: the model's linear layers (less ``float8.exclude``) compute in
+    float8, and with ``float8.all_gather`` gather their weights in float8."""
+    f = cfg.float8
+    if not f.enable:
+        return
+    simplefsdp.convert_to_float8(model, recipe=f.recipe, all_gather=f.all_gather,
+                                 exclude=f.exclude)
+    if not model.float8_modules:
+        raise ConfigError(f"float8.enable = true but float8.exclude = {f.exclude} leaves no "
+                          f"nn.Linear to convert; narrow float8.exclude")
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: JobConfig,
                 before_dp=None, fullgraph: bool = True) -> nn.Module:
-    """LoRA, CP, TP, activation checkpointing, data parallel, compile: in that order, in place
-    (the returned module is the compiled wrapper when compile is on). ``dims``: the run's
+    """LoRA, float8, CP, TP, activation checkpointing, data parallel, compile: in that order,
+    in place (the returned module is the compiled wrapper when compile is on). ``dims``: the run's
     ``ParallelDims``, ``mesh`` built from it. ``before_dp(model, mesh, cfg)`` runs just
     before data parallel (MoE: expert parallelism); ``fullgraph`` is ``apply_compile``'s."""
     check_composition(cfg.activation_checkpoint.mode, cfg.compile.enable, cfg.compile.backend)
     apply_lora(model, cfg)  # [lora]: adapters in, the rest frozen; before anything wraps
+    apply_float8(model, cfg)  # [float8]: before data parallel, which gathers in float8
     if dims.cp > 1:
         apply_cp(model, mesh, cfg.training.seq_len, cfg.parallel.cp_rotate)
     if cfg.parallel.tp > 1:

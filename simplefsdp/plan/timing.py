@@ -31,11 +31,12 @@ from ..compiler.simulate import simulate_graph
 from ..hardware import KNOWN_FABRICS, GpuProfile
 from ..mesh import ParallelDims
 from ..models.llama import ATTENTION_BACKWARD_FLOPS, attention_flops, block_matmul_params
+from .float8 import FLOAT8_MATMULS, matmul_peak_flops
 from .moe import ffn_tp_collectives
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-           torch.ops.aten.bmm.default}
+           torch.ops.aten.bmm.default, *FLOAT8_MATMULS}
 
 
 class MeshLinks:
@@ -180,8 +181,7 @@ def node_seconds(node: fx.Node, dev: GpuProfile, compiled: bool, scale: float = 
         value_bytes(a.meta.get("val")) for a in inputs)
     dtype = next((a.meta["val"].dtype for a in inputs
                   if isinstance(a.meta.get("val"), torch.Tensor)), torch.float32)
-    peak = dev.spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) \
-        else dev.spec.fp32_flops
+    peak = matmul_peak_flops(dev.spec, dtype)
     eff = dev.efficiency
     if kind == "memory" and compiled:
         nbytes *= eff.fused_memory

@@ -29,6 +29,7 @@ from ..models.llama import ModelArgs, Transformer
 from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
 from ..models.parallelize import parallelize
 from ..parallel.pipeline import split_stage
+from .float8 import check_plannable
 from .moe import stand_in
 
 # One fake world for the whole process, never torn down: DTensor caches sharding
@@ -91,6 +92,7 @@ class Trace:
 def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
               dp_replicate: int, dp_shard: int) -> TraceKey:
     """The key for ``cfg``'s layout traced with ``layers`` blocks at the given sizes."""
+    check_plannable(cfg)
     # a mixture of experts is traced as its dense stand-in (``plan.moe``)
     args = dataclasses.replace(stand_in(cfg.model.model_args()), n_layers=layers)
     p, t, c = cfg.parallel, cfg.training, cfg.compile

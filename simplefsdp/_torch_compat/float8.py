@@ -1,0 +1,28 @@
+"""Float8 matmuls (``simplefsdp/float8.py``, ``plan/float8.py``): torch's private
+``_scaled_mm``, behind the names the rest of the package uses."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["has_scaled_mm", "scaled_mm", "scaled_mm_op"]
+
+
+def has_scaled_mm() -> bool:
+    """Whether this torch has ``torch._scaled_mm`` (a float8 matmul with scales).
+    checked: 2.11, 2.13."""
+    return hasattr(torch, "_scaled_mm")
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` from float8 ``a`` (row-major)
+    and ``b`` (column-major), ``torch._scaled_mm``: tensorwise (0-d) or rowwise
+    ((M, 1) and (1, N)) float32 scales; CPU and GPUs of compute capability 8.9+.
+    checked: 2.11, 2.13."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def scaled_mm_op():
+    """The ATen op of :func:`scaled_mm`, as traced graphs name it. checked: 2.13."""
+    return torch.ops.aten._scaled_mm.default

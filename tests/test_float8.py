@@ -1,0 +1,421 @@
+"""Float8 training (``simplefsdp/float8.py``) on real gloo process groups.
+
+* Parity: 2 ranks training the toy in float8 equal one process running the same recipe
+  on the same micro-batches, **bitwise**. Dynamic scales depend on the whole tensor, so
+  the reference runs each rank's micro-batch on its own (loss / 2 each, gradients
+  accumulated): every float8 cast then sees the same values as on that rank (a weight
+  shard cast with the agreed scale is exactly that slice of the whole cast), and halving
+  a loss halves every gradient exactly (amax, scales and products scale by a power of
+  two), so avg(g0, g1) and g0/2 + g1/2 round alike. The toy is untied here: a tied
+  weight's two gradients would be added in another order.
+* Bytes: a converted weight's all-gather moves float8 bytes (a ``uint8`` view), half the
+  bf16 run's, plus one float32 amax per weight (all-reduced once per forward); counted
+  from the compiled graphs and from the collectives eager mode issues, against a count
+  by hand.
+* Buckets never mix dtypes; a float8 run's checkpoint loads into a bf16 run and back;
+  the export holds the high-precision weights; the refusals; the loss against bf16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from rank_runner import run_ranks
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from toy import DIM, HIDDEN, Toy, global_batch, loss_fn
+
+import simplefsdp as sf
+from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, find_collectives, is_data_parallel
+
+STEPS = 3
+# (recipe, all_gather, backend): eager and compiled float8 all-gathers, and rowwise
+# (high-precision gather, the weight cast per matmul)
+PARITY_CASES = (("tensorwise", True, None), ("tensorwise", True, "aot_eager"),
+                ("rowwise", False, None))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _reference(recipe: str, all_gather: bool) -> tuple[list[float], dict]:
+    """One process, the same float8 recipe, each rank's micro-batch on its own."""
+    torch.manual_seed(0)
+    model = sf.convert_to_float8(Toy(tie=False), recipe=recipe, all_gather=all_gather)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        tokens, total = global_batch(step, 2), 0.0
+        for rank in range(2):
+            loss = loss_fn(model, tokens[2 * rank:2 * rank + 2]) / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: _full(v) for k, v in model.state_dict().items()}
+
+
+def _parity_runs(rank: int, world: int, cases) -> list[tuple[list[float], dict]]:
+    out = []
+    mesh = sf.make_mesh(dp_shard=world, device_type="cpu")
+    for recipe, all_gather, backend in cases:
+        torch.manual_seed(0)
+        model = sf.convert_to_float8(Toy(tie=False), recipe=recipe, all_gather=all_gather)
+        model = sf.data_parallel(model, mesh)
+        forward = model
+        if backend is not None:
+            torch._dynamo.reset()
+            forward = torch.compile(model, fullgraph=True, backend=sf.compile_backend(
+                backend=backend, bucketing="manual"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        losses = []
+        for step in range(STEPS):
+            loss = loss_fn(forward, global_batch(step, world)[2 * rank:2 * rank + 2])
+            loss.backward()  # gradients averaged over the ranks (reduce_op="avg")
+            opt.step()
+            opt.zero_grad()
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss)
+            losses.append(loss.item() / world)
+        out.append((losses, {k: _full(v) for k, v in model.state_dict().items()}))
+    return out
+
+
+def test_two_ranks_equal_one_process():
+    runs = run_ranks(_parity_runs, 2, PARITY_CASES)[0]
+    for (recipe, all_gather, backend), (losses, state) in zip(PARITY_CASES, runs, strict=True):
+        ref_losses, ref_state = _reference(recipe, all_gather)
+        case = f"{recipe}, all_gather={all_gather}, {backend or 'eager'}"
+        assert losses == pytest.approx(ref_losses, abs=1e-6), case  # float32 vs a double sum
+        for name, value in ref_state.items():
+            assert torch.equal(state[name], value), f"{case}: {name}"
+
+
+# ---------------------------------------------------------------------------------------
+# Bytes on the wire, and buckets.
+# ---------------------------------------------------------------------------------------
+class _CollectiveLog(TorchDispatchMode):
+    """Every functional collective eager mode issues: (kind, dtype, full bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in KINDS:
+            kind = KINDS[func].value
+            full = out if kind == "all_gather" else args[0]
+            self.records.append((kind, full.dtype, full.numel() * full.element_size()))
+        return out
+
+
+def _graph_collectives(graph) -> list[dict]:
+    """Each collective start of a graph after our passes: its kind, dtype, full bytes,
+    whether it is a data-parallel one, the bytes our passes' cost model counts for it
+    (``Collective.nbytes``), and its bucket members' (dtype, shard shape)."""
+    found, costed = [], {c.start: c.nbytes for c in find_collectives(graph)}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in KINDS:
+            continue
+        kind = KINDS[node.target].value
+        full = node.meta["val"] if node.target == ALL_GATHER else node.args[0].meta["val"]
+        source = node.args[0]
+        members = [source]
+        if source.target == torch.ops.aten.cat.default:  # a bucket: its members' shards
+            members = [m.args[0] if m.target == torch.ops.aten.reshape.default else m
+                       for m in source.args[0]]
+        found.append({"kind": kind, "dtype": full.dtype, "bytes": full.numel() *
+                      full.element_size(), "ours": is_data_parallel(node),
+                      "costed": costed.get(node),  # what bucketing's cost model reads
+                      "members": [(m.meta["val"].dtype, tuple(m.meta["val"].shape))
+                                  for m in members]})
+    return found
+
+
+def _capturing_backend():
+    backend = sf.compile_backend(backend="aot_eager", bucketing="manual")
+    graphs, run_passes = [], backend.run_passes
+
+    def capture(graph, cached=(None, None)):
+        report = run_passes(graph, cached)
+        graphs.append((report.graph, _graph_collectives(graph)))
+        return report
+
+    backend.run_passes = capture
+    return backend, graphs
+
+
+def _bytes_runs(rank: int, world: int) -> dict:
+    """For the bf16 run and the float8 run: the collectives of one eager step and the
+    compiled graphs' collectives."""
+    mesh = sf.make_mesh(dp_shard=world, device_type="cpu")
+    tokens = global_batch(0, world)[2 * rank:2 * rank + 2]
+    out = {}
+    for float8 in (False, True):
+        model = Toy(tie=False)
+        if float8:
+            sf.convert_to_float8(model, all_gather=True)
+        model = sf.data_parallel(model, mesh, mp_policy=sf.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        with _CollectiveLog() as log:
+            loss_fn(model, tokens).backward()
+        torch._dynamo.reset()
+        backend, graphs = _capturing_backend()
+        loss_fn(torch.compile(model, fullgraph=True, backend=backend), tokens).backward()
+        out[float8] = (log.records, graphs)
+    return out
+
+
+def _converted_bytes_by_hand(element_size: int, world: int = 2) -> int:
+    """All-gather bytes of the toy's converted weights (``up`` (7, 8) and ``down``
+    (8, 7) in each of 2 blocks): each gathered as ``world`` pieces of
+    ``ceil(rows / world)`` rows (uneven shards are padded)."""
+    shapes = [(HIDDEN, DIM), (DIM, HIDDEN)] * 2
+    return sum(math.ceil(r / world) * world * c * element_size for r, c in shapes)
+
+
+@pytest.fixture(scope="module")
+def bytes_runs():
+    return run_ranks(_bytes_runs, 2)[0]
+
+
+@pytest.mark.quick
+def test_float8_gather_moves_half_the_bytes(bytes_runs):
+    fp8, bf16 = _converted_bytes_by_hand(1), _converted_bytes_by_hand(2)
+    assert fp8 == 240 and bf16 == 2 * fp8  # by hand: (8*8 + 8*7) * 2 blocks
+    scales = 4 * 4  # one float32 amax per converted weight, all-reduced once per forward
+    eager8, graphs8 = bytes_runs[True]
+    eager16, graphs16 = bytes_runs[False]
+    # eager: forward gathers, then backward gathers again (reshard after forward); the
+    # backward's gathers agree their amax weight by weight (4 all-reduces of 4 bytes)
+    assert sum(b for k, d, b in eager8 if d == torch.uint8) == 2 * fp8
+    assert [b for k, d, b in eager8 if k == "all_reduce"] == [scales] + [4] * 4
+    assert sum(b for k, d, b in eager16 if k == "all_gather") - \
+        sum(b for k, d, b in eager8 if k == "all_gather" and d != torch.uint8) == 2 * bf16
+    for name in ("forward", "backward"):  # the compiled graphs: the recompute gathers too
+        g8 = [c for graph, cs in graphs8 if graph == name for c in cs]
+        g16 = [c for graph, cs in graphs16 if graph == name for c in cs]
+        assert _gathered(g8, torch.uint8) == fp8, name
+        assert _gathered(g16, torch.bfloat16) == bf16, name
+        assert _gathered(g8, torch.bfloat16) == 0, name  # none gathered in bf16 as well
+        # the auto-wrap cost model and bucket reports count the bytes moved: uint8's
+        assert all(c["costed"] == c["bytes"] for c in g8 if c["ours"]), name
+        amax = [c["bytes"] for c in g8 if c["kind"] == "all_reduce"]
+        assert amax == ([scales] if name == "forward" else []), name
+    # gradients stay high precision: every reduce-scatter runs in the reduce dtype
+    scatters = [c["dtype"] for _, cs in graphs8 for c in cs if c["kind"] == "reduce_scatter"]
+    scatters += [d for k, d, _ in eager8 if k == "reduce_scatter"]
+    assert len(scatters) > 8 and set(scatters) == {torch.float32}
+
+
+def _gathered(collectives: list[dict], dtype: torch.dtype, world: int = 2) -> int:
+    """Bytes all-gathered in ``dtype`` for the converted weights' shards ((4, 8): ``up``,
+    (4, 7): ``down``; no other toy parameter has those shard shapes), bucketed or not."""
+    shards = {(math.ceil(HIDDEN / world), DIM), (math.ceil(DIM / world), HIDDEN)}
+    return sum(math.prod(shape) * dtype.itemsize * world for c in collectives
+               if c["kind"] == "all_gather" for d, shape in c["members"]
+               if d == dtype and shape in shards)
+
+
+def test_buckets_never_mix_dtypes(bytes_runs):
+    _, graphs8 = bytes_runs[True]
+    gathers = [c for _, cs in graphs8 for c in cs if c["kind"] == "all_gather" and c["ours"]]
+    # not vacuous: float8 and bf16 gathers in one graph, and some bucket merged several
+    assert {c["dtype"] for c in gathers} == {torch.uint8, torch.bfloat16}
+    assert any(len(c["members"]) > 1 and c["dtype"] == torch.uint8 for c in gathers)
+    for c in gathers:
+        assert {d for d, _ in c["members"]} == {c["dtype"]}, c
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints and export: float8 is a compute and communication format.
+# ---------------------------------------------------------------------------------------
+def _toy(rank: int, world: int, float8: bool):
+    torch.manual_seed(rank + 10 * float8)  # different starting values: loading must move them
+    model = Toy()
+    if float8:
+        sf.convert_to_float8(model, all_gather=True)
+    mp = sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return sf.data_parallel(model, sf.make_mesh(dp_shard=world, device_type="cpu"),
+                            mp_policy=mp)
+
+
+def _step(model, rank: int, world: int, step: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, global_batch(step, world)[2 * rank:2 * rank + 2]).backward()
+    opt.step()
+
+
+def _same_state(a, b) -> bool:
+    return all(torch.equal(_full(x), _full(y)) for x, y in
+               zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def _replicate_refused(world: int) -> str:
+    """The float8 all-gather under ``mode="replicate"``: refused by data_parallel."""
+    model = sf.convert_to_float8(Toy(), all_gather=True)
+    try:
+        sf.data_parallel(model, sf.make_mesh(dp_replicate=world, dp_shard=1,
+                                             device_type="cpu"), mode="replicate")
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def _checkpoint_round_trip(rank: int, world: int, folder: str) -> dict:
+    from safetensors.torch import load_file
+    from transformers import PretrainedConfig
+
+    from simplefsdp.hf.export import export_hf
+
+    refused = _replicate_refused(world)
+    f8, bf16 = _toy(rank, world, True), _toy(rank, world, False)
+    assert list(f8.state_dict()) == list(bf16.state_dict())  # the same names, no extras
+    _step(f8, rank, world, 0)
+    sf.save_checkpoint(f"{folder}/float8", {"model": f8.state_dict()})
+    sf.load_checkpoint(f"{folder}/float8", {"model": bf16.state_dict()})
+    into_bf16 = _same_state(f8, bf16)
+    _step(bf16, rank, world, 1)  # the bf16 run trains on, then hands back to float8
+    sf.save_checkpoint(f"{folder}/bf16", {"model": bf16.state_dict()})
+    sf.load_checkpoint(f"{folder}/bf16", {"model": f8.state_dict()})
+    back = _same_state(f8, bf16)
+    _step(f8, rank, world, 2)  # and the float8 model still trains from it
+    export_hf(f8, f"{folder}/hf", PretrainedConfig())
+    full = {k: _full(v) for k, v in f8.state_dict().items()}
+    if rank != 0:
+        return {}
+    files = load_file(f"{folder}/hf/model.safetensors")
+    exported = all(torch.equal(files[k], full[k]) for k in files)
+    return {"refused": refused, "into_bf16": into_bf16, "back": back, "exported": exported,
+            "dtypes": {str(t.dtype) for t in files.values()}, "names": sorted(files)}
+
+
+def test_checkpoint_loads_into_bf16_and_back(tmp_path):
+    report = run_ranks(_checkpoint_round_trip, 2, str(tmp_path))[0]
+    assert report["into_bf16"] and report["back"] and report["exported"], report
+    assert report["dtypes"] == {"torch.float32"}  # the master weights, never float8
+    assert "layers.0.up.weight" in report["names"]
+    assert "mode='fully_shard'" in report["refused"]  # the float8 gather outside fully_shard
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals: before any work, naming the key or argument and the fix.
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, message", [
+    (["--float8.recipe", "blockwise"], "float8.recipe"),
+    (["--float8.recipe", "rowwise"], "float8.all_gather = true needs float8.recipe"),
+    (["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
+      "--parallel.dp_replicate", "2"], "float8.all_gather = true gathers fully_shard"),
+    (["--parallel.tp", "2"], "parallel.tp = 2: set parallel.tp = 1"),
+    (["--lora.enable", "true"], "float8.enable = true with lora.enable = true"),
+])
+def test_config_refusals(flags, message):
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        cfg = load_config(None, ["--float8.enable", "true", *flags])
+        cfg.validate(world_size=2)
+
+
+def test_api_refusals(monkeypatch):
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ValueError, match="recipe 'blockwise' is unknown"):
+        sf.convert_to_float8(Toy(), recipe="blockwise")
+    with pytest.raises(ValueError, match="needs recipe='tensorwise'"):
+        sf.convert_to_float8(Toy(), recipe="rowwise", all_gather=True)
+    model = sf.convert_to_float8(Toy(), exclude=[])
+    assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
+                                    "layers.1.down"]  # the output head is tied: left out
+    from simplefsdp.plan.trace import trace_key  # the planner: refused, not planned as bf16
+    with pytest.raises(ConfigError, match="planner does not trace float8"):
+        trace_key(load_config(None, ["--float8.enable", "true"]), "full", 1, 1, 1, 1)
+    monkeypatch.delattr(torch, "_scaled_mm")
+    with pytest.raises(RuntimeError, match="has no _scaled_mm"):
+        sf.convert_to_float8(Toy())
+    with pytest.raises(ConfigError, match="float8.enable = true needs torch._scaled_mm"):
+        load_config(None, ["--float8.enable", "true"]).validate(world_size=1)
+
+
+
+
+# ---------------------------------------------------------------------------------------
+# Loss against bf16 on the debug config.
+# ---------------------------------------------------------------------------------------
+# |float8 loss - bf16 loss| per step, both from one seed, bf16 parameters and fp32
+# reductions, 2 ranks. scripts/float8_loss_gap.py measured it over 200 steps (the largest
+# gap and the date: docs/performance.md); the bound leaves ~30% over that for rounding
+# that differs with thread counts and machines. The test runs the first steps only.
+LOSS_GAP = 0.025
+GAP_STEPS = 8
+
+
+def _losses(rank: int, world: int, out: str) -> dict[str, list[float]]:
+    from simplefsdp.train.__main__ import main
+
+    runs = {}
+    for name in ("bf16", "float8"):
+        result = main(["--training.steps", str(GAP_STEPS), "--metrics.log_every", "1",
+                       "--training.mixed_precision_param", "bfloat16",
+                       "--float8.enable", str(name == "float8").lower(),
+                       "--metrics.output_dir", f"{out}/{name}"])
+        runs[name] = list(result.losses)
+    return runs
+
+
+def test_float8_loss_stays_near_bf16(tmp_path):
+    runs = run_ranks(_losses, 2, str(tmp_path))[0]
+    assert len(runs["bf16"]) == len(runs["float8"]) == GAP_STEPS
+    gaps = [abs(a - b) for a, b in zip(runs["bf16"], runs["float8"], strict=True)]
+    assert max(gaps) <= LOSS_GAP, gaps
+    assert runs["float8"] != runs["bf16"]  # float8 did run: its rounding shows
+
+
+# ---------------------------------------------------------------------------------------
+# The planner: float8 matmuls at the float8 tensor cores' rate.
+# ---------------------------------------------------------------------------------------
+def test_planner_prices_float8_matmuls_at_the_float8_peak():
+    """One float8 matmul of a traced step, (8192 x 4096) @ (4096 x 4096), on the H100 of
+    the published runs, by hand: 2 x 8192 x 4096^2 = 2.749e11 FLOPs at 60% (the matmul
+    efficiency) of 1,979 TFLOP/s dense float8 = 0.2315 ms, FLOP-bound (its 32 + 16 MiB
+    of operands and 64 MiB of output take 0.07 ms at 70% of 2.4 TB/s), plus the compiled
+    kernel floor (3 us); bf16 takes the 989 TFLOP/s peak. A GPU without float8 tensor
+    cores (A100) is refused. Relative tolerance 1e-9: float rounding of the same sums."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simplefsdp.hardware import GPU_PROFILES
+    from simplefsdp.plan.timing import _flops, node_seconds
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = {"a": torch.empty(8192, 4096, dtype=torch.float8_e4m3fn),
+                "b": torch.empty(4096, 4096, dtype=torch.float8_e4m3fn).t(),
+                "sa": torch.empty(()), "sb": torch.empty(()),
+                "out": torch.empty(8192, 4096, dtype=torch.bfloat16),
+                "a16": torch.empty(8192, 4096, dtype=torch.bfloat16),
+                "b16": torch.empty(4096, 4096, dtype=torch.bfloat16).t()}
+    nodes = {}
+    for name, value in vals.items():
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = value
+    fp8 = graph.call_function(torch.ops.aten._scaled_mm.default,
+                              tuple(nodes[n] for n in ("a", "b", "sa", "sb")),
+                              {"out_dtype": torch.bfloat16})
+    bf16 = graph.call_function(torch.ops.aten.mm.default, (nodes["a16"], nodes["b16"]))
+    fp8.meta["val"] = bf16.meta["val"] = vals["out"]
+    flops = 2 * 8192 * 4096 * 4096
+    assert _flops(fp8) == _flops(bf16) == ("matmul", flops)
+    dev = GPU_PROFILES["h100-96gb"]
+    assert node_seconds(fp8, dev, compiled=True) == pytest.approx(
+        flops / (1979e12 * 0.60) + 3e-6, rel=1e-9)
+    assert node_seconds(bf16, dev, compiled=True) == pytest.approx(
+        flops / (989e12 * 0.60) + 3e-6, rel=1e-9)
+    with pytest.raises(ValueError, match="no float8 tensor cores"):
+        node_seconds(fp8, GPU_PROFILES["a100-80gb"], compiled=True)
