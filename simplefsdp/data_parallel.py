@@ -65,6 +65,7 @@ from .gradient_sync import (
 from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
+from .reshard_group import ReduceScatterGradient, ReshardGroup, check_reshard_after_forward
 
 Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
@@ -167,7 +168,8 @@ class _ReplicateComputation(GradientSyncControl):
 
     def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
+                 tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None,
+                 reshard_group: ReshardGroup | None = None):
         self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
         # replicate (DDP): every rank of the 1-D mesh holds the whole parameter
         self.replicated = all(p.is_replicate() for p in dp_placements)
@@ -186,8 +188,11 @@ class _ReplicateComputation(GradientSyncControl):
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
-        self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
-                                                 for d in range(dp_mesh.ndim))}
+        # reshard_after_forward=<int>: keep a piece over that group (reshard_group.py)
+        self.reshard_group = reshard_group
+        groups = tuple(dp_mesh.get_group(d).group_name for d in range(dp_mesh.ndim))
+        self.annotation = {DP_GROUPS_META: groups + (reshard_group.groups() if reshard_group
+                                                     else ())}
         self.init_sync()
 
     def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
@@ -229,10 +234,43 @@ class _ReplicateComputation(GradientSyncControl):
         """The gathered value again, without autograd (eager backward)."""
         return self._gather(sharded)
 
+    def _gather_in_two_steps(self, source: DTensor) -> torch.Tensor:
+        """Compiled ``reshard_after_forward=<int>``: gather over the outer then the inner
+        group (``ReshardGroup.gather_in_two_steps``); the gradient is reduce-scattered
+        over the whole shard group as DTensor does it."""
+        group = self.reshard_group
+        with annotate(self.annotation):
+            local = source.detach().to_local()
+            if self.param_dtype is not None:
+                local = local.to(self.param_dtype)
+            value = group.gather_in_two_steps(local, source.shape[0])
+            if not gradient_flows(source):
+                return value
+            return ReduceScatterGradient.apply(value, source, group, self.reduce_op,
+                                               self.reduce_dtype)
+
+    def _read_resharding_to_group(self, sharded: DTensor, source: DTensor,
+                                  to_sink: bool) -> torch.Tensor:
+        """A read with ``reshard_after_forward=<int>`` (``fully_shard``, no TP): eager
+        gathers on all ranks and keeps its piece for backward; compiled gathers in two
+        steps and backward recomputes only the inner one (module ``reshard_group``)."""
+        group = self.reshard_group
+        if torch.compiler.is_compiling():
+            local = checkpoint(self._gather_in_two_steps, source, use_reentrant=False,
+                               context_fn=group.checkpoint_contexts())
+            return self.route_gradient(local, sharded, to_sink)
+        local = self.route_gradient(self._gather(source), sharded, to_sink)
+        rows = sharded.shape[0]
+        eager_reshard.note_gathered(local, None, lambda kept: group.regather(kept, rows),
+                                    keep=group.keep)
+        return local
+
     def __call__(self, sharded: DTensor) -> torch.Tensor:
         to_sink = not self.full_on and gradient_flows(sharded)
-        replica_step = self.replica_step(sharded, to_sink)
         source = sharded.detach() if to_sink else sharded
+        if self.reshard_group is not None:
+            return self._read_resharding_to_group(sharded, source, to_sink)
+        replica_step = self.replica_step(sharded, to_sink)
         if self.reshard_after_forward and torch.compiler.is_compiling():
             # the partitioner recomputes the tagged gather. Only plain tensors cross the
             # checkpoint boundary: a DTensor output (TP) would make AOTAutograd save its
@@ -367,7 +405,7 @@ def data_parallel(
     mesh: DeviceMesh,
     mode: Mode = "fully_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     reduce_op: Literal["avg", "sum"] = "avg",
     mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
     ignored_params: Set[nn.Parameter] | None = None,
@@ -385,7 +423,10 @@ def data_parallel(
         mode: ``fully_shard`` (ZeRO-3), ``replicate`` (DDP) or ``hybrid_shard`` (HSDP).
         mp_policy: dtypes for the gathered parameters and for gradient reduction.
         reshard_after_forward: free gathered parameters after forward and gather them
-            again in backward (True), or keep them until backward (False).
+            again in backward (True), or keep them until backward (False), or an int
+            ``N`` (``fully_shard``, no TP): keep them sharded over groups of ``N``
+            neighbouring ranks (a divisor of the shard ranks, 1 < N < S), so backward
+            gathers inside the group (FSDP2's int, ZeRO++'s hpZ; ``reshard_group.py``).
         reduce_op: ``avg`` averages gradients over the data-parallel ranks; ``sum`` sums
             them (for losses already normalized by the global token count).
         mp_overrides: ``{module FQN glob: policy}`` (``fnmatch``, on the model's own names,
@@ -435,11 +476,8 @@ def data_parallel(
     if getattr(model, "_sf_root", False):
         raise ValueError("data_parallel was already applied to this model; apply it once "
                          "(a submodule may be sharded first, on its own mesh)")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: pass True (free "
-                         f"gathered parameters after forward) or False (keep them); an int "
-                         f"(reshard to a smaller group) is not supported yet")
     ignored = check_ignored(model, ignored_params)
+    reshard_group = _reshard_group(model, mesh, mode, reshard_after_forward, ignored)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
@@ -458,7 +496,7 @@ def data_parallel(
                 new, tp = _shard_param(param, fqn, mesh, placements, given)
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
-                                               reshard_after_forward, tp)
+                                               bool(reshard_after_forward), tp, reshard_group)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]
             module._parameters[name] = new
@@ -472,6 +510,24 @@ def data_parallel(
     model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
     return model
+
+
+def _reshard_group(model: nn.Module, mesh: DeviceMesh, mode: Mode, value: object,
+                   ignored: set[int]) -> ReshardGroup | None:
+    """The groups for ``reshard_after_forward=<int>`` (None for a bool), after checking
+    the value and refusing what it is not built for (a tensor-parallel parameter)."""
+    value = check_reshard_after_forward(value, mesh.size(mesh.ndim - 1), mode)
+    if isinstance(value, bool):
+        return None
+    for module in model.modules():
+        if _sharded_already(module):
+            continue
+        for name, param in module._parameters.items():
+            if isinstance(param, DTensor) and id(param) not in ignored:
+                raise ValueError(f"reshard_after_forward={value}: an int is not built for "
+                                 f"tensor-parallel parameters ({name!r} of "
+                                 f"{type(module).__name__} is a DTensor); use true or false")
+    return ReshardGroup.build(mesh, value)
 
 
 def _sharded_already(module: nn.Module) -> bool:
