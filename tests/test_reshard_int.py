@@ -146,3 +146,21 @@ def _refused(rank: int, world: int) -> None:
 
 def test_bad_reshard_ints_refused():
     run_ranks(_refused, WORLD)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.reshard_after_forward", "3"],
+     r"parallel\.reshard_after_forward=3: the group size must divide the 4 .* one of \[2\]"),
+    (["--parallel.reshard_after_forward", "2", "--parallel.dp_mode", "replicate",
+      "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"],
+     r"parallel\.reshard_after_forward=2: .* 'fully_shard' only, not 'replicate'"),
+    (["--parallel.reshard_after_forward", "2", "--parallel.tp", "2"],
+     r"parallel\.reshard_after_forward = 2 \(reshard to a group\) is not built with "
+     r"parallel\.tp = 2"),
+])
+def test_bad_reshard_config_refused(flags, message):
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, flags, world_size=WORLD)

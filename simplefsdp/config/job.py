@@ -29,6 +29,7 @@ from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
+from ..reshard_group import check_reshard_after_forward
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -187,7 +188,10 @@ class ParallelConfig:
     # Free gathered parameters after forward and gather again in backward. "auto": on
     # without PP, off with PP (1F1B runs several forwards before a backward: resharding
     # would gather the same parameters once per microbatch); true / false are honoured.
-    reshard_after_forward: bool | Literal["auto"] = "auto"
+    # An int N (fully_shard, a divisor of dp_shard strictly between 1 and it; no TP, CP
+    # or PP): keep parameters sharded over groups of N neighbouring ranks after forward
+    # (e.g. a node), so backward gathers within the group (FSDP2's int, ZeRO++'s hpZ).
+    reshard_after_forward: bool | int | Literal["auto"] = "auto"
     # With tp > 1: the output projection's logits stay split over the vocabulary on the TP
     # ranks and the cross-entropy runs over the pieces (torch's loss_parallel), instead
     # of gathering every token's whole-vocabulary logits on every TP rank.
@@ -218,7 +222,7 @@ class ParallelConfig:
         return self.pp_microbatches if self.pp > 1 else 1
 
     @property
-    def reshard(self) -> bool:
+    def reshard(self) -> bool | int:
         """``reshard_after_forward`` with "auto" resolved (the one owner of the rule)."""
         if self.reshard_after_forward == "auto":
             return self.pp == 1
@@ -352,6 +356,7 @@ class JobConfig:
         dims = p.dims()  # the sizes' one view while validating; a run builds its own
         with config_errors():
             dims.check_mode(p.dp_mode)
+        check_reshard_int(p, dims)
         if p.pp > 1 and t.batch_size % p.pp_microbatches:
             raise ConfigError(f"training.batch_size = {t.batch_size} must be divisible by "
                               f"parallel.pp_microbatches = {p.pp_microbatches}")
@@ -383,6 +388,26 @@ class JobConfig:
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_lora(self)
         family.validate(self, dims)
+
+
+def check_reshard_int(p: ParallelConfig, dims: ParallelDims) -> None:
+    """``parallel.reshard_after_forward`` as an int: a divisor of the shard ranks, with
+    ``fully_shard`` and without TP, CP or PP (what ``reshard_group`` is built and tested
+    for). Before any process group exists. With ``dp_shard = -1`` unresolved (no world
+    size yet) the divisor is checked when the run resolves it."""
+    value = p.reshard_after_forward
+    if isinstance(value, bool) or not isinstance(value, int):
+        return
+    key = "parallel.reshard_after_forward"
+    for name in ("tp", "cp_ring", "cp_ulysses", "pp"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"{key} = {value} (reshard to a group) is not built with "
+                              f"parallel.{name} = {getattr(p, name)}: use true or false, "
+                              f"or set parallel.{name} = 1")
+    if dims.dp_shard < 1:
+        return
+    with config_errors():
+        check_reshard_after_forward(value, dims.dp_shard, p.dp_mode, key)
 
 
 def _check_hf_balance(m: ModelConfig) -> None:
