@@ -65,6 +65,7 @@ from .gradient_sync import (
 from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
+from .offload import CPUOffloadPolicy, HostOffload
 from .reshard_group import ReduceScatterGradient, ReshardGroup, check_reshard_after_forward
 
 Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
@@ -169,7 +170,7 @@ class _ReplicateComputation(GradientSyncControl):
     def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
                  tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None,
-                 reshard_group: ReshardGroup | None = None):
+                 reshard_group: ReshardGroup | None = None, offload: HostOffload | None = None):
         self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
         # replicate (DDP): every rank of the 1-D mesh holds the whole parameter
         self.replicated = all(p.is_replicate() for p in dp_placements)
@@ -190,6 +191,7 @@ class _ReplicateComputation(GradientSyncControl):
         self.tp = tp
         # reshard_after_forward=<int>: keep a piece over that group (reshard_group.py)
         self.reshard_group = reshard_group
+        self.offload = offload  # CPU offload: shards on the host, copied in on each read
         groups = tuple(dp_mesh.get_group(d).group_name for d in range(dp_mesh.ndim))
         self.annotation = {DP_GROUPS_META: groups + (reshard_group.groups() if reshard_group
                                                      else ())}
@@ -232,7 +234,12 @@ class _ReplicateComputation(GradientSyncControl):
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered value again, without autograd (eager backward)."""
-        return self._gather(sharded)
+        return self._gather(self._on_device(sharded))
+
+    def _on_device(self, param: DTensor) -> DTensor:
+        """The sharded parameter on the compute device: itself, or with CPU offload its
+        host shard copied in (the gradient goes back to the host: ``offload.py``)."""
+        return param if self.offload is None else self.offload.to_device(param)
 
     def _gather_in_two_steps(self, source: DTensor) -> torch.Tensor:
         """Compiled ``reshard_after_forward=<int>``: gather over the outer then the inner
@@ -265,7 +272,8 @@ class _ReplicateComputation(GradientSyncControl):
                                     keep=group.keep)
         return local
 
-    def __call__(self, sharded: DTensor) -> torch.Tensor:
+    def __call__(self, param: DTensor) -> torch.Tensor:
+        sharded = self._on_device(param)
         to_sink = not self.full_on and gradient_flows(sharded)
         source = sharded.detach() if to_sink else sharded
         if self.reshard_group is not None:
@@ -283,7 +291,7 @@ class _ReplicateComputation(GradientSyncControl):
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
             # uses: the note ends when that tensor dies (a view above keeps only storage)
-            eager_reshard.note_gathered(local, sharded, self.regather)
+            eager_reshard.note_gathered(local, param, self.regather)
         return self._as_tp(local)
 
 
@@ -409,6 +417,7 @@ def data_parallel(
     reduce_op: Literal["avg", "sum"] = "avg",
     mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
     ignored_params: Set[nn.Parameter] | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
@@ -442,6 +451,12 @@ def data_parallel(
         ignored_params: parameters left alone (FSDP2's ``ignored_params``): they stay
             plain parameters, are never gathered, and their gradients are never reduced
             (each rank keeps its own); each must be a parameter of ``model``.
+        offload_policy: ``CPUOffloadPolicy(pin_memory=True)`` keeps the shards, their
+            gradients and so the optimizer state on the host; each read copies the shard
+            to the mesh's device before the all-gather, and the reduced gradient comes
+            back (``offload.py``). Needs a non-CPU mesh. Parameters still on ``meta`` stay
+            there: after ``to_empty`` and init, call
+            ``simplefsdp.offload.place_shards_on_host(model)`` before building the optimizer.
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA base) are sharded and
     gathered for compute like the others, but get no gradient and so no reduce-scatter
@@ -478,6 +493,7 @@ def data_parallel(
                          "(a submodule may be sharded first, on its own mesh)")
     ignored = check_ignored(model, ignored_params)
     reshard_group = _reshard_group(model, mesh, mode, reshard_after_forward, ignored)
+    offload = None if offload_policy is None else HostOffload.build(offload_policy, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
@@ -494,9 +510,12 @@ def data_parallel(
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
                 new, tp = _shard_param(param, fqn, mesh, placements, given)
+                if offload is not None:
+                    new = offload.place_on_host(new)
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
-                                               bool(reshard_after_forward), tp, reshard_group)
+                                               bool(reshard_after_forward), tp, reshard_group,
+                                               offload)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]
             module._parameters[name] = new
