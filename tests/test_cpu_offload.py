@@ -126,3 +126,13 @@ def _refused(rank: int, world: int) -> None:
 
 def test_offload_on_a_cpu_mesh_refused():
     run_ranks(_refused, WORLD)
+
+
+def test_trainer_cpu_offload_on_cpu_refused():
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training\.cpu_offload = true .* job\.device = 'cpu'"):
+        load_config(None, ["--training.cpu_offload", "true"], world_size=WORLD)
+    assert load_config(None, ["--training.cpu_offload", "true", "--job.device", "cuda"],
+                       world_size=WORLD).training.cpu_offload

@@ -149,6 +149,10 @@ class TrainingConfig:
     # them unreduced (full-size gradient memory) and reduces the sum once, on the last
     # micro-step: 1/grad_accum_steps of the reduce-scatters/all-reduces.
     gradient_sync: Literal["every_microstep", "last_microstep"] = "every_microstep"
+    # Keep parameter shards, gradients and optimizer state in host memory (pinned); each
+    # read copies a shard to the GPU before its all-gather and the optimizer steps on the
+    # CPU (data_parallel's offload_policy, FSDP2's CPUOffloadPolicy). CUDA jobs only.
+    cpu_offload: bool = False
     seed: int = 0  # initialization and data order
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
     mixed_precision_reduce: DType = "float32"  # dtype of gradient reduction
@@ -357,6 +361,10 @@ class JobConfig:
         with config_errors():
             dims.check_mode(p.dp_mode)
         check_reshard_int(p, dims)
+        if t.cpu_offload and self.job.device == "cpu":
+            raise ConfigError("training.cpu_offload = true moves shards from the device to the "
+                              "host, but job.device = 'cpu' has no device memory to free: set "
+                              "job.device = 'cuda' or training.cpu_offload = false")
         if p.pp > 1 and t.batch_size % p.pp_microbatches:
             raise ConfigError(f"training.batch_size = {t.batch_size} must be divisible by "
                               f"parallel.pp_microbatches = {p.pp_microbatches}")
