@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         dev = gpu_profile(args.gpu)
         # one layout: its sizes must fill the GPUs (checked before the model's shapes);
         # --search chooses the sizes itself
-        cfg = load_config(args.config, overrides,
+        # the planner plans GPU runs: job.device = "cuda" unless given (CUDA-only keys
+        # such as training.cpu_offload then validate)
+        cfg = load_config(args.config, ["--job.device", "cuda", *overrides],
                           world_size=None if args.search else args.gpus)
         started = time.perf_counter()
         failures: list[str] = []

@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
 from ..parallel.pipeline import stage_layers
-from . import memory, timing
+from . import memory, timing, tradeoffs
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
@@ -270,6 +270,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         stats["predicted"] += 1
         if progress is not None:
             progress(r)
+        results += _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
         if not r.fits:
             too_big.append((p.tp, p.pp, ac, p.cp_rotate, batch, p.dims().dp_shard_cp,
                             p.dims().cp))
@@ -277,6 +278,21 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
             fitted.add(layout + (batch,))
             bar.add(r.tokens_per_s_per_gpu)
     return results, failures, stats
+
+
+def _knob_rows(c: JobConfig, r: Prediction, gpus: int, gpu: str, gpus_per_node: int,
+               stats: dict, progress) -> list[Prediction]:
+    """Rows for ``c`` with one of issue 48's knobs turned (``tradeoffs.variants``: from the
+    traces ``c`` just made, no new one). They compete with the layouts' own rows but do
+    not move the ``keep`` bar or the too-big/fitted bookkeeping, which speak of layouts."""
+    rows = []
+    for v in tradeoffs.variants(c, r.fits, gpus_per_node):
+        row = predict(v, gpus, gpu, gpus_per_node)
+        rows.append(row)
+        stats["knob_rows"] = stats.get("knob_rows", 0) + 1
+        if progress is not None:
+            progress(row)
+    return rows
 
 
 def _cache_counts() -> dict:
