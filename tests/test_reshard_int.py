@@ -11,9 +11,12 @@ The collectives of each forward and each backward are read from the profiler wit
 group size and input size:
 * eager: forward gathers on all 4 ranks as the reference does; backward gathers the same
   parameters on groups of 2, each rank sending its kept piece (2 shards' worth);
-* compiled: forward gathers in two steps on groups of 2 (the outer group's shards, then
-  the inner group's pieces); backward recomputes only the inner step, from the pieces.
-Reduce-scatters are unchanged: on 4 ranks, one per gradient.
+* compiled (our backend, aot_eager, manual bucketing with reordering): forward gathers
+  in two steps on groups of 2 (the outer group's shards, then the inner group's pieces);
+  backward recomputes only the inner step, from the pieces. Collectives are compared as
+  counts and total sizes per group size, so buckets (one per block and group: the
+  passes never merge groups) compare like single collectives.
+Reduce-scatters are unchanged: on 4 ranks.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ def _train(rank: int, reshard, compiled: bool):
     model = sf.data_parallel(Toy(n_layers=1), sf.make_mesh(dp_shard=WORLD),
                              reshard_after_forward=reshard)
     forward = model
-    if compiled:
+    if compiled:  # our backend: each block's collectives bucketed, prefetched, per group
         torch._dynamo.reset()
-        forward = torch.compile(model, fullgraph=True, backend="aot_eager")
+        forward = torch.compile(model, fullgraph=True, backend=sf.compile_backend(
+            backend="aot_eager", bucketing="manual", reordering=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     steps = []
     for step in range(STEPS):
@@ -76,32 +80,32 @@ def _train(rank: int, reshard, compiled: bool):
     return steps, params
 
 
-def _numels(kind: str, counts: collections.Counter, size: int) -> collections.Counter:
-    """{input numel: count} of ``kind`` collectives on groups of ``size``."""
-    out = collections.Counter()
-    for (k, group, numel), n in counts.items():
-        if k == kind and group == size:
-            out[numel] += n
+def _totals(counts: collections.Counter) -> dict[tuple[str, int], tuple[int, int]]:
+    """{(op, group size): (collectives, total input numel)}: comparable whether or not
+    the compiler merged a block's collectives into buckets (it never merges groups)."""
+    out: dict[tuple[str, int], tuple[int, int]] = {}
+    for (kind, group, numel), n in counts.items():
+        count, total = out.get((kind, group), (0, 0))
+        out[kind, group] = (count + n, total + n * numel)
     return out
 
 
 def _check_counts(ref_step, step, compiled: bool) -> None:
     _, _, ref_fwd, ref_bwd = ref_step
-    _, _, fwd, bwd = step
-    assert sum(fwd.values()) and sum(bwd.values())
+    ref_fwd, ref_bwd = _totals(ref_fwd), _totals(ref_bwd)
+    fwd, bwd = _totals(step[2]), _totals(step[3])
+    gather, scatter = "all_gather_into_tensor", "reduce_scatter_tensor"
     # the gradients: unchanged, on all 4 ranks
-    assert _numels("reduce_scatter_tensor", bwd, WORLD) == \
-        _numels("reduce_scatter_tensor", ref_bwd, WORLD)
-    ref_shards = _numels("all_gather_into_tensor", ref_bwd, WORLD)  # shard numel -> count
-    pieces = collections.Counter({GROUP * numel: n for numel, n in ref_shards.items()})
-    # backward: the same gathers, on groups of 2 (never 4), each sending its kept piece
-    assert _numels("all_gather_into_tensor", bwd, WORLD) == collections.Counter()
-    assert _numels("all_gather_into_tensor", bwd, GROUP) == pieces, (bwd, ref_bwd)
-    ref_forward = _numels("all_gather_into_tensor", ref_fwd, WORLD)
+    assert bwd[scatter, WORLD] == ref_bwd[scatter, WORLD]
+    # backward: as many gathers, on groups of 2 only, each sending its kept piece (2
+    # shards' worth)
+    count, numel = ref_bwd[gather, WORLD]
+    assert {k for k in bwd if k[0] == gather} == {(gather, GROUP)}, bwd
+    assert bwd[gather, GROUP] == (count, GROUP * numel), (bwd, ref_bwd)
+    count, numel = ref_fwd[gather, WORLD]
     if compiled:  # two steps on groups of 2: the shards (outer), then the pieces (inner)
-        assert _numels("all_gather_into_tensor", fwd, WORLD) == collections.Counter()
-        inner = collections.Counter({GROUP * numel: n for numel, n in ref_forward.items()})
-        assert _numels("all_gather_into_tensor", fwd, GROUP) == ref_forward + inner, fwd
+        assert set(fwd) == {(gather, GROUP)}, fwd
+        assert fwd[gather, GROUP] == (2 * count, numel + GROUP * numel), (fwd, ref_fwd)
     else:  # eager: forward is the reference's, on all 4 ranks
         assert fwd == ref_fwd, (fwd, ref_fwd)
 
