@@ -3,7 +3,9 @@ CPU standing in for the compute device (``offload.cpu_stands_in_for_device``: th
 code as on CUDA, every copy made and counted; a CPU mesh is otherwise refused).
 
 The run with offload must match the run without it bitwise (losses, gradients and
-parameters after 3 AdamW steps): the copies move values, they never change them.
+parameters after 3 AdamW steps of 2 micro-steps, the first with gradient sync off, so
+its unreduced gradient accumulates on the compute device): the copies move values,
+they never change them.
 Each step issues one host->device copy per all-gather (the shard, before it is
 gathered: forward reads and backward's re-gathers) and one device->host copy per
 reduce-scatter (the reduced gradient), with the bytes of the shards and gradients.
@@ -62,12 +64,16 @@ def _train(rank: int, offloaded: bool, compiled: bool):
     for step in range(STEPS):
         if host is not None:
             host.reset_counts()
-        tokens = global_batch(step, WORLD)[2 * rank:2 * (rank + 1)]
+        tokens = global_batch(step, WORLD, per_rank=4)[4 * rank:4 * (rank + 1)]
 
-        def fwd_bwd(tokens=tokens):
-            loss = loss_fn(forward, tokens)
-            loss.backward()
-            steps.append([loss.detach().clone()])
+        def fwd_bwd(tokens=tokens):  # 2 micro-steps, the first one's gradient unreduced
+            losses = []
+            for micro, sync in enumerate((False, True)):
+                model.set_requires_gradient_sync(sync)
+                loss = loss_fn(forward, tokens[2 * micro:2 * (micro + 1)])
+                loss.backward()
+                losses.append(loss.detach().clone())
+            steps.append([torch.stack(losses)])
         counts = _step_collectives(fwd_bwd)
         copies = None if host is None else (dict(host.copies), dict(host.bytes))
         grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()
