@@ -65,8 +65,8 @@ from .gradient_sync import (
 from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
-from .offload import CPUOffloadPolicy, HostOffload
-from .reshard_group import ReduceScatterGradient, ReshardGroup, check_reshard_after_forward
+from .offload import CPUOffloadPolicy, HostOffload, on_device
+from .reshard_group import ReshardGroup, ReshardToGroupReads
 
 Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
@@ -157,7 +157,7 @@ def _gather_policy_contexts():
     return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
-class _ReplicateComputation(GradientSyncControl):
+class _ReplicateComputation(GradientSyncControl, ReshardToGroupReads):
     """Turns a sharded DTensor parameter into the full tensor used by the computation.
 
     For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
@@ -189,12 +189,8 @@ class _ReplicateComputation(GradientSyncControl):
         self.reduce_dtype = mp_policy.reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
-        # reshard_after_forward=<int>: keep a piece over that group (reshard_group.py)
-        self.reshard_group = reshard_group
-        self.offload = offload  # CPU offload: shards on the host, copied in on each read
-        groups = tuple(dp_mesh.get_group(d).group_name for d in range(dp_mesh.ndim))
-        self.annotation = {DP_GROUPS_META: groups + (reshard_group.groups() if reshard_group
-                                                     else ())}
+        self.reshard_group, self.offload = reshard_group, offload  # int reshard, CPU offload
+        self.annotation = {DP_GROUPS_META: ReshardGroup.names(dp_mesh, reshard_group)}
         self.init_sync()
 
     def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
@@ -234,50 +230,14 @@ class _ReplicateComputation(GradientSyncControl):
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered value again, without autograd (eager backward)."""
-        return self._gather(self._on_device(sharded))
-
-    def _on_device(self, param: DTensor) -> DTensor:
-        """The sharded parameter on the compute device: itself, or with CPU offload its
-        host shard copied in (the gradient goes back to the host: ``offload.py``)."""
-        return param if self.offload is None else self.offload.to_device(param)
-
-    def _gather_in_two_steps(self, source: DTensor) -> torch.Tensor:
-        """Compiled ``reshard_after_forward=<int>``: gather over the outer then the inner
-        group (``ReshardGroup.gather_in_two_steps``); the gradient is reduce-scattered
-        over the whole shard group as DTensor does it."""
-        group = self.reshard_group
-        with annotate(self.annotation):
-            local = source.detach().to_local()
-            if self.param_dtype is not None:
-                local = local.to(self.param_dtype)
-            value = group.gather_in_two_steps(local, source.shape[0])
-            if not gradient_flows(source):
-                return value
-            return ReduceScatterGradient.apply(value, source, group, self.reduce_op,
-                                               self.reduce_dtype)
-
-    def _read_resharding_to_group(self, sharded: DTensor, source: DTensor,
-                                  to_sink: bool) -> torch.Tensor:
-        """A read with ``reshard_after_forward=<int>`` (``fully_shard``, no TP): eager
-        gathers on all ranks and keeps its piece for backward; compiled gathers in two
-        steps and backward recomputes only the inner one (module ``reshard_group``)."""
-        group = self.reshard_group
-        if torch.compiler.is_compiling():
-            local = checkpoint(self._gather_in_two_steps, source, use_reentrant=False,
-                               context_fn=group.checkpoint_contexts())
-            return self.route_gradient(local, sharded, to_sink)
-        local = self.route_gradient(self._gather(source), sharded, to_sink)
-        rows = sharded.shape[0]
-        eager_reshard.note_gathered(local, None, lambda kept: group.regather(kept, rows),
-                                    keep=group.keep)
-        return local
+        return self._gather(on_device(self.offload, sharded))
 
     def __call__(self, param: DTensor) -> torch.Tensor:
-        sharded = self._on_device(param)
+        sharded = on_device(self.offload, param)  # itself, or copied in from the host
         to_sink = not self.full_on and gradient_flows(sharded)
         source = sharded.detach() if to_sink else sharded
         if self.reshard_group is not None:
-            return self._read_resharding_to_group(sharded, source, to_sink)
+            return self.read_resharding_to_group(sharded, source, to_sink)
         replica_step = self.replica_step(sharded, to_sink)
         if self.reshard_after_forward and torch.compiler.is_compiling():
             # the partitioner recomputes the tagged gather. Only plain tensors cross the
@@ -432,10 +392,8 @@ def data_parallel(
         mode: ``fully_shard`` (ZeRO-3), ``replicate`` (DDP) or ``hybrid_shard`` (HSDP).
         mp_policy: dtypes for the gathered parameters and for gradient reduction.
         reshard_after_forward: free gathered parameters after forward and gather them
-            again in backward (True), or keep them until backward (False), or an int
-            ``N`` (``fully_shard``, no TP): keep them sharded over groups of ``N``
-            neighbouring ranks (a divisor of the shard ranks, 1 < N < S), so backward
-            gathers inside the group (FSDP2's int, ZeRO++'s hpZ; ``reshard_group.py``).
+            again in backward (True), keep them (False), or (an int ``N``) keep them
+            sharded over groups of ``N`` neighbouring ranks (``reshard_group.py``).
         reduce_op: ``avg`` averages gradients over the data-parallel ranks; ``sum`` sums
             them (for losses already normalized by the global token count).
         mp_overrides: ``{module FQN glob: policy}`` (``fnmatch``, on the model's own names,
@@ -451,12 +409,8 @@ def data_parallel(
         ignored_params: parameters left alone (FSDP2's ``ignored_params``): they stay
             plain parameters, are never gathered, and their gradients are never reduced
             (each rank keeps its own); each must be a parameter of ``model``.
-        offload_policy: ``CPUOffloadPolicy(pin_memory=True)`` keeps the shards, their
-            gradients and so the optimizer state on the host; each read copies the shard
-            to the mesh's device before the all-gather, and the reduced gradient comes
-            back (``offload.py``). Needs a non-CPU mesh. Parameters still on ``meta`` stay
-            there: after ``to_empty`` and init, call
-            ``simplefsdp.offload.place_shards_on_host(model)`` before building the optimizer.
+        offload_policy: ``CPUOffloadPolicy()``: shards, gradients and optimizer state on
+            the host, copied to the (non-CPU) mesh's device on each read (``offload.py``).
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA base) are sharded and
     gathered for compute like the others, but get no gradient and so no reduce-scatter
@@ -492,7 +446,7 @@ def data_parallel(
         raise ValueError("data_parallel was already applied to this model; apply it once "
                          "(a submodule may be sharded first, on its own mesh)")
     ignored = check_ignored(model, ignored_params)
-    reshard_group = _reshard_group(model, mesh, mode, reshard_after_forward, ignored)
+    reshard_group = ReshardGroup.for_model(model, mesh, mode, reshard_after_forward, ignored)
     offload = None if offload_policy is None else HostOffload.build(offload_policy, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
@@ -510,8 +464,7 @@ def data_parallel(
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
                 new, tp = _shard_param(param, fqn, mesh, placements, given)
-                if offload is not None:
-                    new = offload.place_on_host(new)
+                new = new if offload is None else offload.place_on_host(new)
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
                                                bool(reshard_after_forward), tp, reshard_group,
@@ -529,24 +482,6 @@ def data_parallel(
     model.set_requires_all_reduce = types.MethodType(set_requires_all_reduce, model)
     install_casts(model, overrides, mp_policy)
     return model
-
-
-def _reshard_group(model: nn.Module, mesh: DeviceMesh, mode: Mode, value: object,
-                   ignored: set[int]) -> ReshardGroup | None:
-    """The groups for ``reshard_after_forward=<int>`` (None for a bool), after checking
-    the value and refusing what it is not built for (a tensor-parallel parameter)."""
-    value = check_reshard_after_forward(value, mesh.size(mesh.ndim - 1), mode)
-    if isinstance(value, bool):
-        return None
-    for module in model.modules():
-        if _sharded_already(module):
-            continue
-        for name, param in module._parameters.items():
-            if isinstance(param, DTensor) and id(param) not in ignored:
-                raise ValueError(f"reshard_after_forward={value}: an int is not built for "
-                                 f"tensor-parallel parameters ({name!r} of "
-                                 f"{type(module).__name__} is a DTensor); use true or false")
-    return ReshardGroup.build(mesh, value)
 
 
 def _sharded_already(module: nn.Module) -> bool:

@@ -133,6 +133,12 @@ class _ToDevice(torch.autograd.Function):
                                   shape=grad.shape, stride=grad.stride()), None
 
 
+def on_device(offload: HostOffload | None, param: DTensor) -> DTensor:
+    """``param`` on the compute device: itself without offload, else its host shard
+    copied in (differentiable: the gradient goes back to the host)."""
+    return param if offload is None else offload.to_device(param)
+
+
 def offloads(model: nn.Module) -> list[HostOffload]:
     """The offloads of ``model``'s ``data_parallel`` calls (one each), for counting."""
     seen: dict[int, HostOffload] = {}

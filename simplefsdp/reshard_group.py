@@ -29,11 +29,20 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.fx.traceback import annotate
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
+from . import eager_reshard
 from ._torch_compat import c10d_functional
+from .errors import ConfigError, config_errors
+from .gradient_sync import gradient_flows
 from .mesh import ParallelDims
 
 _OUTER, _INNER = "sf_reshard_outer", "sf_reshard_inner"
@@ -79,6 +88,25 @@ class ReshardGroup:
     mesh: DeviceMesh  # the (outer, inner) mesh, kept alive with its groups
 
     @classmethod
+    def for_model(cls, model: nn.Module, mesh: DeviceMesh, mode: str, value: object,
+                  ignored: set[int]) -> ReshardGroup | None:
+        """``data_parallel``'s groups for ``reshard_after_forward=value`` (None for a
+        bool), after checking the value and refusing a tensor-parallel parameter (not
+        ``ignored``, of a module no earlier call sharded: those have ``_sf_compute``)."""
+        value = check_reshard_after_forward(value, mesh.size(mesh.ndim - 1), mode)
+        if isinstance(value, bool):
+            return None
+        for module in model.modules():
+            if hasattr(module, "_sf_compute"):
+                continue
+            for name, param in module._parameters.items():
+                if isinstance(param, DTensor) and id(param) not in ignored:
+                    raise ValueError(f"reshard_after_forward={value}: an int is not built for "
+                                     f"tensor-parallel parameters ({name!r} of "
+                                     f"{type(module).__name__} is a DTensor); use true or false")
+        return cls.build(mesh, value)
+
+    @classmethod
     def build(cls, dp_mesh: DeviceMesh, size: int) -> ReshardGroup:
         """Split the 1-D shard mesh into (S / N, N); every rank calls this once."""
         shard_size = dp_mesh.size()
@@ -90,8 +118,12 @@ class ReshardGroup:
         """``context_fn`` for the compiled gather's checkpoint (:func:`two_step_contexts`)."""
         return functools.partial(two_step_contexts, self.outer_group)
 
-    def groups(self) -> tuple[str, str]:
-        return self.outer_group, self.inner_group
+    @staticmethod
+    def names(dp_mesh: DeviceMesh, group: ReshardGroup | None) -> tuple[str, ...]:
+        """The names of the data-parallel process groups: ``dp_mesh``'s, and ``group``'s
+        (if any), which the compiler's passes then touch too (``DP_GROUPS_META``)."""
+        names = tuple(dp_mesh.get_group(d).group_name for d in range(dp_mesh.ndim))
+        return names if group is None else names + (group.outer_group, group.inner_group)
 
     def chunk_rows(self, rows: int) -> int:
         return -(-rows // self.shard_size)
@@ -141,6 +173,60 @@ def two_step_contexts(outer_group: str):
         return CheckpointPolicy.MUST_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+class ReshardToGroupReads:
+    """The reads of ``data_parallel``'s gather (``_ReplicateComputation`` derives from it
+    and provides ``reshard_group``, ``annotation``, ``param_dtype``, ``reduce_op``,
+    ``reduce_dtype``, ``_gather`` and ``route_gradient``) with an int reshard."""
+
+    def _gather_in_two_steps(self, source: DTensor) -> torch.Tensor:
+        """Compiled: gather over the outer then the inner group; the gradient is
+        reduce-scattered over the whole shard group as DTensor does it."""
+        group = self.reshard_group
+        with annotate(self.annotation):
+            local = source.detach().to_local()
+            if self.param_dtype is not None:
+                local = local.to(self.param_dtype)
+            value = group.gather_in_two_steps(local, source.shape[0])
+            if not gradient_flows(source):
+                return value
+            return ReduceScatterGradient.apply(value, source, group, self.reduce_op,
+                                               self.reduce_dtype)
+
+    def read_resharding_to_group(self, sharded: DTensor, source: DTensor,
+                                 to_sink: bool) -> torch.Tensor:
+        """One read: eager gathers on all ranks and keeps its piece for backward;
+        compiled gathers in two steps and backward recomputes only the inner one."""
+        group = self.reshard_group
+        if torch.compiler.is_compiling():
+            local = checkpoint(self._gather_in_two_steps, source, use_reentrant=False,
+                               context_fn=group.checkpoint_contexts())
+            return self.route_gradient(local, sharded, to_sink)
+        local = self.route_gradient(self._gather(source), sharded, to_sink)
+        rows = sharded.shape[0]
+        eager_reshard.note_gathered(local, None, lambda kept: group.regather(kept, rows),
+                                    keep=group.keep)
+        return local
+
+
+def check_config(p, dims: ParallelDims) -> None:
+    """``[parallel] reshard_after_forward`` as an int (``p``: the ParallelConfig): a
+    divisor of the shard ranks, with ``fully_shard`` and without TP, CP or PP (what this
+    module is built and tested for); a ConfigError naming the key, before any process
+    group exists. With ``dp_shard = -1`` unresolved the divisor waits for the run."""
+    value = p.reshard_after_forward
+    if isinstance(value, bool) or not isinstance(value, int):
+        return
+    key = "parallel.reshard_after_forward"
+    for name in ("tp", "cp_ring", "cp_ulysses", "pp"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"{key} = {value} (reshard to a group) is not built with "
+                              f"parallel.{name} = {getattr(p, name)}: use true or false, "
+                              f"or set parallel.{name} = 1")
+    if dims.dp_shard >= 1:
+        with config_errors():
+            check_reshard_after_forward(value, dims.dp_shard, p.dp_mode, key)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
-from ..reshard_group import check_reshard_after_forward
+from ..reshard_group import check_config as check_reshard_config
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -360,7 +360,7 @@ class JobConfig:
         dims = p.dims()  # the sizes' one view while validating; a run builds its own
         with config_errors():
             dims.check_mode(p.dp_mode)
-        check_reshard_int(p, dims)
+        check_reshard_config(p, dims)
         if t.cpu_offload and self.job.device == "cpu":
             raise ConfigError("training.cpu_offload = true moves shards from the device to the "
                               "host, but job.device = 'cpu' has no device memory to free: set "
@@ -396,26 +396,6 @@ class JobConfig:
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_lora(self)
         family.validate(self, dims)
-
-
-def check_reshard_int(p: ParallelConfig, dims: ParallelDims) -> None:
-    """``parallel.reshard_after_forward`` as an int: a divisor of the shard ranks, with
-    ``fully_shard`` and without TP, CP or PP (what ``reshard_group`` is built and tested
-    for). Before any process group exists. With ``dp_shard = -1`` unresolved (no world
-    size yet) the divisor is checked when the run resolves it."""
-    value = p.reshard_after_forward
-    if isinstance(value, bool) or not isinstance(value, int):
-        return
-    key = "parallel.reshard_after_forward"
-    for name in ("tp", "cp_ring", "cp_ulysses", "pp"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"{key} = {value} (reshard to a group) is not built with "
-                              f"parallel.{name} = {getattr(p, name)}: use true or false, "
-                              f"or set parallel.{name} = 1")
-    if dims.dp_shard < 1:
-        return
-    with config_errors():
-        check_reshard_after_forward(value, dims.dp_shard, p.dp_mode, key)
 
 
 def _check_hf_balance(m: ModelConfig) -> None:
