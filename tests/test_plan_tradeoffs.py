@@ -101,8 +101,9 @@ def test_frozen_lora_base_no_gradient_state_or_reduction():
 
 
 def test_search_rows_turn_each_knob(monkeypatch):
-    """One layout through the search's loop: its row, then one row per knob; CPU offload
-    only where the layout does not fit (a device profile just too small for it)."""
+    """One layout through the search's loop with ``--tradeoffs``: its row, then one row
+    per knob; CPU offload only where the layout does not fit (a device profile just too
+    small for it). Without the flag the search is unchanged (tests/test_plan_search.py)."""
     from simplefsdp.config.job import load_config
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
     from simplefsdp.plan.search import _Bar, _lower_bound, _search_groups
@@ -116,7 +117,8 @@ def test_search_rows_turn_each_knob(monkeypatch):
     tight = dataclasses.replace(DEV, memory_bytes=(lower + base.reserved_memory_gib * 2**30
                                                    + CONTEXT_BYTES) / 2)
     monkeypatch.setitem(GPU_PROFILES, "tight", tight)
-    rows, failures, stats = _search_groups([[cfg]], GPUS, "tight", PER_NODE, _Bar(0))
+    rows, failures, stats = _search_groups([[cfg]], GPUS, "tight", PER_NODE, _Bar(0),
+                                           tradeoffs_rows=True)  # --search --tradeoffs
     assert not failures
     by_knob = {r.knobs: r for r in rows}
     assert set(by_knob) == {"", "reshard=8", "sync=last", "offload"}, list(by_knob)

@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPU_PROFILES)}")
     parser.add_argument("--search", action="store_true", help="rank every layout")
+    parser.add_argument("--tradeoffs", action="store_true",
+                        help="search: also each predicted layout with a knob turned "
+                             "(parallel.reshard_after_forward = a node, training.gradient_sync "
+                             "= last_microstep, training.cpu_offload where it does not fit)")
     parser.add_argument("--json", help="write one object per configuration here")
     parser.add_argument("--png", help="write memory vs tokens/s here")
     parser.add_argument("--top", type=int, default=20, help="rows of the search table")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.search:
             rows = search(cfg, args.gpus, args.gpu, args.gpus_per_node, failures=failures,
                           progress=_progress(started), keep=args.keep, stats=stats,
-                          workers=args.workers)
+                          workers=args.workers, tradeoffs_rows=args.tradeoffs)
         else:
             rows = [predict(cfg, args.gpus, args.gpu, args.gpus_per_node)]
     except (ConfigError, ValueError) as e:

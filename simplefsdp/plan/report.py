@@ -36,9 +36,9 @@ def search_note(stats: dict, keep: int, workers: int) -> str:
             f" traces, {stats.get('eager_replays', 0)} eager replays, {workers} "
             f"process{'es' if workers > 1 else ''}); skipped untraced: "
             f"{stats.get('memory', 0)} cannot fit, {stats.get('fits_with_less_ac', 0)} fit "
-            f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}; "
-            f"{stats.get('knob_rows', 0)} rows with a knob turned (reshard to a node, gradient "
-            f"sync on the last micro-step, CPU offload where a layout does not fit)")
+            f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}"
+            + (f"; {stats['knob_rows']} rows with a knob turned (--tradeoffs)"
+               if stats.get("knob_rows") else ""))
 
 
 def write_json(rows: list[Prediction], path: str | Path) -> None:
