@@ -26,6 +26,11 @@ short still returns what it measured):
    shape (the planner's float8 rate), then rank 0's Llama 3 8B FSDP 8 step in bf16 and
    with ``[float8]`` (tensorwise, float8 all-gather), eager, under the fake process group
    (its gathered bytes are unwritten memory: timing and memory only, not the loss).
+9. ``cpu_offload`` (issue 48): a stack of 4096-wide MLP blocks (~0.4 B parameters)
+   under ``data_parallel`` on a one-rank NCCL group, with and without
+   ``CPUOffloadPolicy(pin_memory=True)``: step seconds (forward, backward, AdamW on the
+   host or the device), peak device memory, and the host<->device copies and bytes of
+   one step, against the planner's PCIe figure.
 """
 
 # ruff: noqa: B023  (each closure in a loop is timed within its own iteration)
@@ -40,6 +45,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -685,6 +691,64 @@ def float8():
     return out
 
 
+def _offload_step(offloaded, blocks, width, steps):
+    """(median step seconds, peak device bytes, copies, bytes copied) of one run."""
+    import simplefsdp as sf
+    from simplefsdp import offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(
+        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+        for _ in range(blocks)]).to(ARGS.device)
+    policy = sf.CPUOffloadPolicy(pin_memory=True) if offloaded else None
+    model = sf.data_parallel(model, sf.make_mesh(dp_shard=1, device_type=ARGS.device),
+                             offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 512, width, device=ARGS.device)
+
+    def step():
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if ARGS.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed(step, reps=steps)
+    peak = torch.cuda.max_memory_allocated() if ARGS.device == "cuda" else None
+    host = offload.offloads(model)
+    copies = (dict(host[0].copies), dict(host[0].bytes)) if host else None
+    if host:
+        host[0].reset_counts()
+        step()
+        copies = (dict(host[0].copies), dict(host[0].bytes))
+    return {"step_s": seconds, "peak_device_bytes": peak, "copies_one_step": copies,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+@section("cpu_offload")
+def cpu_offload():
+    import torch.distributed as dist
+
+    from simplefsdp import offload
+    from simplefsdp.hardware import GPU_PROFILES
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    backend = "nccl" if ARGS.device == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=0, world_size=1)
+    blocks, width, steps = (2, 64, 2) if ARGS.tiny else (6, 4096, 3)
+    out = {"blocks": blocks, "width": width}
+    with offload.cpu_stands_in_for_device() if ARGS.device == "cpu" else nullcontext():
+        for name, offloaded in (("device", False), ("offload", True)):
+            out[name] = _offload_step(offloaded, blocks, width, steps)
+    gpu = torch.cuda.get_device_name().lower() if ARGS.device == "cuda" else "h200"
+    name = next((n for n in GPU_PROFILES if n.split("-")[0] in gpu), "h200")
+    out["planner_profile"] = name
+    out["planner_pcie_Bps"] = GPU_PROFILES[name].pcie_Bps
+    out["planner_host_optimizer_Bps"] = GPU_PROFILES[name].host_optimizer_Bps
+    return out
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser()
@@ -695,7 +759,7 @@ def main():
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k, *MOE, float8]
+                step_deepseek, step_262k, *MOE, float8, cpu_offload]
     for fn in sections:
         if ARGS.only and fn.__name__ not in ARGS.only.split(","):
             continue

@@ -66,6 +66,8 @@ from .gradient_sync import (
 from .mesh import DP_GROUPS_META, ParallelDims
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
+from .offload import CPUOffloadPolicy, HostOffload, on_device
+from .reshard_group import ReshardGroup, ReshardToGroupReads
 
 Mode = Literal["fully_shard", "hybrid_shard", "replicate"]
 MODES: tuple[str, ...] = get_args(Mode)  # the one list, derived from the type
@@ -156,7 +158,7 @@ def _gather_policy_contexts():
     return create_selective_checkpoint_contexts(_recompute_gathers)
 
 
-class _ReplicateComputation(GradientSyncControl):
+class _ReplicateComputation(GradientSyncControl, ReshardToGroupReads):
     """Turns a sharded DTensor parameter into the full tensor used by the computation.
 
     For a tensor-parallel parameter (``tp`` given as (TP mesh, TP placements, local TP
@@ -168,7 +170,8 @@ class _ReplicateComputation(GradientSyncControl):
 
     def __init__(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
                  reduce_op: str, mp_policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                 tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None):
+                 tp: tuple[DeviceMesh, tuple[Placement, ...], torch.Size] | None = None,
+                 reshard_group: ReshardGroup | None = None, offload: HostOffload | None = None):
         self.hybrid = dp_mesh.ndim == 2  # (dp_replicate, dp_shard)
         # replicate (DDP): every rank of the 1-D mesh holds the whole parameter
         self.replicated = all(p.is_replicate() for p in dp_placements)
@@ -188,8 +191,8 @@ class _ReplicateComputation(GradientSyncControl):
         self.reshard_after_forward = reshard_after_forward
         self.tp = tp
         self.float8_gather = None  # set by data_parallel for a float8-gathered weight
-        self.annotation = {DP_GROUPS_META: tuple(dp_mesh.get_group(d).group_name
-                                                 for d in range(dp_mesh.ndim))}
+        self.reshard_group, self.offload = reshard_group, offload  # int reshard, CPU offload
+        self.annotation = {DP_GROUPS_META: ReshardGroup.names(dp_mesh, reshard_group)}
         self.init_sync()
 
     def _gather(self, sharded: DTensor, replica_step=None) -> torch.Tensor:
@@ -231,12 +234,15 @@ class _ReplicateComputation(GradientSyncControl):
 
     def regather(self, sharded: DTensor) -> torch.Tensor:
         """The gathered value again, without autograd (eager backward)."""
-        return self._gather(sharded)
+        return self._gather(on_device(self.offload, sharded))
 
-    def __call__(self, sharded: DTensor) -> torch.Tensor:
+    def __call__(self, param: DTensor) -> torch.Tensor:
+        sharded = on_device(self.offload, param)  # itself, or copied in from the host
         to_sink = not self.full_on and gradient_flows(sharded)
-        replica_step = self.replica_step(sharded, to_sink)
         source = sharded.detach() if to_sink else sharded
+        if self.reshard_group is not None:
+            return self.read_resharding_to_group(sharded, source, to_sink)
+        replica_step = self.replica_step(sharded, to_sink)
         if self.reshard_after_forward and torch.compiler.is_compiling():
             # the partitioner recomputes the tagged gather. Only plain tensors cross the
             # checkpoint boundary: a DTensor output (TP) would make AOTAutograd save its
@@ -251,7 +257,7 @@ class _ReplicateComputation(GradientSyncControl):
         if self.reshard_after_forward and not torch.compiler.is_compiling():
             # eager: saved-tensor hooks re-gather it. Noted on the tensor the computation
             # uses: the note ends when that tensor dies (a view above keeps only storage)
-            eager_reshard.note_gathered(local, sharded, self.regather)
+            eager_reshard.note_gathered(local, param, self.regather)
         return self._as_tp(local)
 
 
@@ -373,10 +379,11 @@ def data_parallel(
     mesh: DeviceMesh,
     mode: Mode = "fully_shard",
     mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     reduce_op: Literal["avg", "sum"] = "avg",
     mp_overrides: Mapping[str, MixedPrecisionPolicy] | None = None,
     ignored_params: Set[nn.Parameter] | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` and gather them on use; in place.
 
@@ -391,7 +398,8 @@ def data_parallel(
         mode: ``fully_shard`` (ZeRO-3), ``replicate`` (DDP) or ``hybrid_shard`` (HSDP).
         mp_policy: dtypes for the gathered parameters and for gradient reduction.
         reshard_after_forward: free gathered parameters after forward and gather them
-            again in backward (True), or keep them until backward (False).
+            again in backward (True), keep them (False), or (an int ``N``) keep them
+            sharded over groups of ``N`` neighbouring ranks (``reshard_group.py``).
         reduce_op: ``avg`` averages gradients over the data-parallel ranks; ``sum`` sums
             them (for losses already normalized by the global token count).
         mp_overrides: ``{module FQN glob: policy}`` (``fnmatch``, on the model's own names,
@@ -407,6 +415,8 @@ def data_parallel(
         ignored_params: parameters left alone (FSDP2's ``ignored_params``): they stay
             plain parameters, are never gathered, and their gradients are never reduced
             (each rank keeps its own); each must be a parameter of ``model``.
+        offload_policy: ``CPUOffloadPolicy()``: shards, gradients and optimizer state on
+            the host, copied to the (non-CPU) mesh's device on each read (``offload.py``).
 
     Frozen parameters (``requires_grad=False``, e.g. a LoRA base) are sharded and
     gathered for compute like the others, but get no gradient and so no reduce-scatter
@@ -441,11 +451,9 @@ def data_parallel(
     if getattr(model, "_sf_root", False):
         raise ValueError("data_parallel was already applied to this model; apply it once "
                          "(a submodule may be sharded first, on its own mesh)")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: pass True (free "
-                         f"gathered parameters after forward) or False (keep them); an int "
-                         f"(reshard to a smaller group) is not supported yet")
     ignored = check_ignored(model, ignored_params)
+    reshard_group = ReshardGroup.for_model(model, mesh, mode, reshard_after_forward, ignored)
+    offload = None if offload_policy is None else HostOffload.build(offload_policy, mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     overrides = check_overrides(model, mp_overrides)
     placements = _placements_for(mode)
@@ -462,9 +470,11 @@ def data_parallel(
             if id(param) not in sharded:
                 fqn = f"{module_name}.{name}" if module_name else name
                 new, tp = _shard_param(param, fqn, mesh, placements, given)
+                new = new if offload is None else offload.place_on_host(new)
                 policy = policy_for(module_name, overrides, mp_policy)
                 gather = _ReplicateComputation(mesh, placements, reduce_op, policy,
-                                               reshard_after_forward, tp)
+                                               bool(reshard_after_forward), tp, reshard_group,
+                                               offload)
                 gather.float8_gather = float8_gather_for(module, name, gather)
                 sharded[id(param)] = (new, gather)
             new, gather = sharded[id(param)]

@@ -41,11 +41,18 @@ class _Regather:
     dtype: torch.dtype
 
 
-def note_gathered(full: torch.Tensor, sharded: torch.Tensor,
-                  regather: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Record that ``full`` is the gathered copy of ``sharded`` (forward, eager only)."""
+def note_gathered(full: torch.Tensor, sharded: torch.Tensor | None,
+                  regather: Callable[[torch.Tensor], torch.Tensor],
+                  keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Record that ``full`` is the gathered copy of ``sharded`` (forward, eager only):
+    backward calls ``regather(sharded)``. With ``keep``, what is held for backward is
+    ``keep(full)`` instead (``reshard_after_forward=<int>``: this rank's larger piece,
+    sliced now, while the full copy exists), computed only when hooks are on."""
     if _hooks is None or full.untyped_storage().nbytes() == 0:
         return
+    if keep is not None:
+        with torch.no_grad():
+            sharded = keep(full.detach())
     key = storage_key(full)
     _gathered[key] = (sharded, regather)
     # Forget the entry when the copy dies, before its memory can be reused by another

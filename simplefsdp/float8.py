@@ -266,6 +266,11 @@ def float8_gather_for(module: nn.Module, name: str, gather) -> object | None:
         raise ValueError("a Linear converted with float8 all_gather=True: the float8 "
                          "all-gather runs with mode='fully_shard' and no tensor "
                          "parallelism; convert with all_gather=False for other layouts")
+    if gather.reshard_group is not None or gather.offload is not None:
+        raise ValueError("a Linear converted with float8 all_gather=True: the float8 "
+                         "all-gather is not built with an int reshard_after_forward or an "
+                         "offload_policy; convert with all_gather=False, or pass "
+                         "reshard_after_forward=True and no offload_policy")
     mesh = gather.dp_mesh
     gather.float8_scale = None
 

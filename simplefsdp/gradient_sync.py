@@ -127,6 +127,12 @@ class GradientSyncControl:
         self.pending_full: torch.Tensor | None = None
         self.pending_shard: torch.Tensor | None = None
 
+    def compute_device(self, sharded: DTensor) -> torch.device:
+        """Where gradients are computed and, with sync off, accumulate: the compute
+        device (with CPU offload the shard itself is on the host)."""
+        offload = getattr(self, "offload", None)
+        return sharded.device if offload is None else offload.device
+
     @property
     def accumulation_dtype(self) -> torch.dtype | None:
         """Unreduced gradients accumulate in the reduction dtype (as FSDP2 does)."""
@@ -150,13 +156,14 @@ class GradientSyncControl:
             shape = self.tp[2] if self.tp is not None else sharded.shape
             dtype = self.accumulation_dtype or sharded.dtype
             # only its gradient is used: a stride-0 view costs no memory
-            self.full_sink = torch.zeros((), dtype=dtype, device=sharded.device) \
+            self.full_sink = torch.zeros((), dtype=dtype, device=self.compute_device(sharded)) \
                 .expand(shape).requires_grad_()
         if self.full_on and self.full_sink is not None:
             self.pending_full = plus(self.pending_full, self.full_sink.grad)
             self.full_sink = None
         if self.replica_group is not None and not self.replica_on and self.shard_sink is None:
-            self.shard_sink = torch.zeros_like(sharded, dtype=self.reduce_dtype or sharded.dtype) \
+            self.shard_sink = torch.zeros_like(sharded, dtype=self.reduce_dtype or sharded.dtype,
+                                               device=self.compute_device(sharded)) \
                 .requires_grad_()
         if self.replica_on and self.shard_sink is not None:
             grad = self.shard_sink.grad

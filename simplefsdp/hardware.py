@@ -171,6 +171,16 @@ class GpuProfile:
     inter_node: str
     note: str
     efficiency: Efficiency = Efficiency()
+    # CPU offload (data_parallel's offload_policy, the planner's --cpu-offload):
+    # host<->device copy bandwidth per direction from pinned memory, and the rate at which
+    # the host's optimizer step gets through its state (bytes of parameters, gradients
+    # and moments read and written per second, per rank). PCIe Gen5 x16 (H100/H200):
+    # 64 GB/s per direction on the datasheet ("128 GB/s" bidirectional); pinned copies
+    # reach ~80% of a link, hence 50 GB/s. Host step: a DGX H100's host (2 sockets x 8
+    # DDR5-4800 channels, ~614 GB/s) shared by 8 GPUs is ~77 GB/s a rank; torch's CPU
+    # AdamW makes several passes over each tensor, so an order of magnitude less (calibrate).
+    pcie_Bps: float = 50e9
+    host_optimizer_Bps: float = 10e9
 
 
 GPU_PROFILES: dict[str, GpuProfile] = {
@@ -183,8 +193,9 @@ GPU_PROFILES: dict[str, GpuProfile] = {
                             "nvlink_h100", "infiniband_ndr", "H100 96 GB HBM2e, 500 W cap"),
     "h200": GpuProfile(gpu_spec("H200"), 139.8 * GiB, "nvlink_h100", "infiniband_ndr",
                        "H200 SXM 141 GB HBM3e"),
+    # A100: PCIe Gen4 x16, 32 GB/s per direction on the datasheet; ~80% -> 25 GB/s.
     "a100-80gb": GpuProfile(gpu_spec("A100"), 79.2 * GiB, "nvlink_a100", "infiniband_hdr",
-                            "A100 SXM4 80 GB"),
+                            "A100 SXM4 80 GB", pcie_Bps=25e9),
 }
 
 

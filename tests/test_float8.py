@@ -323,6 +323,20 @@ def test_config_refusals(flags, message):
         cfg.validate(world_size=2)
 
 
+def test_config_refuses_the_float8_gather_with_a_reshard_group():
+    """An int reshard reads its weights through its own gathers (reshard_group.py), which
+    the float8 hook does not take: refused, not silently gathered in bf16."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+
+    argv = ["--float8.enable", "true", "--parallel.reshard_after_forward", "2"]
+    with pytest.raises(ConfigError, match=r"float8\.all_gather = true is not built with an "
+                                          r"int parallel\.reshard_after_forward \(2\)"):
+        load_config(None, argv, world_size=4).validate(world_size=4)
+    load_config(None, [*argv, "--float8.all_gather", "false"],
+                world_size=4).validate(world_size=4)  # fine: no float8 gather
+
+
 def test_api_refusals(monkeypatch):
     from simplefsdp.config.job import load_config
     from simplefsdp.errors import ConfigError

@@ -131,7 +131,7 @@ def _bad_ignored(rank: int, world: int) -> None:
         sf.data_parallel(Toy(), mesh, ignored_params={torch.nn.Parameter(torch.ones(3))})
     with pytest.raises(TypeError, match="ignored_params must be a set"):
         sf.data_parallel(Toy(), mesh, ignored_params=[Toy().norm.weight])
-    with pytest.raises(ValueError, match=r"reshard_after_forward=2: pass True"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2: the group size"):
         sf.data_parallel(Toy(), mesh, reshard_after_forward=2)
     model = sf.data_parallel(Toy(), mesh)
     with pytest.raises(TypeError, match="set_requires_gradient_sync takes a bool, got 0"):

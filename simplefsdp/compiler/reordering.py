@@ -11,6 +11,10 @@ bucket's all-reduce starts as soon as its last gradient exists and runs under al
 backward that follows, and the next bucket is issued without waiting for it (the
 buffers add up to the gradients' size, which the results occupy anyway).
 
+A gather in two steps (``reshard_after_forward=<int>`` under compile: the outer group's
+gather, then the inner group's, which reads it) is prefetched by its outer step only;
+its inner step is issued after the outer one's wait.
+
 Only all-gather starts move earlier and waits move later; each kind of collective keeps
 its order, and every decision depends only on the bucket sequence, so
 every rank issues the same collectives in the same order.
@@ -33,6 +37,11 @@ def reorder(graph: fx.Graph, buckets: list[Bucket], backward: bool) -> list[str]
         anchor = prev.wait if not backward else prev.wait.next
         if _before(nxt.start, anchor):
             continue  # already early enough
+        if _reads(nxt.start, prev.wait):
+            # a gather in two steps (``reshard_after_forward=<int>``, compiled): the inner
+            # step reads the outer one's result, so it cannot start before it is waited on
+            moves.append(f"all_gather {nxt.name} reads {prev.name}: issued after its wait")
+            continue
         _move_gather_before(nxt, anchor)
         where = "before" if not backward else "after"
         moves.append(f"all_gather {nxt.name} issued {where} wait of {prev.name}")
@@ -88,6 +97,21 @@ def _move_gather_before(bucket: Bucket, anchor: fx.Node) -> None:
     for node in bucket.start.all_input_nodes:
         hoist_before(node, anchor)
     anchor.prepend(bucket.start)
+
+
+def _reads(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` depends on ``source`` (which precedes it in the graph)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is source:
+            return True
+        if n in seen or order[n] < order[source]:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _before(a: fx.Node, b: fx.Node) -> bool:

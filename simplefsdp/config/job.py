@@ -29,6 +29,7 @@ from ..models import registry
 from ..models.llama import LLAMA3_PRESETS, ModelArgs
 from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
+from ..reshard_group import check_config as check_reshard_config
 from .float8 import Float8Config, check_float8
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
@@ -149,6 +150,10 @@ class TrainingConfig:
     # them unreduced (full-size gradient memory) and reduces the sum once, on the last
     # micro-step: 1/grad_accum_steps of the reduce-scatters/all-reduces.
     gradient_sync: Literal["every_microstep", "last_microstep"] = "every_microstep"
+    # Keep parameter shards, gradients and optimizer state in host memory (pinned); each
+    # read copies a shard to the GPU before its all-gather and the optimizer steps on the
+    # CPU (data_parallel's offload_policy, FSDP2's CPUOffloadPolicy). CUDA jobs only.
+    cpu_offload: bool = False
     seed: int = 0  # initialization and data order
     mixed_precision_param: DType = "float32"  # dtype of gathered params and compute
     mixed_precision_reduce: DType = "float32"  # dtype of gradient reduction
@@ -188,7 +193,10 @@ class ParallelConfig:
     # Free gathered parameters after forward and gather again in backward. "auto": on
     # without PP, off with PP (1F1B runs several forwards before a backward: resharding
     # would gather the same parameters once per microbatch); true / false are honoured.
-    reshard_after_forward: bool | Literal["auto"] = "auto"
+    # An int N (fully_shard, a divisor of dp_shard strictly between 1 and it; no TP, CP
+    # or PP): keep parameters sharded over groups of N neighbouring ranks after forward
+    # (e.g. a node), so backward gathers within the group (FSDP2's int, ZeRO++'s hpZ).
+    reshard_after_forward: bool | int | Literal["auto"] = "auto"
     # With tp > 1: the output projection's logits stay split over the vocabulary on the TP
     # ranks and the cross-entropy runs over the pieces (torch's loss_parallel), instead
     # of gathering every token's whole-vocabulary logits on every TP rank.
@@ -219,7 +227,7 @@ class ParallelConfig:
         return self.pp_microbatches if self.pp > 1 else 1
 
     @property
-    def reshard(self) -> bool:
+    def reshard(self) -> bool | int:
         """``reshard_after_forward`` with "auto" resolved (the one owner of the rule)."""
         if self.reshard_after_forward == "auto":
             return self.pp == 1
@@ -354,6 +362,11 @@ class JobConfig:
         dims = p.dims()  # the sizes' one view while validating; a run builds its own
         with config_errors():
             dims.check_mode(p.dp_mode)
+        check_reshard_config(p, dims)
+        if t.cpu_offload and self.job.device == "cpu":
+            raise ConfigError("training.cpu_offload = true moves shards from the device to the "
+                              "host, but job.device = 'cpu' has no device memory to free: set "
+                              "job.device = 'cuda' or training.cpu_offload = false")
         if p.pp > 1 and t.batch_size % p.pp_microbatches:
             raise ConfigError(f"training.batch_size = {t.batch_size} must be divisible by "
                               f"parallel.pp_microbatches = {p.pp_microbatches}")

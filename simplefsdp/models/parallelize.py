@@ -61,8 +61,9 @@ def dp_options(cfg: JobConfig) -> dict:
     mp = simplefsdp.MixedPrecisionPolicy(
         param_dtype=DTYPES[t.mixed_precision_param],
         reduce_dtype=DTYPES[t.mixed_precision_reduce])
+    offload = simplefsdp.CPUOffloadPolicy(pin_memory=True) if t.cpu_offload else None
     return {"mode": p.dp_mode, "mp_policy": mp, "reshard_after_forward": p.reshard,
-            "reduce_op": "sum"}
+            "reduce_op": "sum", "offload_policy": offload}
 
 
 def apply_dp(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig) -> nn.Module:

@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPU_PROFILES)}")
     parser.add_argument("--search", action="store_true", help="rank every layout")
+    parser.add_argument("--tradeoffs", action="store_true",
+                        help="search: also each predicted layout with a knob turned "
+                             "(parallel.reshard_after_forward = a node, training.gradient_sync "
+                             "= last_microstep, training.cpu_offload where it does not fit)")
     parser.add_argument("--json", help="write one object per configuration here")
     parser.add_argument("--png", help="write memory vs tokens/s here")
     parser.add_argument("--top", type=int, default=20, help="rows of the search table")
@@ -61,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         dev = gpu_profile(args.gpu)
         # one layout: its sizes must fill the GPUs (checked before the model's shapes);
         # --search chooses the sizes itself
-        cfg = load_config(args.config, overrides,
+        # the planner plans GPU runs: job.device = "cuda" unless given (CUDA-only keys
+        # such as training.cpu_offload then validate)
+        cfg = load_config(args.config, ["--job.device", "cuda", *overrides],
                           world_size=None if args.search else args.gpus)
         started = time.perf_counter()
         failures: list[str] = []
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.search:
             rows = search(cfg, args.gpus, args.gpu, args.gpus_per_node, failures=failures,
                           progress=_progress(started), keep=args.keep, stats=stats,
-                          workers=args.workers)
+                          workers=args.workers, tradeoffs_rows=args.tradeoffs)
         else:
             rows = [predict(cfg, args.gpus, args.gpu, args.gpus_per_node)]
     except (ConfigError, ValueError) as e:

@@ -22,7 +22,7 @@ from ..hardware import GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
-from . import memory, moe, ring_pass, timing
+from . import memory, moe, ring_pass, timing, tradeoffs
 from .eager import eager_memory
 from .trace import FAKE_WORLD, trace, trace_key
 
@@ -59,6 +59,7 @@ class Prediction:
     cp_ring: int = 1
     cp_ulysses: int = 1
     cp_rotate: str = "allgather"
+    knobs: str = ""  # issue 48's knobs set (tradeoffs.knob_label), "" for none
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -208,12 +209,18 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         total, acts = max([(gradless + peak, peak) for peak in before]
                           + [(states + peak, peak) for peak in after])
         role_active = total + (in_flight - 1) * saved
-        active = max(active, role_active)
         if p.pp == 1:
             stage_s = step * t.grad_accum_steps
         else:
             stage_s = timing.pp_step_seconds(step, p.pp, micro * t.grad_accum_steps)
         stage_s += timing.optimizer_seconds(params, dev)
+        # gradient sync off, reshard to a group, CPU offload, frozen parameters
+        knobs = tradeoffs.role_terms(
+            cfg, fabric, dev, tradeoffs.role_params(cfg, params, len(f["layers"]),
+                                                    dims.dp_shard_cp),
+            f["exposed"], len(f["layers"]))
+        role_active, stage_s = role_active + knobs.bytes, stage_s + knobs.seconds
+        active = max(active, role_active)
         seconds = max(seconds, stage_s)
         exposed = max(exposed, (f["exposed"] + a2a) * micro * t.grad_accum_steps)
         detail[role] = {"layers": len(f["layers"]), "states_gib": states / GiB,
@@ -222,7 +229,8 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
                         "routed_saved_gib": kept / GiB,
-                        "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps}
+                        "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps,
+                        "tradeoffs": knobs.detail}
     reserved = active * (1 + ALLOC_OVERHEAD)
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp
     tps = tokens / seconds / gpus
@@ -231,4 +239,4 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         t.batch_size, t.seq_len, cfg.compile.enable, active / GiB, reserved / GiB, seconds,
         tps, model_flops_utilization(flops_per_token(args, t.seq_len), tps, dev.spec.bf16_flops),
         reserved + CONTEXT_BYTES <= dev.memory_bytes, gpu, gpus, exposed, detail, p.ep,
-        p.cp_ring, p.cp_ulysses, p.cp_rotate)
+        p.cp_ring, p.cp_ulysses, p.cp_rotate, tradeoffs.knob_label(cfg))

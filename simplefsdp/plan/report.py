@@ -10,20 +10,20 @@ from .predict import Prediction
 COLUMNS = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "cp_rotate", "tp", "pp", "ep",
            "ac",
            "batch_size", "seq_len", "compile", "peak_memory_gib", "reserved_memory_gib",
-           "step_time_s", "tokens_per_s_per_gpu", "mfu", "fits")
+           "step_time_s", "tokens_per_s_per_gpu", "mfu", "fits", "knobs")
 
 
 def table(rows: list[Prediction], limit: int | None = None) -> str:
     """Fixed-width text table, one line per configuration."""
     head = ("rep", "shard", "ring", "ulysses", "rotate", "tp", "pp", "ep", "ac", "batch", "seq",
-            "compile", "peak GiB", "reserved GiB", "step s", "tok/s/GPU", "MFU", "fits")
+            "compile", "peak GiB", "reserved GiB", "step s", "tok/s/GPU", "MFU", "fits", "knobs")
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows[:limit]:
         cells = (r.dp_replicate, r.dp_shard, r.cp_ring, r.cp_ulysses, r.cp_rotate, r.tp, r.pp,
                  r.ep, r.ac, r.batch_size, r.seq_len, r.compile, f"{r.peak_memory_gib:.2f}",
                  f"{r.reserved_memory_gib:.2f}", f"{r.step_time_s:.3f}",
                  f"{r.tokens_per_s_per_gpu:.0f}", f"{r.mfu:.1%}",
-                 "yes" if r.fits else "NO")
+                 "yes" if r.fits else "NO", r.knobs or "-")
         lines.append("  ".join(f"{c!s:>9}" for c in cells))
     return "\n".join(lines)
 
@@ -36,7 +36,9 @@ def search_note(stats: dict, keep: int, workers: int) -> str:
             f" traces, {stats.get('eager_replays', 0)} eager replays, {workers} "
             f"process{'es' if workers > 1 else ''}); skipped untraced: "
             f"{stats.get('memory', 0)} cannot fit, {stats.get('fits_with_less_ac', 0)} fit "
-            f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}")
+            f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}"
+            + (f"; {stats['knob_rows']} rows with a knob turned (--tradeoffs)"
+               if stats.get("knob_rows") else ""))
 
 
 def write_json(rows: list[Prediction], path: str | Path) -> None:

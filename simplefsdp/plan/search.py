@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
 from ..parallel.pipeline import stage_layers
-from . import memory, timing
+from . import memory, timing, tradeoffs
 from .predict import CONTEXT_BYTES, Prediction, predict
 
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
@@ -221,8 +221,10 @@ STATS = ("predicted", "bound", "memory", "fits_with_less_ac", "invalid", "broken
 
 
 def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
-                   bar: _Bar, progress=None) -> tuple[list[Prediction], list[str], dict]:
-    """The search over ``groups`` (layouts, see ``_groups``): (rows, failures, stats)."""
+                   bar: _Bar, progress=None, tradeoffs_rows: bool = False
+                   ) -> tuple[list[Prediction], list[str], dict]:
+    """The search over ``groups`` (layouts, see ``_groups``): (rows, failures, stats);
+    ``tradeoffs_rows``: each predicted layout's rows with a knob turned too (``_knob_rows``)."""
     dev = gpu_profile(gpu)
     stats = dict.fromkeys(STATS, 0)
     failures: list[str] = []
@@ -270,6 +272,8 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         stats["predicted"] += 1
         if progress is not None:
             progress(r)
+        if tradeoffs_rows:
+            results += _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
         if not r.fits:
             too_big.append((p.tp, p.pp, ac, p.cp_rotate, batch, p.dims().dp_shard_cp,
                             p.dims().cp))
@@ -277,6 +281,21 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
             fitted.add(layout + (batch,))
             bar.add(r.tokens_per_s_per_gpu)
     return results, failures, stats
+
+
+def _knob_rows(c: JobConfig, r: Prediction, gpus: int, gpu: str, gpus_per_node: int,
+               stats: dict, progress) -> list[Prediction]:
+    """Rows for ``c`` with one of issue 48's knobs turned (``tradeoffs.variants``: from the
+    traces ``c`` just made, no new one). They compete with the layouts' own rows but do
+    not move the ``keep`` bar or the too-big/fitted bookkeeping, which speak of layouts."""
+    rows = []
+    for v in tradeoffs.variants(c, r.fits, gpus_per_node):
+        row = predict(v, gpus, gpu, gpus_per_node)
+        rows.append(row)
+        stats["knob_rows"] = stats.get("knob_rows", 0) + 1
+        if progress is not None:
+            progress(row)
+    return rows
 
 
 def _cache_counts() -> dict:
@@ -298,10 +317,10 @@ def _init_worker(shared, lock) -> None:
 
 
 def _worker(args) -> tuple[list[Prediction], list[str], dict]:
-    groups, gpus, gpu, gpus_per_node, keep = args
+    groups, gpus, gpu, gpus_per_node, keep, tradeoffs_rows = args
     before = _cache_counts()
     rows, failures, stats = _search_groups(groups, gpus, gpu, gpus_per_node,
-                                           _Bar(keep, *_SHARED))
+                                           _Bar(keep, *_SHARED), None, tradeoffs_rows)
     after = _cache_counts()
     stats.update({k: after[k] - before[k] for k in after})
     return rows, failures, stats
@@ -309,7 +328,8 @@ def _worker(args) -> tuple[list[Prediction], list[str], dict]:
 
 def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
            progress=None, failures: list[str] | None = None, keep: int = 0,
-           stats: dict | None = None, workers: int = 1) -> list[Prediction]:
+           stats: dict | None = None, workers: int = 1,
+           tradeoffs_rows: bool = False) -> list[Prediction]:
     """Predictions for every layout that was worth tracing, best tokens/s first among
     those that fit. A layout that fails to trace (the library cannot compile it) is
     described in ``failures``, and the other layouts with its ``tp`` are skipped.
@@ -321,12 +341,13 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     or without pipeline parallelism, at a time (no trace is shared across these), sharing
     the ``keep`` best. ``stats`` gets
     the counts of layouts predicted and skipped by reason, and of traces and eager
-    replays run."""
+    replays run. ``tradeoffs_rows`` (``--tradeoffs``): rows with issue 48's knobs turned
+    on each predicted layout (``tradeoffs.variants``), from the same traces."""
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
     results = _run(_groups(cfg, gpus, gpus_per_node, dev), gpus, gpu, gpus_per_node,
-                   progress, failures, keep, stats, workers)
+                   progress, failures, keep, stats, workers, (), tradeoffs_rows)
     # Context parallelism with less recomputation than any whole-sequence row that fits
     # (module doc), behind the bar those rows set
     fitting = [r for r in results if r.fits]
@@ -334,13 +355,14 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     if modes:
         seed = tuple(r.tokens_per_s_per_gpu for r in fitting)
         results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes), gpus, gpu,
-                        gpus_per_node, progress, failures, keep, stats, workers, seed)
+                        gpus_per_node, progress, failures, keep, stats, workers, seed,
+                        tradeoffs_rows)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
 
 
 def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int, progress,
          failures: list[str], keep: int, stats: dict, workers: int,
-         seed: tuple[float, ...] = ()) -> list[Prediction]:
+         seed: tuple[float, ...] = (), tradeoffs_rows: bool = False) -> list[Prediction]:
     """``search``'s predictions of ``groups`` (``failures`` and ``stats`` added to), the
     ``keep`` bar starting from the tokens/s of ``seed``."""
     # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
@@ -351,7 +373,7 @@ def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
     if workers <= 1 or len(by_task) <= 1:
         before = _cache_counts()
         results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node,
-                                            _Bar(keep, seed=seed), progress)
+                                            _Bar(keep, seed=seed), progress, tradeoffs_rows)
         after = _cache_counts()
         parts = [(results, fails, {**st, **{k: after[k] - before[k] for k in after}})]
     else:
@@ -360,7 +382,7 @@ def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
         ctx = multiprocessing.get_context("spawn")
         shared, lock = ctx.Array("d", max(keep, 1), lock=False), ctx.Lock()
         _Bar(keep, shared, seed=seed)  # the seed's best into the shared array
-        tasks = [(g, gpus, gpu, gpus_per_node, keep) for g in by_task.values()]
+        tasks = [(g, gpus, gpu, gpus_per_node, keep, tradeoffs_rows) for g in by_task.values()]
         parts = []
         with ctx.Pool(min(workers, len(tasks)), _init_worker, (shared, lock)) as pool:
             for part in pool.imap_unordered(_worker, tasks):

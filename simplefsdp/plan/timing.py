@@ -70,10 +70,20 @@ class MeshLinks:
         """One collective over ``dim``'s group; ``nbytes`` is the full tensor (an
         ``all_to_all``: this rank's buffer, of which ``(n-1)/n`` leaves the rank, as a
         ring all-gather's does)."""
-        n = self.size(dim)
+        return self._collective(kind, self.size(dim), self.link(dim), nbytes)
+
+    def subgroup_seconds(self, kind: str, dim: str, ranks: int, nbytes: float,
+                         apart: int = 1) -> float:
+        """One collective over ``ranks`` members of ``dim``'s group that are ``apart``
+        members apart (``reshard_after_forward = N``: the inner groups are N neighbours,
+        the outer groups S / N members N apart); its link is NVLink when their span of
+        ranks fits a node."""
+        span = self.dims.stride(dim) * ranks * apart
+        return self._collective(kind, ranks, "nvlink" if span <= self.gpn else "ib", nbytes)
+
+    def _collective(self, kind: str, n: int, link: str, nbytes: float) -> float:
         if n <= 1:
             return 0.0
-        link = self.link(dim)
         fabric = KNOWN_FABRICS[self.dev.intra_node if link == "nvlink" else self.dev.inter_node]
         bw, alpha = fabric.bus_bandwidth_Bps, fabric.alpha_s  # busbw: achievable already
         ring = (n - 1) / n

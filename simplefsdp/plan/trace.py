@@ -61,7 +61,7 @@ class TraceKey:
     reordering: bool
     param_dtype: str
     reduce_dtype: str
-    reshard: bool
+    reshard: bool  # an int (reshard to a group) traces as True: plan.tradeoffs adds it
     loss_parallel: bool  # parallel.loss_parallel: with tp > 1, vocabulary-sharded logits
     cp_ring: int  # context parallelism: each rank traces its part of the sequence
     cp_ulysses: int
@@ -103,7 +103,7 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
     return TraceKey(cfg.model.name, dataclasses.astuple(args), role, p.dp_mode, dp_replicate,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
-                    t.mixed_precision_reduce, p.reshard, p.loss_parallel, p.cp_ring,
+                    t.mixed_precision_reduce, p.reshard is not False, p.loss_parallel, p.cp_ring,
                     p.cp_ulysses, p.cp_rotate, type(args))
 
 

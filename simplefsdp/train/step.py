@@ -33,24 +33,27 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None,
+                    device: torch.device | None = None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before.
 
     Squared norms of the local pieces are summed over the mesh dims a gradient is
     sharded on (not over replicas: those hold the same values), one all-reduce per
     (mesh, placements) group and dim; this also covers TP and non-TP parameters that
     live on different meshes. Pipeline stages hold different parameters, so their
-    squared norms are summed over ``pp_group``.
+    squared norms are summed over ``pp_group``. ``device``: where the norms are reduced
+    (the job's device; with CPU offload the gradients are on the host, NCCL is not).
     """
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(local_shard(g))
-    device = grads[0].device if grads else torch.device("cpu")
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for key, local in groups.items():
-        sq = torch.nn.utils.get_total_norm(local, 2.0).float() ** 2
+        sq = (torch.nn.utils.get_total_norm(local, 2.0).float() ** 2).to(device)
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -62,7 +65,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     total = total_sq.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for local in (x for group in groups.values() for x in group):
-        local.mul_(scale.to(local.dtype))
+        local.mul_(scale.to(local.device, local.dtype))
     return total
 
 
@@ -142,7 +145,7 @@ def train_step(s: Setup, step: int, batches: list[Batch], stop_requested: bool
     phase("forward/backward (data-parallel all-gathers, reduce-scatters)")
     step_loss, step_aux = forward_backward(s, batches, tokens)
     phase("grad-norm all-reduce")
-    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group)
+    grad_norm = clip_grad_norm_(s.params, s.cfg.training.max_norm, s.pp_group, s.device)
     phase("step-flags all-reduce")
     nonfinite, stop = step_flags(step_loss, grad_norm, stop_requested)
     if nonfinite:

@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..mesh import Coords
 from ..models.llama import num_params
 from ..models.lora import ADAPTER_FOLDER, init_adapters, save_adapter, trainable_summary
+from ..offload import place_shards_on_host
 from ..optim import build_optimizer
 from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
 from ..parallel.context import cp_batches
@@ -137,6 +138,8 @@ def setup(cfg: JobConfig, tokenizer: Tokenizer | None) -> Setup:
         init_adapters(model, cfg.training.seed)
         if rank == 0:
             print(trainable_summary(model), flush=True)
+    if cfg.training.cpu_offload:  # built and initialized on the device: shards to the host
+        place_shards_on_host(model)  # before the optimizer, which must hold them
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer, scheduler = build_optimizer(model, cfg)
     ckpt, start_step = _checkpointing(cfg, ckpt_folder, resume_from, model, optimizer,
