@@ -63,7 +63,7 @@ from .gradient_sync import (
     set_requires_all_reduce,
     set_requires_gradient_sync,
 )
-from .mesh import DP_GROUPS_META, ParallelDims
+from .mesh import DP_GROUPS_META, ParallelDims, dim0_chunk
 from .mixed_precision import MixedPrecisionPolicy, check_overrides, install_casts, policy_for
 from .module_swap import derived_class
 from .offload import CPUOffloadPolicy, HostOffload, on_device
@@ -347,7 +347,7 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     local, dp_placements = tp_local, []
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
-            local = _dim0_chunk(local, mesh.size(dim), ParallelDims.local_rank(mesh, dim))
+            local = dim0_chunk(local, mesh.size(dim), ParallelDims.local_rank(mesh, dim))
             tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
             # DP slices *within* the TP shard: DTensor calls that a strided shard.
             placement = StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
@@ -356,22 +356,6 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     new = DTensor.from_local(local.contiguous(), full_mesh, tuple(dp_placements) + tp_placements,
                              run_check=False, shape=param.shape, stride=param.stride())
     return new, (tp_mesh, tp_placements, tp_local.shape)
-
-
-def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of piece ``index`` when ``rows`` rows are split on dim 0 into
-    ``parts`` as ``Shard(0)`` splits them: ``torch.chunk`` pieces of ``ceil(rows / parts)``
-    rows, then empty ones for the ranks it left out (3 rows over 2: 2 + 1; 1 over 2: 1 + 0;
-    5 over 4: 2 + 2 + 1 + 0). The one owner of this arithmetic (sharding, weight loading)."""
-    chunk = -(-rows // parts)
-    start = min(index * chunk, rows)
-    return start, min(start + chunk, rows)
-
-
-def _dim0_chunk(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    """Rank ``index``'s piece of ``tensor`` split on dim 0 into ``parts`` (:func:`dim0_rows`)."""
-    start, stop = dim0_rows(tensor.shape[0], parts, index)
-    return tensor.narrow(0, start, stop - start)
 
 
 def data_parallel(

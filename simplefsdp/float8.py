@@ -42,7 +42,7 @@ from torch import nn
 from . import eager_reshard
 from ._torch_compat import c10d_functional
 from ._torch_compat.float8 import has_scaled_mm, scaled_mm
-from .mesh import ParallelDims
+from .mesh import ParallelDims, dim0_rows, pad_dim0
 from .state_dict import unwrapped_name
 
 RECIPES = ("tensorwise", "rowwise")
@@ -192,16 +192,9 @@ class _GatherSpec(NamedTuple):
 
 def _shard_rows(spec: _GatherSpec) -> tuple[int, int]:
     """(rows this rank holds, rows of every padded piece): ``Shard(0)``'s ``torch.chunk``
-    split, as ``data_parallel.dim0_rows`` computes it."""
-    chunk = -(-spec.rows // spec.world)
-    start = min(spec.rank * chunk, spec.rows)
-    return min(start + chunk, spec.rows) - start, chunk
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    split (:func:`mesh.dim0_rows`; piece 0 is a full one)."""
+    start, stop = dim0_rows(spec.rows, spec.world, spec.rank)
+    return stop - start, -(-spec.rows // spec.world)
 
 
 class _GradientPath(torch.autograd.Function):
@@ -218,7 +211,7 @@ class _GradientPath(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         mine, chunk = _shard_rows(spec)
-        grad = _pad_rows(grad.to(spec.reduce_dtype or grad.dtype).contiguous(),
+        grad = pad_dim0(grad.to(spec.reduce_dtype or grad.dtype).contiguous(),
                          chunk * spec.world)
         # gloo has no "avg": sum, then divide (what an average over the group is)
         out = c10d_functional.reduce_scatter_tensor(grad, "sum", spec.world, spec.group_name)
@@ -247,7 +240,7 @@ def gather_float8(shard: torch.Tensor, full_shape: torch.Size, spec: _GatherSpec
     if scale is None:
         scale = scale_from_amax(_all_reduce_max(_local_amax(shard), spec.group_name), E4M3)
     mine, chunk = _shard_rows(spec)
-    bytes8 = _pad_rows(to_float8(shard.detach(), scale, E4M3).view(torch.uint8), chunk)
+    bytes8 = pad_dim0(to_float8(shard.detach(), scale, E4M3).view(torch.uint8), chunk)
     gathered = c10d_functional.wait_tensor(
         c10d_functional.all_gather_into_tensor(bytes8.contiguous(), spec.world, spec.group_name))
     data = gathered[:spec.rows].view(E4M3)

@@ -437,3 +437,28 @@ def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     local_shard(param).copy_(local_shard(full))
+
+
+def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of piece ``index`` when ``rows`` rows are split on dim 0 into
+    ``parts`` as ``Shard(0)`` splits them: ``torch.chunk`` pieces of ``ceil(rows / parts)``
+    rows, then empty ones for the ranks it left out (3 rows over 2: 2 + 1; 1 over 2: 1 + 0;
+    5 over 4: 2 + 2 + 1 + 0). The one owner of this arithmetic (sharding, weight loading,
+    the float8 gather's padding)."""
+    chunk = -(-rows // parts)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def dim0_chunk(tensor: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of ``tensor`` split on dim 0 into ``parts`` (:func:`dim0_rows`)."""
+    start, stop = dim0_rows(tensor.shape[0], parts, index)
+    return tensor.narrow(0, start, stop - start)
+
+
+def pad_dim0(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` on dim 0 (a piece padded to the
+    collectives' even size, as ``Shard(0)`` pads an uneven split)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])

@@ -43,7 +43,7 @@ from . import eager_reshard
 from ._torch_compat import c10d_functional
 from .errors import ConfigError, config_errors
 from .gradient_sync import gradient_flows
-from .mesh import ParallelDims
+from .mesh import ParallelDims, pad_dim0
 
 _OUTER, _INNER = "sf_reshard_outer", "sf_reshard_inner"
 
@@ -131,7 +131,7 @@ class ReshardGroup:
     def keep(self, full: torch.Tensor) -> torch.Tensor:
         """The piece this rank keeps, sliced from the gathered parameter (eager)."""
         c = self.chunk_rows(full.shape[0])
-        padded = _pad_rows(full, self.shard_size * c)
+        padded = pad_dim0(full, self.shard_size * c)
         grid = padded.view(self.outer_size, self.size, c, *full.shape[1:])
         return grid[:, self.place].reshape(self.outer_size * c, *full.shape[1:]).clone()
 
@@ -149,7 +149,7 @@ class ReshardGroup:
     def gather_in_two_steps(self, local: torch.Tensor, rows: int) -> torch.Tensor:
         """Compiled forward: the outer group's gather (the kept piece), then the inner's."""
         c10d = c10d_functional
-        shard = _pad_rows(local, self.chunk_rows(rows))
+        shard = pad_dim0(local, self.chunk_rows(rows))
         kept = c10d.wait_tensor(c10d.all_gather_into_tensor(
             shard.contiguous(), self.outer_size, self.outer_group))
         return self.regather(kept, rows)
@@ -229,12 +229,6 @@ def check_config(p, dims: ParallelDims) -> None:
             check_reshard_after_forward(value, dims.dp_shard, p.dp_mode, key)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
 class ReduceScatterGradient(torch.autograd.Function):
     """Identity on ``value`` (the gathered parameter, computed without autograd); its
     gradient is reduce-scattered over all shard ranks into the sharded parameter's
@@ -255,7 +249,7 @@ class ReduceScatterGradient(torch.autograd.Function):
         group = ctx.group
         c10d = c10d_functional
         flat = grad.to(ctx.reduce_dtype) if ctx.reduce_dtype is not None else grad
-        flat = _pad_rows(flat, group.shard_size * group.chunk_rows(grad.shape[0]))
+        flat = pad_dim0(flat, group.shard_size * group.chunk_rows(grad.shape[0]))
         mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(
             flat.contiguous(), ctx.reduce_op, group.shard_size, mesh.get_group(0).group_name))
         mine = mine.narrow(0, 0, local_rows).to(dtype)

@@ -259,18 +259,21 @@ def test_reshard_after_forward_reads_auto_or_bool(tmp_path: Path, given: str, re
         .parallel.reshard_after_forward == read
 
 
-@pytest.mark.parametrize("text,flag", [
-    ("reshard_after_forward = \"yes\"\n", "maybe"),
-    ("reshard_after_forward = 1\n", "1"),
+@pytest.mark.parametrize("text,flag,expected", [
+    ("reshard_after_forward = \"yes\"\n", "maybe",
+     "a boolean (true/false) or an integer or one of 'auto'"),
+    # an int is a group to reshard to (reshard_group.py): 1 divides nothing usefully
+    ("reshard_after_forward = 1\n", "1", "lie strictly between 1 and 2"),
 ])
-def test_reshard_after_forward_rejects_other_values(tmp_path: Path, text: str, flag: str):
+def test_reshard_after_forward_rejects_other_values(tmp_path: Path, text: str, flag: str,
+                                                     expected: str):
     for load in (lambda: load_config(_toml(tmp_path, "[parallel]\n" + text), []),
                  lambda: load_config(None, ["--parallel.reshard_after_forward", flag])):
-        with pytest.raises(ConfigError) as info:
-            load()
+        with pytest.raises(ConfigError) as info:  # an int's divisors: once the size is known
+            load().validate(world_size=2)
         message = str(info.value)
         assert "parallel.reshard_after_forward" in message
-        assert "a boolean (true/false) or one of 'auto'" in message
+        assert expected in message, message
 
 
 def _reshard_by_config(rank: int, world: int, cases: list[list[str]]) -> list[set[bool]]:

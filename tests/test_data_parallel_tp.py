@@ -85,7 +85,7 @@ def test_tp_shard_with_fewer_rows_than_dp_ranks_trains_like_one_process():
 def test_dim0_rows_is_shard0_split():
     """``dim0_rows`` (used for sharding and for loading weights) gives the rows that
     ``Shard(0)`` gives each rank: ``torch.chunk`` pieces, then empty ones."""
-    from simplefsdp.data_parallel import dim0_rows
+    from simplefsdp.mesh import dim0_rows
     for rows in range(12):
         for parts in range(1, 6):
             pieces = torch.chunk(torch.arange(rows), parts) if rows else ()

@@ -28,8 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._torch_compat import StridedShard
-from ..data_parallel import dim0_rows
-from ..mesh import ParallelDims
+from ..mesh import ParallelDims, dim0_rows
 from . import HFError
 
 LoadMode = Literal["broadcast", "all_ranks"]
