@@ -5,6 +5,8 @@ Prints one line per case and writes them to --out (JSON); figures go in
 docs/performance.md.
 
     PYTHONPATH=$PWD python scripts/measure_tradeoffs.py --out /tmp/tradeoffs.json
+    PYTHONPATH=$PWD python scripts/measure_tradeoffs.py --config configs/bench_medium.toml \
+        --out /tmp/tradeoffs_medium.json     # the model of a config instead of the debug one
 
 Cases: reshard after forward (True), reshard to groups of 2, CPU offload (the CPU standing
 in for the device: ``offload.cpu_stands_in_for_device``, so the copies are counted, not
@@ -74,21 +76,31 @@ class _KeptBytes:
         eager_reshard._pack = self.pack
 
 
-def _case(rank: int, world: int, name: str) -> dict:
+def _case(rank: int, world: int, name: str, config: str | None) -> dict:
     with offload.cpu_stands_in_for_device():  # in the rank's own process
-        return _measure(rank, name)
+        return _measure(rank, name, config)
 
 
-def _measure(rank: int, name: str) -> dict:
+def _model_args(config: str | None):
+    """The debug preset, or the model of ``config`` (a trainer TOML)."""
+    if config is None:
+        return LLAMA3_PRESETS["debug"]
+    from simplefsdp.config.job import load_config
+
+    return load_config(config, []).model.model_args()
+
+
+def _measure(rank: int, name: str, config: str | None) -> dict:
     knobs = dict(CASES[name])
     sync, frozen = knobs.pop("sync", "every"), knobs.pop("frozen", False)
     torch.manual_seed(0)
-    model = Transformer(LLAMA3_PRESETS["debug"])
+    args = _model_args(config)
+    model = Transformer(args)
     if frozen:
         for layer in model.layers.values():
             layer.attention.requires_grad_(False)
     model = sf.data_parallel(model, sf.make_mesh(dp_shard=WORLD), **knobs)
-    vocab = LLAMA3_PRESETS["debug"].vocab_size
+    vocab = args.vocab_size
     kept = _KeptBytes()
 
     def step() -> None:
@@ -110,10 +122,11 @@ def _measure(rank: int, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default=None, help="a trainer TOML whose model to use")
     args = parser.parse_args()
     results = {}
     for name in CASES:
-        results[name] = run_ranks(_case, WORLD, name)[0]
+        results[name] = run_ranks(_case, WORLD, name, args.config)[0]
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 

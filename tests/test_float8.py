@@ -42,7 +42,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(recipe: str, all_gather: bool) -> tuple[list[float], dict]:
-    """One process, the same float8 recipe, each rank's micro-batch on its own."""
+    """One process, the same float8 recipe, each rank's micro-batch on its own; on one
+    thread, as the ranks run (rank_runner): a CPU matmul may split its sums differently
+    with another thread count, and the comparison is bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(recipe, all_gather)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(recipe: str, all_gather: bool) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = sf.convert_to_float8(Toy(tie=False), recipe=recipe, all_gather=all_gather)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
