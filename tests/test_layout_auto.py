@@ -106,6 +106,11 @@ def test_layout_toml_repeats_the_run_bitwise(auto_run, tmp_path):
     assert not (tmp_path / "layout.toml").exists()  # no search, nothing written
 
 
+# Deeper and longer than MODEL, so that activations, not the one block's recomputation,
+# decide the peaks: 8 blocks of 256 tokens (the same cost to trace).
+LONG_MODEL = ["--model.n_layers", "8", "--model.n_kv_heads", "1", "--training.seq_len", "256"]
+
+
 def _choices(cache: str) -> dict:
     """In the planner process: the needs of the three AC modes on the only layout a fixed
     batch of 1 leaves (dp_shard 4; PP needs 2 microbatches), a choice under a limit only
@@ -115,7 +120,7 @@ def _choices(cache: str) -> dict:
     from simplefsdp.plan import auto_layout
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
 
-    cfg = load_config(None, MODEL)
+    cfg = load_config(None, LONG_MODEL)
     needs = {}
     for ac in ("none", "selective", "full"):
         c = copy.deepcopy(cfg)

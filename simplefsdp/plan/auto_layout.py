@@ -110,7 +110,7 @@ def _progress(started: float):
 def describe(r: Prediction) -> str:
     """A row's layout in the config's words."""
     cp = f" cp_ring={r.cp_ring} cp_ulysses={r.cp_ulysses} ({r.cp_rotate})" \
-        if r.cp_ring * r.cp_ulysses > 1 else ""
+        if (r.cp_ring, r.cp_ulysses) != (1, 1) else ""
     return (f"dp_replicate={r.dp_replicate} dp_shard={r.dp_shard} tp={r.tp} pp={r.pp}"
             f"{f' ep={r.ep}' if r.ep > 1 else ''}{cp} ac={r.ac} batch_size={r.batch_size}")
 
