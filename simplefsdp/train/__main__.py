@@ -136,6 +136,10 @@ def check_config(argv: list[str], world_size: int) -> JobConfig:
           f"({p.dp_mode}), "
           f"ac={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
           f"steps {cfg.training.steps}, outputs in {cfg.metrics.output_dir}/", flush=True)
+    if p.layout == "auto":
+        print("[simplefsdp] parallel.layout = 'auto': the layout keys you did not set are "
+              "chosen when the run starts (python -m simplefsdp.plan --auto --gpus N "
+              "--config ... shows the choice)", flush=True)
     return cfg
 
 
