@@ -7,10 +7,11 @@ possible (calibration, a timed matmul) it comes first and these are the fallback
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Efficiency", "Fabric", "GpuProfile",
-           "GpuSpec", "gpu_peak_flops", "gpu_profile", "gpu_spec"]
+__all__ = ["GB", "GPU_PROFILES", "KNOWN_FABRICS", "KNOWN_GPUS", "Efficiency", "Fabric",
+           "GpuProfile", "GpuSpec", "detect_profile", "gpu_peak_flops", "gpu_profile",
+           "gpu_spec", "profile_with_memory"]
 
 
 @dataclass(frozen=True)
@@ -196,12 +197,59 @@ GPU_PROFILES: dict[str, GpuProfile] = {
     # A100: PCIe Gen4 x16, 32 GB/s per direction on the datasheet; ~80% -> 25 GB/s.
     "a100-80gb": GpuProfile(gpu_spec("A100"), 79.2 * GiB, "nvlink_a100", "infiniband_hdr",
                             "A100 SXM4 80 GB", pcie_Bps=25e9),
+    # One gloo rank on a CPU host, for planning CPU runs (``parallel.layout = "auto"``
+    # with ``job.device = "cpu"``): the cost model's uncalibrated CPU figures per core
+    # (``compiler.cost.compute.default_compute_spec``: 40 GFLOP/s fp32, 10 GB/s) and its
+    # gloo loopback fabric between every pair of ranks. Memory is a placeholder: the
+    # trainer plans CPU runs with the host's memory over its ranks (``name@GB``).
+    "cpu": GpuProfile(GpuSpec("CPU core", 20e9, 40e9, 10e9), 16 * GiB, "gloo_cpu_loopback",
+                      "gloo_cpu_loopback", "one CPU core per gloo rank, TCP loopback"),
 }
+
+GB = 1e9  # a memory limit's unit ("name@70GB", parallel.memory_limit_gb): decimal, as
+# compile.memory_limit_gb
 
 
 def gpu_profile(name: str) -> GpuProfile:
-    """The profile ``name``; a clear error lists the known ones."""
-    if name not in GPU_PROFILES:
+    """The profile ``name``: a key of ``GPU_PROFILES``, or ``KEY@<N>GB`` for that profile
+    with ``N`` decimal GB of usable memory (a memory limit below the device's, e.g.
+    ``h100-sxm@60GB``; a string, so it travels to the search's worker processes as the
+    plain names do). A clear error lists the known ones."""
+    key, at, limit = name.partition("@")
+    if key not in GPU_PROFILES:
         raise ValueError(f"--gpu {name!r} is not a known device profile; choose one of "
-                         f"{', '.join(GPU_PROFILES)}")
-    return GPU_PROFILES[name]
+                         f"{', '.join(GPU_PROFILES)} (optionally with @<N>GB: its memory)")
+    if not at:
+        return GPU_PROFILES[key]
+    try:
+        gb = float(limit.removesuffix("GB"))
+    except ValueError:
+        gb = -1.0
+    if not limit.endswith("GB") or not gb > 0:
+        raise ValueError(f"--gpu {name!r}: write the memory as {key}@<N>GB, N > 0 "
+                         f"(decimal gigabytes), e.g. {key}@40GB")
+    return replace(GPU_PROFILES[key], memory_bytes=gb * GB,
+                   note=f"{GPU_PROFILES[key].note}; {gb:g} GB usable")
+
+
+def profile_with_memory(name: str, memory_gb: float | None) -> str:
+    """``name`` with its usable memory set to ``memory_gb`` decimal GB (``NAME@<N>GB``;
+    ``name`` unchanged when None)."""
+    return name if memory_gb is None else f"{name.partition('@')[0]}@{memory_gb!r}GB"
+
+
+def detect_profile(device_type: str) -> str:
+    """The profile of this process's device: a CUDA device's by its name (``KNOWN_GPUS``
+    mapped to ``GPU_PROFILES``; an H100 counts as the 80 GB SXM part), else ``cpu``.
+    A ValueError names a GPU with no profile (pass one explicitly)."""
+    if device_type != "cuda":
+        return "cpu"
+    import torch
+
+    device_name = torch.cuda.get_device_name()
+    spec = gpu_spec(device_name)
+    for key, profile in GPU_PROFILES.items():
+        if spec is not None and profile.spec == spec:
+            return key
+    raise ValueError(f"no device profile for {device_name!r}: set parallel.hardware to "
+                     f"one of {', '.join(GPU_PROFILES)}")

@@ -164,12 +164,12 @@ def _command_jobs(command: Command, helps: set[str]) -> list[dict]:
         plan_flags = [a for a in args if a.startswith("--") and "." not in a]
         trainer = []
         skip_value = {"--gpus", "--gpu", "--json", "--png", "--top", "--keep", "--workers",
-                      "--gpus-per-node"}
+                      "--gpus-per-node", "--free"}
         i = 0
         while i < len(args):
             if args[i] in skip_value:
                 i += 2
-            elif args[i] == "--search":
+            elif args[i] in ("--search", "--auto"):
                 i += 1
             else:
                 trainer.append(args[i])

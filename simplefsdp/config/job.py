@@ -201,6 +201,20 @@ class ParallelConfig:
     # ranks and the cross-entropy runs over the pieces (torch's loss_parallel), instead
     # of gathering every token's whole-vocabulary logits on every TP rank.
     loss_parallel: bool = True
+    # manual: the sizes above as written. auto: before building anything, rank 0 runs the
+    # planner's search (python -m simplefsdp.plan --search) for this job on the world size
+    # and the device profile parallel.hardware, and every rank trains its fastest layout
+    # that fits parallel.memory_limit_gb (parallel sizes, dp_mode, pp_microbatches,
+    # activation_checkpoint.mode, training.batch_size); those of them set in the TOML or
+    # on the command line are kept. The choice is printed and written to
+    # <metrics.output_dir>/layout.toml, which repeats the run without the search.
+    layout: Literal["manual", "auto"] = "manual"
+    # layout = "auto": usable memory per rank, decimal GB (as compile.memory_limit_gb).
+    # None: the device profile's (a GPU's memory; on CPU the host's memory over its ranks).
+    memory_limit_gb: float | None = None
+    # layout = "auto": the device profile planned for, a key of hardware.GPU_PROFILES
+    # (h100-sxm, h100-96gb, h200, a100-80gb, cpu); "auto": the CUDA device's, on CPU "cpu".
+    hardware: str = "auto"
 
     def dims(self) -> ParallelDims:
         """These sizes as ``ParallelDims`` (errors name the ``parallel.`` keys); raises a
@@ -383,6 +397,7 @@ class JobConfig:
         _check_cp(self, args, dims)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
+        _check_layout(p)
         _check_data(self)
         check_validation(self.validation, self.data.streaming)
         check_profiling(self.profiling, t.steps, self.job.device)
@@ -399,6 +414,18 @@ class JobConfig:
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)
+
+
+def _check_layout(p: ParallelConfig) -> None:
+    """``parallel.memory_limit_gb`` > 0 and ``parallel.hardware`` a known profile."""
+    from ..hardware import GPU_PROFILES
+
+    limit = p.memory_limit_gb
+    require(limit is None or limit > 0, "parallel.memory_limit_gb", limit,
+            "> 0 (decimal GB per rank)")
+    if p.hardware != "auto" and p.hardware not in GPU_PROFILES:
+        raise ConfigError(f"parallel.hardware = {p.hardware!r} is not a device profile; "
+                          f"choose 'auto' or one of {choices(GPU_PROFILES)}")
 
 
 def _check_hf_balance(m: ModelConfig) -> None:

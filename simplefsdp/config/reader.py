@@ -205,6 +205,22 @@ def read_config(cfg: C, path: str | Path | None, overrides: list[str] | None = N
     return cfg
 
 
+def explicit_keys(path: str | Path | None, overrides: list[str] | None = None) -> set[str]:
+    """The ``section.key`` names the TOML file at ``path`` and ``overrides`` set (whatever
+    their values), e.g. for keys a search must keep as the user wrote them. Call it after
+    ``read_config`` has accepted both: nothing is checked here."""
+    keys: set[str] = set()
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        keys |= {f"{section}.{key}" for section, table in data.items()
+                 if isinstance(table, dict) for key in table}
+    for arg in overrides or []:
+        if arg.startswith("--"):
+            keys.add(arg[2:].partition("=")[0])
+    return keys
+
+
 def split_argv(argv: list[str], aliases: Mapping[str, str] | None = None
                ) -> tuple[str | None, list[str]]:
     """``[--config FILE] [--alias ...] [--section.key value ...]`` -> (FILE, overrides).

@@ -14,6 +14,7 @@ import sys
 import time
 
 from ..config.job import config_help, load_config
+from ..config.reader import explicit_keys
 from ..errors import ConfigError
 from ..hardware import GPU_PROFILES, GiB, gpu_profile
 from ..parallel.activation_checkpoint import quiet_our_checkpoint_warning
@@ -35,6 +36,19 @@ def _progress(started: float):
     return show
 
 
+def _auto(cfg, args, explicit: set[str]) -> int:
+    """``--auto``: ``plan.auto_layout.choose`` for the config, its line and wall time."""
+    from .auto_layout import choice_line, choose, fixed_layout_keys
+
+    started = time.perf_counter()
+    outcome = choose(cfg, args.gpus, args.gpu, args.gpus_per_node,
+                     fixed_layout_keys(cfg, explicit))
+    print(choice_line(outcome, args.gpus, args.gpu))
+    note = "" if outcome["cached"] else f"; {report.search_note(outcome['stats'], 1, 1)}"
+    print(f"{time.perf_counter() - started:.1f} s{note}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="search: also each predicted layout with a knob turned "
                              "(parallel.reshard_after_forward = a node, training.gradient_sync "
                              "= last_microstep, training.cpu_offload where it does not fit)")
+    parser.add_argument("--auto", action="store_true",
+                        help="the layout the trainer's parallel.layout = 'auto' picks: the "
+                             "search kept to the layout keys the config and the command "
+                             "line set, under the --gpu profile's memory (NAME@<N>GB for "
+                             "a limit); its answer is cached on disk")
+    parser.add_argument("--free", default="",
+                        help="--auto: sections or section.key names (comma-separated) the "
+                             "search chooses although the config sets them, e.g. "
+                             "parallel,activation_checkpoint")
     parser.add_argument("--json", help="write one object per configuration here")
     parser.add_argument("--png", help="write memory vs tokens/s here")
     parser.add_argument("--top", type=int, default=20, help="rows of the search table")
@@ -68,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         # the planner plans GPU runs: job.device = "cuda" unless given (CUDA-only keys
         # such as training.cpu_offload then validate)
         cfg = load_config(args.config, ["--job.device", "cuda", *overrides],
-                          world_size=None if args.search else args.gpus)
+                          world_size=None if args.search or args.auto else args.gpus)
+        if args.auto:
+            free = {x.strip() for x in args.free.split(",") if x.strip()}
+            explicit = {k for k in explicit_keys(args.config, overrides)
+                        if k not in free and k.partition(".")[0] not in free}
+            return _auto(cfg, args, explicit)
         started = time.perf_counter()
         failures: list[str] = []
         stats: dict = {}

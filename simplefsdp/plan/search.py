@@ -163,12 +163,15 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
 
 
 def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False,
-            ac_modes: tuple[str, ...] = AC_MODES) -> list[list[JobConfig]]:
+            ac_modes: tuple[str, ...] = AC_MODES, constrain=None) -> list[list[JobConfig]]:
     """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
     groups fastest bound first, so the layouts likely to win are traced first and set the
-    bar the others' bounds must reach."""
+    bar the others' bounds must reach. ``constrain(c)``: each layout as the caller allows
+    it (None: dropped; see ``search``)."""
     groups: dict[tuple, list[JobConfig]] = {}
     for c in layouts(cfg, gpus, gpus_per_node, cp, ac_modes):
+        if constrain is not None and (c := constrain(c)) is None:
+            continue
         p = c.parallel
         groups.setdefault(_layout(p), []).append(c)
 
@@ -329,7 +332,7 @@ def _worker(args) -> tuple[list[Prediction], list[str], dict]:
 def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
            progress=None, failures: list[str] | None = None, keep: int = 0,
            stats: dict | None = None, workers: int = 1,
-           tradeoffs_rows: bool = False) -> list[Prediction]:
+           tradeoffs_rows: bool = False, constrain=None) -> list[Prediction]:
     """Predictions for every layout that was worth tracing, best tokens/s first among
     those that fit. A layout that fails to trace (the library cannot compile it) is
     described in ``failures``, and the other layouts with its ``tp`` are skipped.
@@ -342,20 +345,22 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     the ``keep`` best. ``stats`` gets
     the counts of layouts predicted and skipped by reason, and of traces and eager
     replays run. ``tradeoffs_rows`` (``--tradeoffs``): rows with issue 48's knobs turned
-    on each predicted layout (``tradeoffs.variants``), from the same traces."""
+    on each predicted layout (``tradeoffs.variants``), from the same traces.
+    ``constrain(c)`` -> a configuration or None: each candidate layout as the caller
+    allows it (dropped on None), e.g. with keys the user fixed kept (``plan.auto_layout``)."""
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
-    results = _run(_groups(cfg, gpus, gpus_per_node, dev), gpus, gpu, gpus_per_node,
-                   progress, failures, keep, stats, workers, (), tradeoffs_rows)
+    results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain), gpus, gpu,
+                   gpus_per_node, progress, failures, keep, stats, workers, (), tradeoffs_rows)
     # Context parallelism with less recomputation than any whole-sequence row that fits
     # (module doc), behind the bar those rows set
     fitting = [r for r in results if r.fits]
     modes = AC_MODES[:min((AC_MODES.index(r.ac) for r in fitting), default=len(AC_MODES))]
     if modes:
         seed = tuple(r.tokens_per_s_per_gpu for r in fitting)
-        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes), gpus, gpu,
-                        gpus_per_node, progress, failures, keep, stats, workers, seed,
+        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain), gpus,
+                        gpu, gpus_per_node, progress, failures, keep, stats, workers, seed,
                         tradeoffs_rows)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
 

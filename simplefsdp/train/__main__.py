@@ -38,7 +38,8 @@ import time
 
 import torch.distributed as dist
 
-from ..config.job import JobConfig, config_help, parse_args
+from ..config.job import ALIASES, JobConfig, config_help, parse_args
+from ..config.reader import explicit_keys, split_argv
 from ..corpus.text import Tokenizer
 from ..errors import ConfigError
 from . import preflight
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None,
     if check:
         check_config(argv, world_size)
         return None
-    return train(parse_args(argv, _launched_world()), batch_transform, tokenizer)
+    cfg = parse_args(argv, _launched_world())
+    return train(cfg, batch_transform, tokenizer, explicit_keys(*split_argv(argv, ALIASES)))
 
 
 def _launched_world() -> int:
@@ -134,6 +136,10 @@ def check_config(argv: list[str], world_size: int) -> JobConfig:
           f"({p.dp_mode}), "
           f"ac={cfg.activation_checkpoint.mode}, compile={cfg.compile.enable}, "
           f"steps {cfg.training.steps}, outputs in {cfg.metrics.output_dir}/", flush=True)
+    if p.layout == "auto":
+        print("[simplefsdp] parallel.layout = 'auto': the layout keys you did not set are "
+              "chosen when the run starts (python -m simplefsdp.plan --auto --gpus N "
+              "--config ... shows the choice)", flush=True)
     return cfg
 
 

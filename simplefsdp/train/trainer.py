@@ -71,6 +71,7 @@ from .console import (
 from .elastic import init_distributed, shutdown_distributed
 from .faults import Injector
 from .guard import StopOnSignal
+from .layout import resolve_layout
 from .metrics import MetricsLogger
 from .profiling import StepProfiler
 from .run import Setup, TrainResult
@@ -94,14 +95,18 @@ BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 
 
 def train(cfg: JobConfig, batch_transform: BatchTransform | None = None,
-          tokenizer: Tokenizer | None = None) -> TrainResult:
+          tokenizer: Tokenizer | None = None,
+          explicit_keys: set[str] | None = None) -> TrainResult:
     """Run the job described by ``cfg``. ``batch_transform(inputs, targets)`` may rewrite
     each microbatch, e.g. set targets to ``IGNORE_INDEX`` to leave tokens out.
     ``tokenizer`` (any object with ``vocab_size`` and ``encode(text)``) replaces the one
-    ``data.tokenizer`` names; its ``vocab_size`` must fit ``model.vocab_size``."""
+    ``data.tokenizer`` names; its ``vocab_size`` must fit ``model.vocab_size``.
+    ``explicit_keys``: the ``section.key`` names the user set, which
+    ``parallel.layout = "auto"`` keeps (None: those differing from the defaults)."""
     owns_group = init_distributed(cfg.job.device, PG_TIMEOUT_S)
     try:  # the watchdog from start-up on: a collective timing out anywhere dumps stacks
         with Watchdog(cfg.training.hang_watchdog_s, cfg.metrics.output_dir, dist.get_rank()):
+            cfg = resolve_layout(cfg, explicit_keys)  # "auto": the planner's choice
             return _train(cfg, batch_transform, tokenizer)
     finally:
         if owns_group and dist.is_initialized():
