@@ -6,7 +6,7 @@ docs/performance.md.
 
     PYTHONPATH=$PWD python scripts/measure_tradeoffs.py --out /tmp/tradeoffs.json
     PYTHONPATH=$PWD python scripts/measure_tradeoffs.py --config configs/bench_medium.toml \
-        --out /tmp/tradeoffs_medium.json     # the model of a config instead of the debug one
+        --out /tmp/tradeoffs_medium.json     # a benchmark config's model instead
 
 Cases: reshard after forward (True), reshard to groups of 2, CPU offload (the CPU standing
 in for the device: ``offload.cpu_stands_in_for_device``, so the copies are counted, not
@@ -82,12 +82,13 @@ def _case(rank: int, world: int, name: str, config: str | None) -> dict:
 
 
 def _model_args(config: str | None):
-    """The debug preset, or the model of ``config`` (a trainer TOML)."""
+    """The debug preset, or the model of ``config`` (a benchmark TOML, e.g.
+    configs/bench_medium.toml)."""
     if config is None:
         return LLAMA3_PRESETS["debug"]
-    from simplefsdp.config.job import load_config
+    from simplefsdp.bench.config import load_config
 
-    return load_config(config, []).model.model_args()
+    return load_config(config).model_args()
 
 
 def _measure(rank: int, name: str, config: str | None) -> dict:

@@ -31,6 +31,7 @@ from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from ..reshard_group import check_config as check_reshard_config
 from .float8 import Float8Config, check_float8
+from .keys import check_data, check_hf_balance, check_layout_keys
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -363,7 +364,7 @@ class JobConfig:
         require(t.hang_watchdog_s >= 0, "training.hang_watchdog_s", t.hang_watchdog_s,
                 ">= 0 (0 turns the watchdog off)")
         hf_model = self.model.hf_path is not None  # its shapes are in its config.json
-        _check_hf_balance(self.model)
+        check_hf_balance(self.model)
         if not hf_model:
             check_seq_len(t.seq_len, args)
         require(p.pp_microbatches >= 1, "parallel.pp_microbatches", p.pp_microbatches, ">= 1")
@@ -397,8 +398,8 @@ class JobConfig:
         _check_cp(self, args, dims)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
-        _check_layout(p)
-        _check_data(self)
+        check_layout_keys(p)
+        check_data(self)
         check_validation(self.validation, self.data.streaming)
         check_profiling(self.profiling, t.steps, self.job.device)
         name = self.data.tokenizer
@@ -414,45 +415,6 @@ class JobConfig:
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)
-
-
-def _check_layout(p: ParallelConfig) -> None:
-    """``parallel.memory_limit_gb`` > 0 and ``parallel.hardware`` a known profile."""
-    from ..hardware import GPU_PROFILES
-
-    limit = p.memory_limit_gb
-    require(limit is None or limit > 0, "parallel.memory_limit_gb", limit,
-            "> 0 (decimal GB per rank)")
-    if p.hardware != "auto" and p.hardware not in GPU_PROFILES:
-        raise ConfigError(f"parallel.hardware = {p.hardware!r} is not a device profile; "
-                          f"choose 'auto' or one of {choices(GPU_PROFILES)}")
-
-
-def _check_hf_balance(m: ModelConfig) -> None:
-    """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
-    ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss
-    is ``hf.hooks.validate_folder``'s check (it reads config.json)."""
-    coef = m.router_aux_loss_coef
-    if coef is None:
-        return
-    if m.hf_path is None:
-        raise ConfigError(f"model.router_aux_loss_coef = {coef} overrides a Hugging Face MoE "
-                          f"folder's balance loss (model.hf_path), but model.hf_path is not "
-                          f"set; for our MoE presets use model.aux_loss_coef")
-    require(coef >= 0, "model.router_aux_loss_coef", coef, ">= 0 (0 turns the balance loss off)")
-
-
-def _check_data(cfg: JobConfig) -> None:
-    """``[data]``: the sources exist and match the weights; the mask's limits."""
-    from ..corpus.sources import resolve_all
-
-    d = cfg.data
-    resolve_all(d.dataset, list(d.weights))
-    require(d.tokenize_workers >= 0, "data.tokenize_workers", d.tokenize_workers, ">= 0")
-    if d.document_mask and (cfg.parallel.pp > 1 or cfg.model.hf_path is not None):
-        raise ConfigError("data.document_mask = true works with our Llama without pipeline "
-                          "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
-                          "turn data.document_mask off")
 
 
 def _check_cp(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:

@@ -49,7 +49,8 @@ def _auto(cfg, args, explicit: set[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The planner's own flags (the trainer's keys come as overrides)."""
     parser = argparse.ArgumentParser(prog="python -m simplefsdp.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="the trainer's keys, as overrides:\n"
@@ -83,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="search: processes tracing (each one tensor-parallel size, "
                              "with or without PP, at a time); default: 2 where there are "
                              "2 cores (on cores busy with another job, use 1)")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     try:
         dev = gpu_profile(args.gpu)
         # one layout: its sizes must fill the GPUs (checked before the model's shapes);

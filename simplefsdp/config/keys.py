@@ -1,0 +1,46 @@
+"""Checks of single ``[section]`` keys that ``JobConfig.validate`` runs before any work
+(each takes the section, or the whole JobConfig, as ``config.job`` defines them): each
+raises a ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError, choices, require
+
+
+def check_layout_keys(p) -> None:
+    """``parallel.memory_limit_gb`` > 0 and ``parallel.hardware`` a known profile."""
+    from ..hardware import GPU_PROFILES
+
+    limit = p.memory_limit_gb
+    require(limit is None or limit > 0, "parallel.memory_limit_gb", limit,
+            "> 0 (decimal GB per rank)")
+    if p.hardware != "auto" and p.hardware not in GPU_PROFILES:
+        raise ConfigError(f"parallel.hardware = {p.hardware!r} is not a device profile; "
+                          f"choose 'auto' or one of {choices(GPU_PROFILES)}")
+
+
+def check_hf_balance(m) -> None:
+    """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
+    ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss
+    is ``hf.hooks.validate_folder``'s check (it reads config.json)."""
+    coef = m.router_aux_loss_coef
+    if coef is None:
+        return
+    if m.hf_path is None:
+        raise ConfigError(f"model.router_aux_loss_coef = {coef} overrides a Hugging Face MoE "
+                          f"folder's balance loss (model.hf_path), but model.hf_path is not "
+                          f"set; for our MoE presets use model.aux_loss_coef")
+    require(coef >= 0, "model.router_aux_loss_coef", coef, ">= 0 (0 turns the balance loss off)")
+
+
+def check_data(cfg) -> None:
+    """``[data]``: the sources exist and match the weights; the mask's limits."""
+    from ..corpus.sources import resolve_all
+
+    d = cfg.data
+    resolve_all(d.dataset, list(d.weights))
+    require(d.tokenize_workers >= 0, "data.tokenize_workers", d.tokenize_workers, ">= 0")
+    if d.document_mask and (cfg.parallel.pp > 1 or cfg.model.hf_path is not None):
+        raise ConfigError("data.document_mask = true works with our Llama without pipeline "
+                          "stages: set parallel.pp = 1 and leave model.hf_path unset, or "
+                          "turn data.document_mask off")
