@@ -4,9 +4,9 @@
 #   bash scripts/test.sh            the whole suite (what CI runs)
 #   bash scripts/test.sh --quick    the tests marked `quick` (pytest -m quick): minutes
 # Other arguments go to pytest, e.g. bash scripts/test.sh tests/test_docs.py -x
-# Test files run on SIMPLEFSDP_TEST_WORKERS pytest-xdist workers (default 2, one per core
-# of the project's machines), a whole file per worker (its module fixtures run once): a
-# single-process test (a planner trace) keeps one core busy while the other runs ranks.
+# SIMPLEFSDP_TEST_WORKERS=N (N > 1) runs test files on N pytest-xdist workers, a whole
+# file per worker (its module fixtures run once). Default 1 (one pytest process): on 2
+# cores two workers ran slower than one (docs/performance.md, "The test suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,5 +20,8 @@ if [[ "${1:-}" == "--quick" ]]; then
     shift
     tier=(-m quick)
 fi
-python -m pytest -q --durations=40 -n "${SIMPLEFSDP_TEST_WORKERS:-2}" --dist loadfile \
-    --no-loadscope-reorder "${tier[@]}" "$@"
+workers=(); n="${SIMPLEFSDP_TEST_WORKERS:-1}"
+if [[ "$n" != 1 ]]; then
+    workers=(-n "$n" --dist loadfile)
+fi
+python -m pytest -q --durations=40 "${workers[@]}" "${tier[@]}" "$@"

@@ -20,23 +20,6 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-# The test files that take longest on 2 cores, the longest first. scripts/test.sh hands
-# whole files to two pytest-xdist workers in collection order (--no-loadscope-reorder):
-# started first, no long file is left for the end while the other worker idles. Only the
-# order depends on this list; a file not in it runs after these, in the usual order.
-SLOWEST_FILES = ("test_composition.py", "test_moe_trainer.py", "test_plan_search.py",
-                 "test_plan.py", "test_auto_wrap.py", "test_context_parallel.py",
-                 "test_bench.py", "test_auto_wrap_memory.py", "test_hf_moe.py",
-                 "test_gradient_sync.py", "test_plan_context.py", "test_multinode.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """``SLOWEST_FILES`` first (a stable sort: each file's tests keep their order and stay
-    together, so a module fixture still runs once)."""
-    first = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
-
-
 def _planner_call(fn, args):
     """``fn(*args)`` in the planner's process, its trace caches emptied first: each call
     traces what it needs itself (as in a fresh process), so its counts of traces are its

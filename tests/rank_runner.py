@@ -22,9 +22,9 @@ from typing import Any
 
 from simplefsdp.net import free_port
 
-# A deadlock turns into an error after these. Generous: scripts/test.sh runs two test
-# files at once on 2 cores (pytest-xdist), so a group of 4 ranks may get half the CPU a
-# lone run gets, on a host up to twice as slow as ours.
+# A deadlock turns into an error after these. Generous: with pytest-xdist workers
+# (scripts/test.sh, SIMPLEFSDP_TEST_WORKERS) two test files share 2 cores, so a group of
+# 4 ranks may get half the CPU a lone run gets, on a host up to twice as slow as ours.
 COLLECTIVE_TIMEOUT_S = 300  # one collective
 TEST_TIMEOUT_S = 1200  # the whole group of processes
 
