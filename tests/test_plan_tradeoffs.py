@@ -100,10 +100,10 @@ def test_frozen_lora_base_no_gradient_state_or_reduction():
     assert terms.seconds == pytest.approx(-reduce - optimizer)
 
 
-def test_search_rows_turn_each_knob(monkeypatch):
-    """One layout through the search's loop with ``--tradeoffs``: its row, then one row
-    per knob; CPU offload only where the layout does not fit (a device profile just too
-    small for it). Without the flag the search is unchanged (tests/test_plan_search.py)."""
+def _search_rows_with_knobs() -> tuple[dict, list, dict]:
+    """In the planner's process (it keeps its fake process group there): one layout
+    through the search's loop with ``--tradeoffs`` on a device profile just too small
+    for it; rows as dicts by knob."""
     from simplefsdp.config.job import load_config
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
     from simplefsdp.plan.search import _Bar, _lower_bound, _search_groups
@@ -114,18 +114,30 @@ def test_search_rows_turn_each_knob(monkeypatch):
     base = predict(cfg, GPUS, "h100-sxm", PER_NODE)
     # between the search's untraced lower bound and the layout's reserved memory
     lower = _lower_bound(cfg) + CONTEXT_BYTES
-    tight = dataclasses.replace(DEV, memory_bytes=(lower + base.reserved_memory_gib * 2**30
-                                                   + CONTEXT_BYTES) / 2)
-    monkeypatch.setitem(GPU_PROFILES, "tight", tight)
-    rows, failures, stats = _search_groups([[cfg]], GPUS, "tight", PER_NODE, _Bar(0),
-                                           tradeoffs_rows=True)  # --search --tradeoffs
+    GPU_PROFILES["tight"] = dataclasses.replace(
+        DEV, memory_bytes=(lower + base.reserved_memory_gib * 2**30 + CONTEXT_BYTES) / 2)
+    try:
+        rows, failures, stats = _search_groups([[cfg]], GPUS, "tight", PER_NODE, _Bar(0),
+                                               tradeoffs_rows=True)  # --search --tradeoffs
+    finally:
+        del GPU_PROFILES["tight"]
+    return {r.knobs: r.to_dict() for r in rows}, failures, stats
+
+
+def test_search_rows_turn_each_knob(planner):
+    """One layout through the search's loop with ``--tradeoffs``: its row, then one row
+    per knob; CPU offload only where the layout does not fit (a device profile just too
+    small for it). Without the flag the search is unchanged (tests/test_plan_search.py).
+    In the session's planner process: a trace here would leave the planner's fake
+    process group initialized in pytest's own process (later tests would meet it)."""
+    by_knob, failures, stats = planner(_search_rows_with_knobs)
     assert not failures
-    by_knob = {r.knobs: r for r in rows}
     assert set(by_knob) == {"", "reshard=8", "sync=last", "offload"}, list(by_knob)
-    assert not by_knob[""].fits and stats["knob_rows"] == 3
+    assert not by_knob[""]["fits"] and stats["knob_rows"] == 3
     offload = by_knob["offload"]
-    assert offload.reserved_memory_gib < by_knob[""].reserved_memory_gib
-    assert by_knob["reshard=8"].peak_memory_gib > by_knob[""].peak_memory_gib
-    assert by_knob["sync=last"].step_time_s < by_knob[""].step_time_s
-    print("\n".join(f"{k or 'none':>10}: {r.reserved_memory_gib:.4f} GiB, "
-                    f"{r.step_time_s * 1e3:.3f} ms, fits {r.fits}" for k, r in by_knob.items()))
+    assert offload["reserved_memory_gib"] < by_knob[""]["reserved_memory_gib"]
+    assert by_knob["reshard=8"]["peak_memory_gib"] > by_knob[""]["peak_memory_gib"]
+    assert by_knob["sync=last"]["step_time_s"] < by_knob[""]["step_time_s"]
+    print("\n".join(f"{k or 'none':>10}: {r['reserved_memory_gib']:.4f} GiB, "
+                    f"{r['step_time_s'] * 1e3:.3f} ms, fits {r['fits']}"
+                    for k, r in by_knob.items()))
