@@ -43,8 +43,7 @@ def check_float8(cfg) -> None:
         raise ConfigError(f"float8.all_gather = true gathers fully_shard weights; "
                           f"parallel.dp_mode = {p.dp_mode!r}: set float8.all_gather = false "
                           f"or parallel.dp_mode = 'fully_shard'")
-    if f.all_gather and (p.reshard_after_forward not in (True, False, "auto")
-                         or cfg.training.cpu_offload):
+    if f.all_gather and (not isinstance(p.reshard, bool) or cfg.training.cpu_offload):
         raise ConfigError(f"float8.all_gather = true is not built with an int "
                           f"parallel.reshard_after_forward ({p.reshard_after_forward!r}) or "
                           f"training.cpu_offload ({cfg.training.cpu_offload}): set "
