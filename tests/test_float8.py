@@ -359,9 +359,6 @@ def test_api_refusals(monkeypatch):
     model = sf.convert_to_float8(Toy(), exclude=[])
     assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
                                     "layers.1.down"]  # the output head is tied: left out
-    from simplefsdp.plan.trace import trace_key  # the planner: refused, not planned as bf16
-    with pytest.raises(ConfigError, match="planner does not trace float8"):
-        trace_key(load_config(None, ["--float8.enable", "true"]), "full", 1, 1, 1, 1)
     monkeypatch.delattr(torch, "_scaled_mm")
     with pytest.raises(RuntimeError, match="has no _scaled_mm"):
         sf.convert_to_float8(Toy())
@@ -444,3 +441,54 @@ def test_planner_prices_float8_matmuls_at_the_float8_peak():
         flops / (989e12 * 0.60) + 3e-6, rel=1e-9)
     with pytest.raises(ValueError, match="no float8 tensor cores"):
         node_seconds(fp8, GPU_PROFILES["a100-80gb"], compiled=True)
+
+
+def _planner_trace(float8: bool) -> dict:
+    """In the planner's process: the debug Llama's one-block trace (FSDP 2, compiled,
+    manual buckets, bf16 parameters), summarized: the float8 matmuls of each graph, the
+    all-gather bytes by dtype, the prologue's collectives, and the step's prediction on
+    8 H100 with and without float8's own rate."""
+    from simplefsdp.compiler.collectives import full_value
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, ["--float8.enable", str(float8).lower(), "--compile.enable",
+                             "true", "--compile.bucketing", "manual",
+                             "--training.mixed_precision_param", "bfloat16"])
+    tr = trace(trace_key(cfg, "full", 1, 1, 1, 2))
+
+    def summary(gm) -> dict:
+        gathered: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            if node.target in KINDS and KINDS[node.target].value == "all_gather":
+                val = full_value(node)
+                key = str(val.dtype)
+                gathered[key] = gathered.get(key, 0) + val.numel() * val.element_size()
+        scaled = sum(n.target == torch.ops.aten._scaled_mm.default for n in gm.graph.nodes)
+        return {"scaled_mm": scaled, "gathered": gathered}
+
+    prologue = [(KINDS[n.target].value, str(n.args[0].meta["val"].dtype),
+                 tuple(n.args[0].meta["val"].shape))
+                for g in tr.prologue for n in g.graph.nodes if n.target in KINDS]
+    return {"forward": summary(tr.forward), "backward": summary(tr.backward),
+            "prologue": prologue}
+
+
+def test_planner_traces_a_float8_step(planner):
+    """The planner traces ``[float8]`` as the trainer runs it (it refused it before:
+    the root's scale-agreeing pre-hook compiles as its own inference graph, and the
+    capture took it for the forward). One block of the debug Llama (dim 128, 4 heads,
+    2 KV heads, FFN 352) on FSDP 2, by hand: its 7 converted linears (wq, wo 128 x 128;
+    wk, wv 64 x 128; w1, w3 352 x 128; w2 128 x 352: 184,320 weights) run 7 float8
+    matmuls forward and 14 backward; their all-gathers move 184,320 uint8 bytes where
+    the bf16 trace moves them as 368,640 bf16 bytes (the rest, norms, embedding and
+    head, is bf16 in both); the prologue all-reduces the 7 weights' float32 amaxes."""
+    f8, bf16 = planner(_planner_trace, True), planner(_planner_trace, False)
+    converted = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 352 * 128
+    assert (f8["forward"]["scaled_mm"], f8["backward"]["scaled_mm"]) == (7, 14), f8
+    assert (bf16["forward"]["scaled_mm"], bf16["backward"]["scaled_mm"]) == (0, 0), bf16
+    assert f8["forward"]["gathered"]["torch.uint8"] == converted, f8
+    assert bf16["forward"]["gathered"]["torch.bfloat16"] \
+        - f8["forward"]["gathered"]["torch.bfloat16"] == 2 * converted, (f8, bf16)
+    assert f8["prologue"] == [("all_reduce", "torch.float32", (7,))], f8
+    assert bf16["prologue"] == [], bf16

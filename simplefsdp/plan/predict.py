@@ -106,6 +106,10 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
                                       ffn_tp)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
+        # the graphs run before the forward (float8: the weights' amaxes and their
+        # all-reduce, which the forward waits for)
+        times += [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, set())
+                  for g in tr.prologue]
         # the ring pass's shifts, hidden behind each step's attention (``plan.ring_pass``)
         ring = sum(ring_pass.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
         fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
