@@ -322,7 +322,10 @@ def test_checkpoint_loads_into_bf16_and_back(tmp_path):
     (["--float8.recipe", "rowwise"], "float8.all_gather = true needs float8.recipe"),
     (["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
       "--parallel.dp_replicate", "2"], "float8.all_gather = true gathers fully_shard"),
-    (["--parallel.tp", "2"], "parallel.tp = 2: set parallel.tp = 1"),
+    (["--parallel.tp", "2"], r"float8.all_gather = true with parallel.tp = 2: .* set "
+                             r"float8.all_gather = false"),
+    (["--parallel.tp", "2", "--float8.all_gather", "false", "--float8.recipe", "rowwise"],
+     "float8.recipe = 'rowwise' with parallel.tp = 2: .* set float8.recipe = 'tensorwise'"),
     (["--lora.enable", "true"], "float8.enable = true with lora.enable = true"),
 ])
 def test_config_refusals(flags, message):
@@ -492,3 +495,106 @@ def test_planner_traces_a_float8_step(planner):
         - f8["forward"]["gathered"]["torch.bfloat16"] == 2 * converted, (f8, bf16)
     assert f8["prologue"] == [("all_reduce", "torch.float32", (7,))], f8
     assert bf16["prologue"] == [], bf16
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor parallelism (tensorwise): the amax of each split operand agreed over TP.
+# ---------------------------------------------------------------------------------------
+TP_IN, TP_HIDDEN, TP_OUT = 16, 32, 8
+
+
+def _tp_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(TP_IN, TP_HIDDEN, bias=False),
+                                torch.nn.Tanh(),
+                                torch.nn.Linear(TP_HIDDEN, TP_OUT, bias=False))
+    return sf.convert_to_float8(model, recipe="tensorwise", exclude=[])
+
+
+def _tp_batch(step: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel part ``part`` of step ``step``'s batch (TP ranks share theirs)."""
+    g = torch.Generator().manual_seed(100 * step + part)
+    return torch.randn(2, 6, TP_IN, generator=g) * 3, torch.randn(2, 6, TP_OUT, generator=g)
+
+
+def _tp_train(model, forward, dp_parts: list[int], divisor: int) -> list[float]:
+    """SGD steps on the data-parallel parts' losses / ``divisor`` (one process: every
+    part in turn, divided by their count, gradients accumulated; ranks: their own part,
+    whose gradients data_parallel averages)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for part in dp_parts:
+            x, y = _tp_batch(step, part)
+            loss = torch.nn.functional.mse_loss(forward(x), y) / divisor
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _tp_reference(dp: int) -> tuple[list[float], dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run
+    try:
+        model = _tp_model()
+        losses = _tp_train(model, model, list(range(dp)), dp)
+        return losses, {k: _full(v) for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tp_runs(rank: int, world: int, backends) -> list[tuple[list[float], dict]]:
+    """TP 2 (x FSDP over the rest): the first Linear column-wise, the second row-wise."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dp = world // 2
+    mesh = sf.make_mesh(dp_shard=dp, tp=2)
+    out = []
+    for backend in backends:
+        model = parallelize_module(_tp_model(), mesh["tp"],
+                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if dp > 1:
+            sf.data_parallel(model, mesh["dp_shard"])
+        forward = model
+        if backend is not None:
+            torch._dynamo.reset()
+            forward = torch.compile(model, fullgraph=True, backend=sf.compile_backend(
+                backend=backend, bucketing="manual"))
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        loss = torch.tensor(_tp_train(model, forward, [dp_rank], 1)) / dp
+        torch.distributed.all_reduce(loss, group=mesh["dp_shard"].get_group())
+        out.append((loss.tolist(), {k: _full(v) for k, v in model.state_dict().items()}))
+    return out
+
+
+# Tolerance: the row-wise layer sums its contraction dim in two pieces (one per TP rank)
+# and adds them, one process in one piece, so its float32 output differs by rounding
+# (~1e-7 relative); everything cast to float8 is cast with the whole tensor's scale, so
+# the float8 operands agree (a per-shard scale would move weights by up to a float8 step,
+# 1/16 relative, far over this bound). 1e-5 leaves room for 3 SGD steps of float32
+# rounding; a float8 cast of a value within ~1e-7 of a rounding boundary could still
+# flip it: these seeds' runs do not.
+TP_TOL = 1e-5
+
+
+@pytest.mark.parametrize("dp, backends", [(1, (None, "aot_eager")), (2, (None,))],
+                         ids=["tp2", "tp2_fsdp2"])
+def test_tensor_parallel_float8_equals_one_process(dp, backends):
+    runs = run_ranks(_tp_runs, 2 * dp, backends)
+    ref_losses, ref_state = _tp_reference(dp)
+    for rank_runs in runs:
+        for backend, (losses, state) in zip(backends, rank_runs, strict=True):
+            case = f"TP 2 x FSDP {dp}, {backend or 'eager'}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                       rtol=TP_TOL, atol=TP_TOL, msg=case)
+            for name, value in ref_state.items():
+                torch.testing.assert_close(state[name], value, rtol=TP_TOL, atol=TP_TOL,
+                                           msg=f"{case}: {name}")
