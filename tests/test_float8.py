@@ -598,3 +598,47 @@ def test_tensor_parallel_float8_equals_one_process(dp, backends):
             for name, value in ref_state.items():
                 torch.testing.assert_close(state[name], value, rtol=TP_TOL, atol=TP_TOL,
                                            msg=f"{case}: {name}")
+
+
+# ---------------------------------------------------------------------------------------
+# Gradient sync off: the float8 gather's gradients accumulate, then reduce once.
+# ---------------------------------------------------------------------------------------
+MICRO = 3
+
+
+def _accumulated(rank: int, world: int) -> dict:
+    """One optimizer step's worth of MICRO micro-steps on the toy (float8 all-gather),
+    twice from one seed: sync on every micro-step, and sync off for all but the last;
+    the accumulated gradients (whole) and the reduce-scatters each issued."""
+    mesh = sf.make_mesh(dp_shard=world, device_type="cpu")
+    out = {}
+    for sync_every_step in (True, False):
+        torch.manual_seed(0)
+        model = sf.convert_to_float8(Toy(tie=False), all_gather=True)
+        model = sf.data_parallel(model, mesh)
+        with _CollectiveLog() as log:
+            for micro in range(MICRO):
+                model.set_requires_gradient_sync(sync_every_step or micro == MICRO - 1)
+                loss_fn(model, global_batch(micro, world)[2 * rank:2 * rank + 2]).backward()
+        # (the toy's final norm's bias takes no gradient: None in both runs)
+        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        scatters = sum(kind == "reduce_scatter" for kind, _, _ in log.records)
+        out[sync_every_step] = (grads, scatters)
+    return out
+
+
+# Tolerance: sync on sums avg_r(g[m, r]) over micro-steps m, sync off avg_r(sum_m g[m,
+# r]): the same float32 terms in another order (the float8 casts see the same values in
+# both: each micro-step's forward and backward are unchanged), so a few ulp of the O(1)
+# gradients; 2e-6 absolute, as tests/test_gradient_sync.py.
+SYNC_TOL = 2e-6
+
+
+def test_float8_gather_with_gradient_sync_off_equals_sync_on():
+    for rank_out in run_ranks(_accumulated, 2):
+        (on, on_scatters), (off, off_scatters) = rank_out[True], rank_out[False]
+        assert on.keys() == off.keys() and "layers.0.up.weight" in on
+        for name, grad in on.items():
+            torch.testing.assert_close(off[name], grad, rtol=0, atol=SYNC_TOL, msg=name)
+        # the reduce-scatters of one micro-step, issued once instead of MICRO times
+        assert on_scatters == MICRO * off_scatters > 0, (on_scatters, off_scatters)
