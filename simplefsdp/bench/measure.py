@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._torch_compat import profiler_events
+from .._torch_compat.float8 import inner_tensors
 from .._torch_compat.internals import C10D_FUNCTIONAL
 from ..compiler.collectives import collective_kind
 from ..mesh import local_shard
@@ -73,9 +73,10 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         t = local_shard(t)
         if t.device.type == "meta":
             return
-        if is_traceable_wrapper_subclass(t):  # e.g. torchao's float8 weight: its tensors
-            for name in t.__tensor_flatten__()[0]:
-                add(getattr(t, name))
+        inner = inner_tensors(t)
+        if inner is not None:  # e.g. torchao's float8 weight: count the tensors it holds
+            for piece in inner:
+                add(piece)
             return
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
