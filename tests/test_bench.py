@@ -307,6 +307,7 @@ def test_overlap_scheduler_without_triton_is_unavailable_not_failed(monkeypatch)
         VARIANTS["upstream-overlap-scheduler"].build(None)
 
 
+@pytest.mark.quick
 def test_fsdp2_float8_needs_torchao_checked_at_start_up(monkeypatch):
     """fsdp2-float8 (torchao, the optional float8 extra): listed without torchao, the
     benchmark stops at start-up naming the key and the extra; in the default list it is

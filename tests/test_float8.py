@@ -585,8 +585,9 @@ def _tp_runs(rank: int, world: int, backends) -> list[tuple[list[float], dict]]:
 TP_TOL = 1e-5
 
 
-@pytest.mark.parametrize("dp, backends", [(1, (None, "aot_eager")), (2, (None,))],
-                         ids=["tp2", "tp2_fsdp2"])
+@pytest.mark.parametrize("dp, backends", [
+    (1, (None, "aot_eager")), pytest.param(2, (None,), marks=pytest.mark.quick)],
+    ids=["tp2", "tp2_fsdp2"])
 def test_tensor_parallel_float8_equals_one_process(dp, backends):
     runs = run_ranks(_tp_runs, 2 * dp, backends)
     ref_losses, ref_state = _tp_reference(dp)
@@ -634,6 +635,7 @@ def _accumulated(rank: int, world: int) -> dict:
 SYNC_TOL = 2e-6
 
 
+@pytest.mark.quick
 def test_float8_gather_with_gradient_sync_off_equals_sync_on():
     for rank_out in run_ranks(_accumulated, 2):
         (on, on_scatters), (off, off_scatters) = rank_out[True], rank_out[False]
