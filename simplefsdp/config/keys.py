@@ -4,6 +4,8 @@ raises a ConfigError naming the key and the fix."""
 
 from __future__ import annotations
 
+import math
+
 from ..errors import ConfigError, choices, require
 
 
@@ -17,6 +19,19 @@ def check_layout_keys(p) -> None:
     if p.hardware != "auto" and p.hardware not in GPU_PROFILES:
         raise ConfigError(f"parallel.hardware = {p.hardware!r} is not a device profile; "
                           f"choose 'auto' or one of {choices(GPU_PROFILES)}")
+
+
+def check_expert_dispatch(p, family: str) -> None:
+    """``parallel.expert_capacity_factor`` a finite number > 0, and the padded dispatch
+    only for our MoE family (the one whose routed layers honour it)."""
+    factor = p.expert_capacity_factor
+    require(math.isfinite(factor) and factor > 0, "parallel.expert_capacity_factor", factor,
+            "a finite number > 0 (e.g. 1.25: each expert takes 1.25x an even share of a "
+            "rank's routed slots)")
+    if p.expert_dispatch == "padded" and family != "moe":
+        raise ConfigError(f"parallel.expert_dispatch = 'padded' needs model.family = 'moe' "
+                          f"(our MoE presets), but model.family = {family!r}: set "
+                          f"parallel.expert_dispatch = 'exact'")
 
 
 def check_hf_balance(m) -> None:

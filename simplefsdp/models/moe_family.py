@@ -13,8 +13,8 @@ the ``MoETransformer`` and three additions.
   data-parallel ranks, moves the bias (``load_balance = "bias"``) and reports the step's
   figures (``metrics.csv``): ``aux_loss`` (coefficient applied, token-weighted over the
   ranks as the loss is), ``expert_load_max_mean`` (the busiest expert's slots over the
-  mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (0: routing is
-  dropless, every slot reaches its expert).
+  mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (routed slots the
+  padded dispatch dropped, ``parallel.expert_dispatch = "padded"``; 0 when exact).
 
 Tensor parallelism splits attention and the shared expert as in a dense block; the router
 and the routed experts stay whole, each TP rank routing its own part of the sequence
@@ -47,6 +47,7 @@ from ..parallel.expert import (
     apply_ep,
     check_expert_split,
     expert_figures,
+    set_expert_dispatch,
     set_token_group,
     shard_experts,
 )
@@ -119,6 +120,7 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     them too); under TP the balance loss's statistics over the whole sequences."""
     p = cfg.parallel
     set_token_group(model, mesh)
+    set_expert_dispatch(model, p.expert_dispatch, p.expert_capacity_factor)
     if p.ep == 1 and p.tp == 1:
         return
     experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode)
@@ -170,7 +172,12 @@ def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
         table[rows] = torch.stack([m.tokens_per_expert for m in moe.moe_layers(s.model)])
     dist.all_reduce(table)  # every rank, also a stage without MoE blocks
     moe.update_expert_bias(s.model, reduce=lambda _: table[rows])  # then zeroed
-    return expert_figures(table[table.sum(1) > 0], step_aux if own else None, s.device)
+    dropped = torch.zeros((), device=s.device)
+    for layer in moe.moe_layers(s.model):
+        dropped += layer.tokens_dropped
+        layer.tokens_dropped.zero_()
+    return expert_figures(table[table.sum(1) > 0], step_aux if own else None, s.device,
+                          dropped)
 
 
 def _moe_block_ids(model) -> list[int]:
