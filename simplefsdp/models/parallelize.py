@@ -134,6 +134,12 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
         # would run eagerly.
         raise_recompile_limits(len(getattr(model, "layers", {})) + 8)
         compile_checkpointed_blocks(model, backend)
+    return compile_model(model, backend, fullgraph)
+
+
+def compile_model(model: nn.Module, backend, fullgraph: bool = True) -> nn.Module:
+    """``torch.compile(model)`` with ``backend``; a model with MoE layers is traced with
+    data-dependent shapes (``_torch_compat.data_dependent_shapes``) on."""
     compiled = torch.compile(model, fullgraph=fullgraph, backend=backend)
     if moe_layers(model):
         # The exact expert dispatch reads its split sizes on the host: traced as unbacked

@@ -330,10 +330,13 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     return _kept.exchange(x, output_splits, input_splits, group)
 
 
-def _source_to_expert_order(received: torch.Tensor, rows: int) -> torch.Tensor:
-    """Row indices that regroup ``rows`` slots laid out by (source rank, local expert) into
-    (local expert, source rank): the grouped matmul wants each expert's rows together. A
-    stable sort of each row's local expert, so a source's rows keep their order."""
+def _source_to_expert_order(received: torch.Tensor, rows: int | None = None
+                            ) -> torch.Tensor:
+    """Row indices that regroup ``rows`` slots (``received``'s sum: pass it when known)
+    laid out by (source rank, local expert) into (local expert, source rank): the grouped
+    matmul wants each expert's rows together. A stable sort of each row's local expert,
+    so a source's rows keep their order."""
+    rows = int(received.sum()) if rows is None else rows
     local_experts = received.shape[1]
     expert = torch.arange(received.numel(), device=received.device) % local_experts
     expert_of_row = torch.repeat_interleave(expert, received.flatten(), output_size=rows)
