@@ -10,7 +10,8 @@ the layout is Hugging Face transformers 5's (Qwen3-MoE, Qwen2-MoE, Mixtral):
   routed SwiGLU experts as 3-D tensors (gate rows first, then up rows);
 * ``shared_expert.{w1,w2,w3}``: an optional always-on SwiGLU (DeepSeek, Qwen2-MoE).
 
-Routing is dropless: every token reaches its ``top_k`` experts, whatever the load.
+Routing is dropless: every token reaches its ``top_k`` experts, whatever the load, unless
+the layer's ``capacity_factor`` is set (the padded dispatch, :func:`padded_experts`).
 Load balancing is ``aux_loss`` (Switch Transformer's loss, scaled by a coefficient; the
 caller adds :func:`aux_loss` to its loss), ``bias`` (DeepSeek-V3's auxiliary-loss-free
 method: a per-expert bias shifts which experts are chosen, not their weights, and
