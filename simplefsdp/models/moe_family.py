@@ -129,17 +129,14 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     shard_experts(model, experts_mesh, **dp_options(cfg))
 
 
-COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its routed "
-                "experts (the tokens per expert, hence the all-to-all splits and the "
-                "per-expert matmuls, are known only at run time) and runs them eagerly; the "
-                "break falls on the call of the blocks (Transformer.run_blocks): the "
-                "embedding is one graph, the norm and output another, and the blocks are "
-                "traced module by module (each block's attention, router, shared expert "
-                "and combine: each in a graph, with its data-parallel collectives, the "
-                "experts' all-gathers and reduce-scatters included); under activation "
-                "checkpointing each block's own call is compiled inside its checkpoint, so "
-                "that its recomputation runs the same graphs")
-# Compiled with graph breaks around the routed experts (COMPILE_NOTE)
+COMPILE_NOTE = ("[simplefsdp] compile: the routed experts are traced into each MoE "
+                "block's graph (the exact dispatch's split sizes as unbacked sizes, its "
+                "all-to-alls as functional collectives; parallel.expert_dispatch = 'padded' "
+                "has static shapes); under selective activation checkpointing a routed "
+                "block's dispatch runs eagerly between its graphs, keeping the token "
+                "exchanges' outputs for the recomputation")
+# Not one graph by force: under selective AC a routed block breaks around its dispatch
+# (COMPILE_NOTE); otherwise nothing breaks.
 FULLGRAPH = False
 SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
                   "each block's compiled graphs whole here, as 'full' (a block's checkpoint "
@@ -149,7 +146,7 @@ SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective
 
 def _parallelize(model, mesh, dims: ParallelDims, cfg: JobConfig):
     """The dense model's parallelisms with expert parallelism before data parallel;
-    compiled with graph breaks around the routed experts (:data:`COMPILE_NOTE`)."""
+    compiled as :data:`COMPILE_NOTE` says."""
     if cfg.compile.enable and dist.get_rank() == 0:
         print(COMPILE_NOTE, flush=True)
         mode = cfg.activation_checkpoint.mode

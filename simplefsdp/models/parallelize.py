@@ -126,7 +126,8 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
                   fullgraph: bool = True) -> nn.Module:
     """``fullgraph = False`` lets the model leave the graph where it must (an MoE's
-    data-dependent expert dispatch); our passes then run on each graph."""
+    routed blocks under selective AC, whose dispatch keeps its exchanges eagerly); our
+    passes then run on each graph."""
     backend = compile_backend_for(mesh, cfg, model)
     if not fullgraph:
         # Traced module by module, each block's frames compile once per block (Dynamo
