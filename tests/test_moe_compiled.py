@@ -193,8 +193,9 @@ def test_padded_experts_by_hand():
 
 
 def test_bad_dispatch_keys_refused():
-    """A capacity factor that is not a finite number > 0, or the padded dispatch on a
-    model without our routed layers, is refused at config load, naming the key."""
+    """A capacity factor that is not a finite number > 0 (inf: the reader's refusal, the
+    others ours), or the padded dispatch on a model without our routed layers, is refused
+    at config load, naming the key."""
     for bad in ("0", "-1", "inf"):
         with pytest.raises(ConfigError, match=r"parallel\.expert_capacity_factor"):
             load_config(None, ["--model.name", "debug_moe", "--parallel.expert_dispatch",

@@ -4,8 +4,6 @@ raises a ConfigError naming the key and the fix."""
 
 from __future__ import annotations
 
-import math
-
 from ..errors import ConfigError, choices, require
 
 
@@ -22,10 +20,10 @@ def check_layout_keys(p) -> None:
 
 
 def check_expert_dispatch(p, family: str) -> None:
-    """``parallel.expert_capacity_factor`` a finite number > 0, and the padded dispatch
-    only for our MoE family (the one whose routed layers honour it)."""
+    """``parallel.expert_capacity_factor`` > 0 (the reader refuses inf and nan), and the
+    padded dispatch only for our MoE family (the one whose routed layers honour it)."""
     factor = p.expert_capacity_factor
-    require(math.isfinite(factor) and factor > 0, "parallel.expert_capacity_factor", factor,
+    require(factor > 0, "parallel.expert_capacity_factor", factor,
             "a finite number > 0 (e.g. 1.25: each expert takes 1.25x an even share of a "
             "rank's routed slots)")
     if p.expert_dispatch == "padded" and family != "moe":
