@@ -30,7 +30,7 @@ from .teardown import destroy_library, release_mesh_groups
 __all__ = [
     "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd",
     "allgather_base", "aot_autograd", "attention_with_lse", "attention_with_lse_backward",
-    "backend_name", "c10d_functional",
+    "backend_name", "c10d_functional", "check_size",
     "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
     "custom_partitioner_base", "data_dependent_shapes", "default_group", "default_store",
     "destroy_library",
@@ -398,6 +398,19 @@ def all_to_all_single(inp: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.wait_tensor(funcol.all_to_all_single(inp, None, None, group))
+
+
+def check_size(size) -> None:
+    """Tell the tracer that ``size`` (an int read from a tensor: unbacked when traced) is a
+    valid size, >= 0; a plain check in eager. checked: 2.13 (``torch._check(size >= 0)``,
+    which replaces the deprecated ``_check_is_size``), 2.11-2.12 (``_check_is_size``)."""
+    if _TORCH_MINOR >= 13:
+        torch._check(size >= 0)
+    else:
+        torch._check_is_size(size)
+
+
+_TORCH_MINOR = int(torch.__version__.split(".")[1])
 
 
 def data_dependent_shapes():

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import all_gather_autograd, grouped_mm, grouped_mm_aligned
+from .._torch_compat import all_gather_autograd, check_size, grouped_mm, grouped_mm_aligned
 from .llama import (
     FeedForward,
     Transformer,
@@ -295,7 +295,7 @@ def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     ``torch._check`` says are sizes adding up to the rows."""
     sizes = counts.tolist()
     for size in sizes:
-        torch._check_is_size(size)
+        check_size(size)
     torch._check(sum(sizes) == x.shape[0])
     return expert_ffn(x, sizes, gate_up, down)
 

@@ -39,7 +39,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import all_to_all_single, all_to_all_single_autograd, flatten_mesh
+from .._torch_compat import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+    check_size,
+    flatten_mesh,
+)
 from .._torch_compat.internals import module_style
 from ..mesh import CP_DIMS, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers, padded_experts
@@ -235,7 +240,7 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     recv = received.sum(1).tolist()
     per_expert = received.sum(0).tolist()
     for size in (*send, *recv, *per_expert):
-        torch._check_is_size(size)
+        check_size(size)
     torch._check(sum(send) == x.shape[0])
     tokens = _exchange(x, recv, send, group)
     torch._check(sum(per_expert) == tokens.shape[0])
