@@ -104,7 +104,6 @@ def _variant(rank: int, world: int, compiled: bool, factor: float | None) -> dic
         counters = dynamo_counters()
         out.update(breaks=dict(counters["graph_break"]),
                    graphs=(graphs_after_first, counters["stats"]["unique_graphs"]),
-                   recompiles=sum(counters["recompiles"].values()),
                    all_to_alls={r.graph: 0 for r in backend.reports})
         for report in backend.reports:
             out["all_to_alls"][report.graph] += report.all_to_alls
@@ -133,7 +132,6 @@ def test_compiled_exact_dispatch_one_graph_no_recompile(runs):
     for rank in runs:
         compiled = rank["compiled"]
         assert compiled["breaks"] == {}
-        assert compiled["recompiles"] == 0
         first, last = compiled["graphs"]
         assert first == last >= 1
         assert compiled["losses"] == rank["eager"]["losses"]
@@ -171,7 +169,9 @@ def test_padded_drops_match_hand_count(runs):
         assert all(n > 0 for n in eager["dropped"])
         # the first step's routing is the same weights' on the same tokens: same drops
         assert compiled["dropped"][0] == eager["dropped"][0]
-        assert compiled["breaks"] == {} and compiled["recompiles"] == 0
+        assert compiled["breaks"] == {}
+        first, last = compiled["graphs"]
+        assert first == last >= 1
         assert compiled["losses"] == eager["losses"]
         assert eager["losses"][0] != rank["eager"]["losses"][0]
 
