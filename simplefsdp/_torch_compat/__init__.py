@@ -26,12 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .teardown import destroy_library, release_mesh_groups
+from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 
 __all__ = [
-    "all_gather_autograd", "all_to_all_single_autograd", "allgather_base", "aot_autograd",
-    "attention_with_lse", "attention_with_lse_backward", "backend_name", "c10d_functional",
-    "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
-    "custom_partitioner_base", "default_group", "default_store", "destroy_library",
+    "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd",
+    "allgather_base", "aot_autograd", "attention_with_lse", "attention_with_lse_backward",
+    "backend_name", "c10d_functional", "check_size", "check_that", "checkpoint_wrapper",
+    "compile_fx", "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
+    "data_dependent_shapes", "default_group", "default_store", "destroy_library",
     "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
     "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",

@@ -43,7 +43,7 @@ from .._torch_compat import (
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
 from . import auto_wrap, cost, manual_wrap, plan_cache, recompute
-from .collectives import find_collectives, is_backward, other_collectives
+from .collectives import all_to_alls, find_collectives, is_backward, other_collectives
 from .greedy import Decision
 from .passes import apply_passes
 from .simulate import Estimate
@@ -64,6 +64,7 @@ class GraphReport:
     collectives_before: dict[str, int]
     collectives_after: dict[str, int] = field(default_factory=dict)
     other_collectives: int = 0  # not data-parallel (TP/SP, user): left in place
+    all_to_alls: int = 0  # exchanges (expert dispatch, Ulysses): left in place
     buckets: list[dict] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -251,7 +252,8 @@ class SimpleFSDPBackend:
         backward = is_backward(graph)
         collectives = find_collectives(graph)
         report = GraphReport("backward" if backward else "forward", _count(collectives),
-                             other_collectives=other_collectives(graph))
+                             other_collectives=other_collectives(graph),
+                             all_to_alls=len(all_to_alls(graph)))
         if self.bucketing == "manual":
             plan = self.module_plan
             if plan is None:  # derived from this graph's own collectives

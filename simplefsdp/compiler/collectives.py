@@ -154,6 +154,13 @@ def other_collectives(graph: fx.Graph) -> int:
                and not is_data_parallel(n))
 
 
+def all_to_alls(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's all-to-all starts (expert dispatch, Ulysses): left in place by bucketing
+    and reordering (which move only data-parallel collectives, each kind in its order, so
+    an exchange keeps its place among the others on every rank), counted for reports."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_TO_ALL]
+
+
 def find_collectives(graph: fx.Graph) -> list[Collective]:
     """Every data-parallel collective start node with exactly one wait, in graph order."""
     found = []

@@ -31,7 +31,7 @@ from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from ..reshard_group import check_config as check_reshard_config
 from .float8 import Float8Config, check_float8
-from .keys import check_data, check_hf_balance, check_layout_keys
+from .keys import check_data, check_expert_dispatch, check_hf_balance, check_layout_keys
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -187,6 +187,14 @@ class ParallelConfig:
     # expert-parallel ranks (MoE models), dividing model.num_experts and the ranks their
     # groups come out of: dp_shard x cp x tp (dp_replicate where those are 1)
     ep: int = 1
+    # How MoE layers send tokens to their experts (also with ep = 1). "exact": every routed
+    # slot, uneven split sizes known at run time (unbacked sizes under torch.compile).
+    # "padded": each rank sends every expert exactly C rows, C = ceil(expert_capacity_factor
+    # x its routed slots / model.num_experts); an expert's slots beyond C are dropped (their
+    # routed output is 0) and counted in metrics.csv's tokens_dropped. Static shapes.
+    expert_dispatch: Literal["exact", "padded"] = "exact"
+    # The padded dispatch's capacity over an even share (> 0; num_experts drops nothing).
+    expert_capacity_factor: float = 1.25
     # fully_shard: FSDP over dp_shard; hybrid_shard: HSDP, shards over dp_shard and
     # replicas over dp_replicate; replicate: DDP over dp_replicate.
     dp_mode: Mode = "fully_shard"
@@ -412,6 +420,7 @@ class JobConfig:
                               f"model.family = {family.name!r} (model.name = "
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
+        check_expert_dispatch(p, family.name)
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)

@@ -19,6 +19,19 @@ def check_layout_keys(p) -> None:
                           f"choose 'auto' or one of {choices(GPU_PROFILES)}")
 
 
+def check_expert_dispatch(p, family: str) -> None:
+    """``parallel.expert_capacity_factor`` > 0 (the reader refuses inf and nan), and the
+    padded dispatch only for our MoE family (the one whose routed layers honour it)."""
+    factor = p.expert_capacity_factor
+    require(factor > 0, "parallel.expert_capacity_factor", factor,
+            "a finite number > 0 (e.g. 1.25: each expert takes 1.25x an even share of a "
+            "rank's routed slots)")
+    if p.expert_dispatch == "padded" and family != "moe":
+        raise ConfigError(f"parallel.expert_dispatch = 'padded' needs model.family = 'moe' "
+                          f"(our MoE presets), but model.family = {family!r}: set "
+                          f"parallel.expert_dispatch = 'exact'")
+
+
 def check_hf_balance(m) -> None:
     """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
     ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss

@@ -10,7 +10,8 @@ the layout is Hugging Face transformers 5's (Qwen3-MoE, Qwen2-MoE, Mixtral):
   routed SwiGLU experts as 3-D tensors (gate rows first, then up rows);
 * ``shared_expert.{w1,w2,w3}``: an optional always-on SwiGLU (DeepSeek, Qwen2-MoE).
 
-Routing is dropless: every token reaches its ``top_k`` experts, whatever the load.
+Routing is dropless: every token reaches its ``top_k`` experts, whatever the load, unless
+the layer's ``capacity_factor`` is set (the padded dispatch, :func:`padded_experts`).
 Load balancing is ``aux_loss`` (Switch Transformer's loss, scaled by a coefficient; the
 caller adds :func:`aux_loss` to its loss), ``bias`` (DeepSeek-V3's auxiliary-loss-free
 method: a per-expert bias shifts which experts are chosen, not their weights, and
@@ -24,6 +25,8 @@ router, the token order and the combine below stay as they are.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import all_gather_autograd, grouped_mm, grouped_mm_aligned
+from .._torch_compat import (
+    all_gather_autograd,
+    check_size,
+    check_that,
+    grouped_mm,
+    grouped_mm_aligned,
+)
 from .llama import (
     FeedForward,
     Transformer,
@@ -41,6 +50,8 @@ from .llama import (
 from .mla import MLAArgs
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# The MoE layers' per-step counter buffers (summed after each step, kept around validation).
+COUNTERS = ("tokens_per_expert", "tokens_dropped")
 LOAD_BALANCE = ("aux_loss", "bias", "none")
 
 
@@ -181,8 +192,12 @@ def expert_ffn(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
     of ``x`` go through expert ``e`` of ``gate_up [E, 2I, dim]`` / ``down [E, dim, I]``.
 
     One grouped matmul per projection where torch has one for this device and dtype
-    (``_torch_compat.grouped_mm``) and the shapes are aligned for it; a loop otherwise."""
-    mm = grouped_mm(x.device, x.dtype)
+    (``_torch_compat.grouped_mm``) and the shapes are aligned for it; a loop otherwise
+    (also when traced in another dtype than bfloat16)."""
+    # Traced, only bfloat16: torch's fake kernel of the grouped matmul takes no other dtype
+    # (the loop then, as in eager where the grouped matmul does not run).
+    traced = torch.compiler.is_compiling()
+    mm = None if traced and x.dtype != torch.bfloat16 else grouped_mm(x.device, x.dtype)
     gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
     if mm is not None and x.shape[0] and grouped_mm_aligned(x, gate_up_t, down_t):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
@@ -211,6 +226,52 @@ def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
 
+def expert_capacity(slots: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows each rank sends to each expert under the padded dispatch: the capacity factor
+    times an even share of its ``slots`` (``ceil``), at least 1."""
+    return max(1, math.ceil(capacity_factor * slots / num_experts))
+
+
+def padded_experts(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, capacity: int, ep: int = 1,
+                   exchange=None) -> torch.Tensor:
+    """The padded (static-shape) dispatch: every rank sends each global expert exactly
+    ``capacity`` rows, its first ``capacity`` slots for that expert (in ``x``'s order)
+    and zero rows after them; the slots beyond are dropped (their output is 0).
+    ``exchange(rows)``: an even all-to-all over the ``ep`` ranks holding the experts
+    (``parallel/expert.py``; None with ``ep = 1``: every expert here). Both exchanges move
+    ``E x capacity`` rows, so every shape is known when tracing."""
+    experts, dim = counts.numel(), x.shape[1]
+    slot = _padded_slots(counts, x.shape[0], capacity)  # E * capacity: dropped
+    send = x.new_zeros(experts * capacity + 1, dim).index_add(0, slot, x)[:-1]
+    local = experts // ep
+    rows = send if exchange is None else exchange(send)
+    # (source, local expert, capacity) -> (local expert, source, capacity)
+    rows = rows.view(ep, local, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    out = expert_ffn(rows, [ep * capacity] * local, gate_up, down)
+    out = out.view(local, ep, capacity, dim).transpose(0, 1).reshape(-1, dim)
+    back = out if exchange is None else exchange(out)
+    return torch.cat([back, back.new_zeros(1, dim)])[slot]
+
+
+def _padded_slots(counts: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
+    """For each of ``slots`` rows grouped by expert (``counts`` per expert), its row in
+    the padded layout ``expert * capacity + position``, or ``E * capacity`` (a discarded
+    row) where its position in its expert reaches ``capacity``."""
+    experts = counts.numel()
+    expert_of_row = torch.repeat_interleave(torch.arange(experts, device=counts.device),
+                                            counts, output_size=slots)
+    starts = counts.cumsum(0) - counts
+    position = torch.arange(slots, device=counts.device) - starts[expert_of_row]
+    return torch.where(position < capacity, expert_of_row * capacity + position,
+                       experts * capacity)
+
+
+def dropped_slots(counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Slots the padded dispatch drops on this rank: each expert's beyond ``capacity``."""
+    return (counts - capacity).clamp(min=0).sum()
+
+
 class Experts(nn.Module):
     """The routed experts as two 3-D parameters (Hugging Face transformers 5's layout)."""
 
@@ -219,9 +280,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
         """``x`` (slots, dim) grouped by expert, ``counts`` (E,) slots per expert ->
-        each slot through its expert, same order."""
+        each slot through its expert, same order; ``capacity``: :func:`padded_experts`'s
+        rows per expert (None: every slot, exact)."""
+        if capacity is not None:
+            return padded_experts(x, counts, self.gate_up_proj, self.down_proj, capacity)
         return _routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
 
     def init_weights(self, init_std: float) -> None:
@@ -229,13 +294,16 @@ class Experts(nn.Module):
         _trunc_normal(self.down_proj, init_std)
 
 
-@torch.compiler.disable
 def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
-    """:func:`expert_ffn` with the counts read on the host. Under ``torch.compile`` this
-    runs eagerly between two graphs (the rows per expert are data-dependent); the weights
-    are read before the call, so their data-parallel gathers stay in the graph."""
-    return expert_ffn(x, counts.tolist(), gate_up, down)
+    """:func:`expert_ffn` with the counts read on the host: under ``torch.compile`` (with
+    ``_torch_compat.data_dependent_shapes``, set by our compile path) unbacked sizes, which
+    ``check_size``/``check_that`` say are sizes adding up to the rows."""
+    sizes = counts.tolist()
+    for size in sizes:
+        check_size(size)
+    check_that(sum(sizes) == x.shape[0])
+    return expert_ffn(x, sizes, gate_up, down)
 
 
 class MoE(nn.Module):
@@ -255,6 +323,10 @@ class MoE(nn.Module):
                               if args.shared_hidden_dim else None)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts),
                              persistent=False)
+        # The padded dispatch (``parallel.expert.set_expert_dispatch``): each expert takes
+        # at most ``expert_capacity`` slots of a call, the rest are dropped and counted.
+        self.capacity_factor: float | None = None  # None: dropless (exact)
+        self.register_buffer("tokens_dropped", torch.zeros(()), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         # Context (and tensor) parallelism: the ranks holding the other parts of these
         # sequences; the balance loss's statistics are over all of them (set by
@@ -272,12 +344,19 @@ class MoE(nn.Module):
         flat = ids.flatten()
         counts = torch.zeros(self.num_experts, dtype=flat.dtype, device=flat.device
                              ).index_add_(0, flat, torch.ones_like(flat))
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(flat.numel(), self.num_experts, self.capacity_factor)
         with torch.no_grad():
             self.tokens_per_expert += counts
+            if capacity is not None:
+                self.tokens_dropped += dropped_slots(counts, capacity)
         if self.load_balance == "aux_loss":
             self.aux_loss = switch_aux_loss(scores, counts, self.score_func, self.token_group,
                                             self.loss_copies)
-        out = routed_combine(x, weights, ids, counts, self.experts).view(shape)
+        experts = self.experts if capacity is None else functools.partial(
+            self.experts, capacity=capacity)
+        out = routed_combine(x, weights, ids, counts, experts).view(shape)
         if self.shared_expert is not None:  # on (batch, seq, dim): TP gathers the sequence
             out = out + self.shared_expert(seqs)
         return out
@@ -288,6 +367,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std)
         self.tokens_per_expert.zero_()
+        self.tokens_dropped.zero_()
 
 
 def switch_aux_loss(scores: torch.Tensor, counts: torch.Tensor, score_func: str,

@@ -13,8 +13,8 @@ the ``MoETransformer`` and three additions.
   data-parallel ranks, moves the bias (``load_balance = "bias"``) and reports the step's
   figures (``metrics.csv``): ``aux_loss`` (coefficient applied, token-weighted over the
   ranks as the loss is), ``expert_load_max_mean`` (the busiest expert's slots over the
-  mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (0: routing is
-  dropless, every slot reaches its expert).
+  mean per expert, worst layer; 1 is balanced), ``tokens_dropped`` (routed slots the
+  padded dispatch dropped, ``parallel.expert_dispatch = "padded"``; 0 when exact).
 
 Tensor parallelism splits attention and the shared expert as in a dense block; the router
 and the routed experts stay whole, each TP rank routing its own part of the sequence
@@ -47,6 +47,7 @@ from ..parallel.expert import (
     apply_ep,
     check_expert_split,
     expert_figures,
+    set_expert_dispatch,
     set_token_group,
     shard_experts,
 )
@@ -119,6 +120,7 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     them too); under TP the balance loss's statistics over the whole sequences."""
     p = cfg.parallel
     set_token_group(model, mesh)
+    set_expert_dispatch(model, p.expert_dispatch, p.expert_capacity_factor)
     if p.ep == 1 and p.tp == 1:
         return
     experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode)
@@ -127,17 +129,14 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     shard_experts(model, experts_mesh, **dp_options(cfg))
 
 
-COMPILE_NOTE = ("[simplefsdp] compile: each MoE block leaves the graph for its routed "
-                "experts (the tokens per expert, hence the all-to-all splits and the "
-                "per-expert matmuls, are known only at run time) and runs them eagerly; the "
-                "break falls on the call of the blocks (Transformer.run_blocks): the "
-                "embedding is one graph, the norm and output another, and the blocks are "
-                "traced module by module (each block's attention, router, shared expert "
-                "and combine: each in a graph, with its data-parallel collectives, the "
-                "experts' all-gathers and reduce-scatters included); under activation "
-                "checkpointing each block's own call is compiled inside its checkpoint, so "
-                "that its recomputation runs the same graphs")
-# Compiled with graph breaks around the routed experts (COMPILE_NOTE)
+COMPILE_NOTE = ("[simplefsdp] compile: the routed experts are traced into each MoE "
+                "block's graph (the exact dispatch's split sizes as unbacked sizes, its "
+                "all-to-alls as functional collectives; parallel.expert_dispatch = 'padded' "
+                "has static shapes); under selective activation checkpointing a routed "
+                "block's dispatch runs eagerly between its graphs, keeping the token "
+                "exchanges' outputs for the recomputation")
+# Not one graph by force: under selective AC a routed block breaks around its dispatch
+# (COMPILE_NOTE); otherwise nothing breaks.
 FULLGRAPH = False
 SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
                   "each block's compiled graphs whole here, as 'full' (a block's checkpoint "
@@ -147,7 +146,7 @@ SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective
 
 def _parallelize(model, mesh, dims: ParallelDims, cfg: JobConfig):
     """The dense model's parallelisms with expert parallelism before data parallel;
-    compiled with graph breaks around the routed experts (:data:`COMPILE_NOTE`)."""
+    compiled as :data:`COMPILE_NOTE` says."""
     if cfg.compile.enable and dist.get_rank() == 0:
         print(COMPILE_NOTE, flush=True)
         mode = cfg.activation_checkpoint.mode
@@ -170,7 +169,12 @@ def _after_step(s, step_aux: torch.Tensor | None) -> dict[str, float]:
         table[rows] = torch.stack([m.tokens_per_expert for m in moe.moe_layers(s.model)])
     dist.all_reduce(table)  # every rank, also a stage without MoE blocks
     moe.update_expert_bias(s.model, reduce=lambda _: table[rows])  # then zeroed
-    return expert_figures(table[table.sum(1) > 0], step_aux if own else None, s.device)
+    dropped = torch.zeros((), device=s.device)
+    for layer in moe.moe_layers(s.model):
+        dropped += layer.tokens_dropped
+        layer.tokens_dropped.zero_()
+    return expert_figures(table[table.sum(1) > 0], step_aux if own else None, s.device,
+                          dropped)
 
 
 def _moe_block_ids(model) -> list[int]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fnmatch
+import functools
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import simplefsdp
 
-from .._torch_compat import raise_recompile_limits
+from .._torch_compat import data_dependent_shapes, raise_recompile_limits
 from ..compiler.cost.state import optimizer_state_bytes
 from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
 from ..errors import ConfigError
@@ -51,6 +52,7 @@ from ..parallel.tensor import apply_tp
 from ..state_dict import unwrapped_name
 from .llama import Transformer
 from .lora import apply_lora
+from .moe import moe_layers
 
 
 def dp_options(cfg: JobConfig) -> dict:
@@ -124,7 +126,8 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
                   fullgraph: bool = True) -> nn.Module:
     """``fullgraph = False`` lets the model leave the graph where it must (an MoE's
-    data-dependent expert dispatch); our passes then run on each graph."""
+    routed blocks under selective AC, whose dispatch keeps its exchanges eagerly); our
+    passes then run on each graph."""
     backend = compile_backend_for(mesh, cfg, model)
     if not fullgraph:
         # Traced module by module, each block's frames compile once per block (Dynamo
@@ -132,7 +135,28 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
         # would run eagerly.
         raise_recompile_limits(len(getattr(model, "layers", {})) + 8)
         compile_checkpointed_blocks(model, backend)
-    return torch.compile(model, fullgraph=fullgraph, backend=backend)
+    return compile_model(model, backend, fullgraph)
+
+
+def compile_model(model: nn.Module, backend, fullgraph: bool = True) -> nn.Module:
+    """``torch.compile(model)`` with ``backend``; a model with MoE layers is traced with
+    data-dependent shapes (``_torch_compat.data_dependent_shapes``) on."""
+    compiled = torch.compile(model, fullgraph=fullgraph, backend=backend)
+    if moe_layers(model):
+        # The exact expert dispatch reads its split sizes on the host: traced as unbacked
+        # sizes. Set only while this model's frames are traced (its forward), not globally.
+        compiled.forward = _traced_with(data_dependent_shapes, compiled.forward)
+    return compiled
+
+
+def _traced_with(context, forward):
+    """``forward`` run inside ``context()`` (a Dynamo config patch: tracing happens in the
+    first calls, and in any recompilation)."""
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with context():
+            return forward(*args, **kwargs)
+    return run
 
 
 def apply_float8(model: nn.Module, cfg: JobConfig) -> None:

@@ -31,6 +31,7 @@ experts (``models.moe.expert_ffn``: grouped matmuls or a loop) and sent back.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -38,10 +39,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .._torch_compat import all_to_all_single_autograd, flatten_mesh
+from .._torch_compat import (
+    all_to_all_single,
+    all_to_all_single_autograd,
+    check_size,
+    check_that,
+    flatten_mesh,
+)
 from .._torch_compat.internals import module_style
 from ..mesh import CP_DIMS, local_shard
-from ..models.moe import MoE, expert_ffn, moe_layers
+from ..models.moe import MoE, expert_ffn, moe_layers, padded_experts
 from ..module_swap import derived_class
 
 
@@ -81,6 +88,14 @@ def split_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         local = distribute_tensor(param.detach(), ep_mesh, (Shard(0),), src_data_rank=src)
         experts._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
     experts._sf_ep_group = ep_mesh.get_group()
+
+
+def set_expert_dispatch(model: nn.Module, dispatch: str, capacity_factor: float) -> None:
+    """Every MoE layer of ``model`` dispatches ``"exact"`` (dropless, uneven splits) or
+    ``"padded"`` (each expert takes ``models.moe.expert_capacity`` slots per rank and call,
+    the rest dropped and counted in its ``tokens_dropped``; static shapes)."""
+    for layer in moe_layers(model):
+        layer.capacity_factor = capacity_factor if dispatch == "padded" else None
 
 
 def shard_experts(model: nn.Module, experts_mesh: DeviceMesh, **data_parallel_kwargs) -> None:
@@ -185,44 +200,71 @@ class ExpertParallelExperts(nn.Module):
 
     _sf_ep_group: dist.ProcessGroup
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
         """``x`` (slots, dim) grouped by global expert, ``counts`` (E,) -> the slots
-        through their experts, same order."""
-        return ep_forward(self, x, counts)
+        through their experts, same order; ``capacity``: the padded dispatch's rows per
+        expert and rank (``models.moe.padded_experts``), None: exact."""
+        return ep_forward(self, x, counts, capacity)
 
 
-def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
+               capacity: int | None = None) -> torch.Tensor:
     """The forward of an experts module split by :func:`split_experts`: ``x`` (slots,
     dim) grouped by global expert, ``counts`` (E,) -> the slots through their experts.
     The weights are read here (their data-parallel gathers) and exchanged in
-    :func:`_dispatch`."""
-    return _dispatch(x, counts, local_shard(experts.gate_up_proj), local_shard(experts.down_proj),
-                     experts._sf_ep_group)
+    :func:`_dispatch` (exact) or ``models.moe.padded_experts`` (``capacity`` rows per expert)."""
+    gate_up, down = local_shard(experts.gate_up_proj), local_shard(experts.down_proj)
+    if capacity is not None:
+        group = experts._sf_ep_group
+        return padded_experts(x, counts, gate_up, down, capacity, dist.get_world_size(group),
+                              functools.partial(_exchange_even, group=group))
+    if _kept is not None:  # selective AC around compiled frames: the kept exchanges
+        return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group)
+    return _dispatch(x, counts, gate_up, down, experts._sf_ep_group)
+
+
+def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The exact exchange and the local experts (``gate_up``/``down``: this rank's experts).
+
+    Traceable: under ``torch.compile`` (with ``_torch_compat.data_dependent_shapes``, which
+    our compile path sets) the split sizes read on the host become unbacked sizes, and both
+    exchanges are functional collectives, nodes of the block's graph. ``check_that``
+    tells the tracer what the data guarantees: every size is a size, and the splits add up
+    to the rows they split."""
+    ep = dist.get_world_size(group)
+    local_experts = counts.numel() // ep
+    # received[s, e]: slots rank s sends to our local expert e (a static-shape exchange).
+    received = all_to_all_single(counts, group).view(ep, local_experts)
+    send = counts.view(ep, local_experts).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    per_expert = received.sum(0).tolist()
+    for size in (*send, *recv, *per_expert):
+        check_size(size)
+    check_that(sum(send) == x.shape[0])
+    tokens = _exchange(x, recv, send, group)
+    check_that(sum(per_expert) == tokens.shape[0])
+    check_that(sum(recv) == tokens.shape[0])
+    by_expert = _source_to_expert_order(received, tokens.shape[0])
+    out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
+    return _exchange(out[by_expert.argsort()], send, recv, group)
 
 
 @torch.compiler.disable
-def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The exchange and the local experts (``gate_up``/``down``: this rank's experts).
+def _dispatch_kept(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`_dispatch` while a checkpoint keeps the token exchanges
+    (:func:`keep_exchanges`, selective AC of a compiled model's routed blocks): it reads
+    and appends to Python state that a graph cannot replay, so it runs eagerly here."""
+    return _dispatch(x, counts, gate_up, down, group)
 
-    Under ``torch.compile`` this runs eagerly between two graphs: the split sizes are
-    data-dependent (read on the host), so the all-to-alls never enter a graph and our
-    bucketing never sees them; the expert weights are read before the call, so their
-    data-parallel all-gathers (on the experts' mesh) stay in the graph."""
-    ep = dist.get_world_size(group)
-    local_experts = counts.numel() // ep
-    # received[s, e]: slots rank s sends to our local expert e.
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    received = received.view(ep, local_experts)
-    send = counts.view(ep, local_experts).sum(1).tolist()
-    recv = received.sum(1).tolist()
-    tokens = _exchange(x, recv, send, group)
-    by_expert = _source_to_expert_order(received)
-    out = expert_ffn(tokens[by_expert], received.sum(0).tolist(), gate_up, down)
-    back = torch.empty_like(by_expert)
-    back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-    return _exchange(out[back], send, recv, group)
+
+def _exchange_even(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """An even, differentiable all-to-all of rows (the padded dispatch's)."""
+    rows = x.shape[0] // dist.get_world_size(group)
+    splits = [rows] * dist.get_world_size(group)
+    return all_to_all_single_autograd(x, splits, splits, group, wait=True)
 
 
 class _KeptExchanges:
@@ -294,22 +336,22 @@ def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int]
     return _kept.exchange(x, output_splits, input_splits, group)
 
 
-def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
-    """Row indices that regroup slots laid out by (source rank, local expert) into
-    (local expert, source rank): the grouped matmul wants each expert's rows together."""
-    sizes = received.flatten()
-    starts = sizes.cumsum(0) - sizes  # where each (source, expert) run starts
-    runs = torch.arange(sizes.numel(), device=sizes.device).view_as(received).t().flatten()
-    lengths, run_starts = sizes[runs], starts[runs]
-    first = lengths.cumsum(0) - lengths  # where each run lands in expert order
-    total = int(lengths.sum())
-    return (torch.repeat_interleave(run_starts - first, lengths)
-            + torch.arange(total, device=sizes.device))
+def _source_to_expert_order(received: torch.Tensor, rows: int | None = None
+                            ) -> torch.Tensor:
+    """Row indices that regroup ``rows`` slots (``received``'s sum: pass it when known)
+    laid out by (source rank, local expert) into (local expert, source rank): the grouped
+    matmul wants each expert's rows together. A stable sort of each row's local expert,
+    so a source's rows keep their order."""
+    rows = int(received.sum()) if rows is None else rows
+    local_experts = received.shape[1]
+    expert = torch.arange(received.numel(), device=received.device) % local_experts
+    expert_of_row = torch.repeat_interleave(expert, received.flatten(), output_size=rows)
+    return expert_of_row.argsort(stable=True)
 
 
 __all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_expert_split",
            "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
-           "set_token_group", "shard_experts", "split_experts"]
+           "set_expert_dispatch", "set_token_group", "shard_experts", "split_experts"]
 
 
 # A mixture of experts' figures per step (our MoE and Hugging Face MoE folders):
@@ -318,16 +360,21 @@ MOE_COLUMNS = ("aux_loss", "expert_load_max_mean", "tokens_dropped")
 
 
 def expert_figures(loads: torch.Tensor, step_aux: torch.Tensor | None,
-                   device: torch.device) -> dict[str, float]:
+                   device: torch.device, dropped: torch.Tensor | None = None
+                   ) -> dict[str, float]:
     """A mixture of experts' step figures (:data:`MOE_COLUMNS`): ``aux_loss``, the
     balance loss added to the step's loss (coefficient applied; ``step_aux`` is this
     rank's token-weighted share, summed here over every rank: an all-reduce; None: 0),
     ``expert_load_max_mean``, the busiest expert's slots over the mean per expert in the
     worst layer (``loads``: (layers, E) slots per expert, already summed over the ranks;
-    1 is balanced), and ``tokens_dropped``, 0 (dropless routing)."""
+    1 is balanced), and ``tokens_dropped``, the routed slots the padded dispatch dropped
+    (``dropped``: this rank's, summed here over every rank; None: 0, dropless routing)."""
     aux = torch.zeros((), device=device) if step_aux is None else step_aux.clone()
-    dist.all_reduce(aux)
+    own_dropped = torch.zeros((), device=device) if dropped is None else dropped
+    sums = torch.stack([aux.reshape(()), own_dropped.to(aux.dtype).reshape(())])
+    dist.all_reduce(sums)
+    aux, total_dropped = sums[0], sums[1]
     ratio = (loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max() if loads.numel() \
         else torch.ones(())
     return {"aux_loss": float(aux), "expert_load_max_mean": float(ratio),
-            "tokens_dropped": 0.0}
+            "tokens_dropped": float(total_dropped)}

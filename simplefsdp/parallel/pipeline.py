@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config.shapes import check_pipeline
 from ..mesh import ParallelDims
 from ..models.llama import Transformer
+from ..models.moe import COUNTERS
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
@@ -113,7 +114,7 @@ class AuxLossStage(nn.Module):
         return _CarryAux.apply(out, aux)
 
     def _counters(self) -> list[torch.Tensor]:
-        return [b for n, b in self.stage.named_buffers() if n.endswith("tokens_per_expert")]
+        return [b for n, b in self.stage.named_buffers() if n.endswith(COUNTERS)]
 
     def take_aux(self) -> torch.Tensor | None:
         """The summed ``aux * weight`` of the forwards since the last call, then reset."""

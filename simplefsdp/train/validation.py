@@ -34,6 +34,7 @@ from torch import nn
 
 from ..corpus.text import gather_windows
 from ..errors import ConfigError
+from ..models.moe import COUNTERS
 from ..parallel.context import cp_batches
 from ..parallel.pipeline import aux_loss_stage
 from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
@@ -162,7 +163,7 @@ def _eval_mode(model: nn.Module):
 def _kept_counters(model: nn.Module):
     """The experts' load counters saved and put back: held-out tokens are no training
     step's load (the bias update and the expert-load column read them)."""
-    buffers = [b for n, b in model.named_buffers() if n.endswith("tokens_per_expert")]
+    buffers = [b for n, b in model.named_buffers() if n.endswith(COUNTERS)]
     saved = [b.clone() for b in buffers]
     loads = [(m, m._sf_load) for m in model.modules() if hasattr(m, "_sf_load")]
     try:
