@@ -644,3 +644,56 @@ def test_float8_gather_with_gradient_sync_off_equals_sync_on():
             torch.testing.assert_close(off[name], grad, rtol=0, atol=SYNC_TOL, msg=name)
         # the reduce-scatters of one micro-step, issued once instead of MICRO times
         assert on_scatters == MICRO * off_scatters > 0, (on_scatters, off_scatters)
+
+
+# ------------------------------------------------------------ selective AC with float8
+class _ScaledMmCount(TorchDispatchMode):
+    """Counts ``aten._scaled_mm`` calls (float8 matmuls) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten._scaled_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def _float8_block_step(ac: str) -> tuple[float, dict, int, int]:
+    """One process: a 2-block Llama converted to float8 (tensorwise), one forward and
+    backward under ``ac``; (loss, gradients, float8 matmuls in forward, in backward)."""
+    from simplefsdp.models.llama import ModelArgs, Transformer
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  vocab_size=64, multiple_of=16, max_seq_len=16))
+    sf.convert_to_float8(model, recipe="tensorwise")
+    apply_ac(model, ac)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    with _ScaledMmCount() as forward:
+        logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    with _ScaledMmCount() as backward:
+        loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+             for n, p in model.named_parameters()}  # the names without AC's wrapper
+    return loss.item(), grads, forward.calls, backward.calls
+
+
+def test_selective_ac_keeps_every_other_float8_matmul():
+    """Selective AC counts a float8 linear's ``_scaled_mm`` as the matmul it is: each
+    block keeps wq, wv, w1, w2's outputs and recomputes wk, wo, w3 (its 2nd, 4th and 6th
+    of 7), as for high-precision ``mm``; before, no ``_scaled_mm`` output was kept and
+    all 7 ran again. Counted: the backward's float8 matmuls beyond the run without AC
+    (2 per linear: dX and dW) are the recomputed ones, 3 a block x 2 blocks; full AC
+    recomputes all 7. Recomputation repeats the same ops: bitwise the same loss and
+    gradients."""
+    loss, grads, forward, backward = _float8_block_step("none")
+    assert forward == 2 * 7  # the output head stays high precision
+    assert backward == 2 * forward
+    for ac, recomputed in (("selective", 2 * 3), ("full", 2 * 7)):
+        ac_loss, ac_grads, ac_forward, ac_backward = _float8_block_step(ac)
+        assert (ac_forward, ac_backward - backward) == (forward, recomputed), ac
+        assert ac_loss == loss and grads.keys() == ac_grads.keys()
+        assert all(torch.equal(grads[n], ac_grads[n]) for n in grads), ac
