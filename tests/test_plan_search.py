@@ -116,7 +116,27 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     return ({k: [r.to_dict() for r in v] for k, v in rows.items()},
             {"pruned": pruned_stats, "full": full_stats, "keep3": keep3_stats,
              "workers": workers_stats}, bounds, traces,
-            _comm_bound(cfg, dev, next(r for r in full if r.tp == r.pp == 1)))
+            _comm_bound(cfg, dev, next(r for r in full if r.tp == r.pp == 1)),
+            _knob_rows_keep(cfg, gpus, per_node))
+
+
+def _knob_rows_keep(cfg, gpus, per_node) -> dict:
+    """``--tradeoffs`` with ``keep = 1`` against the exhaustive search, with gradient
+    accumulation (each layout without PP gets a gradient-sync row), on the traces made."""
+    import copy
+
+    from simplefsdp.plan.search import search
+    from simplefsdp.plan.trace import trace
+
+    accum = copy.deepcopy(cfg)
+    accum.training.grad_accum_steps = 2
+    before = trace.cache_info().misses
+    stats = {"pruned": {}, "full": {}}
+    rows = {name: search(accum, gpus, "h100-sxm", per_node, keep=keep, stats=stats[name],
+                         tradeoffs_rows=True)
+            for name, keep in (("pruned", 1), ("full", 0))}
+    return {"rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}, "stats": stats,
+            "new_traces": trace.cache_info().misses - before}
 
 
 def _comm_bound(cfg, dev, row) -> dict:
@@ -155,7 +175,7 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
     (the CLI's default) gives its first 3 rows; the bound holds for every layout
     predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
     under PP) trace them once."""
-    rows, stats, bounds, traces, _ = searches
+    rows, stats, bounds, traces, _, _ = searches
     pruned, full, keep3 = rows["pruned"], rows["full"], rows["keep3"]
     pruned_stats, full_stats, keep3_stats = stats["pruned"], stats["full"], stats["keep3"]
     # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
@@ -187,6 +207,18 @@ def test_speed_bound_counts_the_data_parallel_communication(searches):
     assert comm["predicted"] <= comm["with_floor"], comm
 
 
+def test_knob_rows_keep_the_best_row_exact(searches):
+    """With the knob rows (``--tradeoffs``, what ``layout = "auto"`` searches) the pruned
+    search's best row, knob or not, is the exhaustive one's, and fitting knob rows raise
+    the bar: fewer rows predicted."""
+    got = searches[5]
+    pruned, full = got["rows"]["pruned"], got["rows"]["full"]
+    assert got["new_traces"] == 0
+    assert any(r["knobs"] == "sync=last" for r in full), full
+    assert pruned[0] == full[0] and full[0]["fits"]
+    assert len(pruned) < len(full) and got["stats"]["pruned"]["bound"] > 0
+
+
 def test_keep_bar_is_the_kth_best_fitting_speed():
     """The bar ``--keep K`` prunes by: the K-th best tokens/s added so far (0 until K
     rows fit), so a layout whose bound beats the K-th best is still predicted."""
@@ -210,7 +242,7 @@ def test_keep_bar_is_the_kth_best_fitting_speed():
 def test_search_workers_split_by_tp(searches):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
     best row as one process, and report their traces."""
-    rows, stats, _, _, _ = searches
+    rows, stats, _, _, _, _ = searches
     assert rows["pruned"][0] == rows["workers"][0]
     assert stats["pruned"]["traces"] > 0 and stats["workers"]["traces"] > 0
     for name in ("pruned", "workers"):

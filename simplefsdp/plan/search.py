@@ -182,11 +182,13 @@ def _dp_floor_applies(c: JobConfig, args) -> bool:
 
 
 def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False,
-            ac_modes: tuple[str, ...] = AC_MODES, constrain=None) -> list[list[JobConfig]]:
+            ac_modes: tuple[str, ...] = AC_MODES, constrain=None,
+            tradeoffs_rows: bool = False) -> list[list[JobConfig]]:
     """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
-    groups fastest bound first, so the layouts likely to win are traced first and set the
-    bar the others' bounds must reach. ``constrain(c)``: each layout as the caller allows
-    it (None: dropped; see ``search``)."""
+    groups fastest bound first (``_prune_bound``: with ``tradeoffs_rows``, their knob
+    rows' too), so the layouts likely to win are traced first and set the bar the others'
+    bounds must reach. ``constrain(c)``: each layout as the caller allows it (None:
+    dropped; see ``search``)."""
     groups: dict[tuple, list[JobConfig]] = {}
     for c in layouts(cfg, gpus, gpus_per_node, cp, ac_modes):
         if constrain is not None and (c := constrain(c)) is None:
@@ -196,7 +198,8 @@ def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False
 
     def best(group: list[JobConfig]) -> float:
         try:
-            return max(speed_bound(c, gpus, dev, gpus_per_node) for c in group)
+            return max(_prune_bound(c, gpus, dev, gpus_per_node, tradeoffs_rows)
+                       for c in group)
         except ConfigError:
             return 0.0
     return sorted(groups.values(), key=best, reverse=True)
@@ -294,8 +297,11 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         stats["predicted"] += 1
         if progress is not None:
             progress(r)
-        if tradeoffs_rows:
-            results += _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
+        if tradeoffs_rows:  # candidates too: a fitting one raises the bar as a layout does
+            knob_rows = _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
+            results += knob_rows
+            for row in (row for row in knob_rows if row.fits):
+                bar.add(row.tokens_per_s_per_gpu)
         if not r.fits:
             too_big.append((p.tp, p.pp, ac, p.cp_rotate, batch, p.dims().dp_shard_cp,
                             p.dims().cp))
@@ -318,8 +324,9 @@ def _prune_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int,
 def _knob_rows(c: JobConfig, r: Prediction, gpus: int, gpu: str, gpus_per_node: int,
                stats: dict, progress) -> list[Prediction]:
     """Rows for ``c`` with one of issue 48's knobs turned (``tradeoffs.variants``: from the
-    traces ``c`` just made, no new one). They compete with the layouts' own rows but do
-    not move the ``keep`` bar or the too-big/fitted bookkeeping, which speak of layouts."""
+    traces ``c`` just made, no new one). They compete with the layouts' own rows, and a
+    fitting one raises the ``keep`` bar (``_prune_bound`` bounds a layout's knob rows
+    too), but not the too-big/fitted bookkeeping, which speaks of layouts."""
     rows = []
     for v in tradeoffs.variants(c, r.fits, gpus_per_node):
         try:
@@ -385,7 +392,8 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
-    results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain), gpus, gpu,
+    results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain,
+                           tradeoffs_rows=tradeoffs_rows), gpus, gpu,
                    gpus_per_node, progress, failures, keep, stats, workers, (), tradeoffs_rows)
     # Context parallelism with less recomputation than any whole-sequence row that fits
     # (module doc), behind the bar those rows set
@@ -393,7 +401,8 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     modes = AC_MODES[:min((AC_MODES.index(r.ac) for r in fitting), default=len(AC_MODES))]
     if modes:
         seed = tuple(r.tokens_per_s_per_gpu for r in fitting)
-        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain), gpus,
+        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain,
+                                tradeoffs_rows), gpus,
                         gpu, gpus_per_node, progress, failures, keep, stats, workers, seed,
                         tradeoffs_rows)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
