@@ -82,7 +82,7 @@ def _row_config(candidates: dict[tuple, JobConfig], r: Prediction,
     from . import tradeoffs
 
     base = candidates[prediction_key(r)]
-    if not r.knobs:
+    if r.knobs == tradeoffs.knob_label(base):  # the layout's own row (knobs the config set)
         return base
     return next(v for v in tradeoffs.variants(base, False, gpus_per_node)
                 if tradeoffs.knob_label(v) == r.knobs)
