@@ -153,9 +153,11 @@ def _choices(cache: str) -> dict:
 def _knob_choices(cfg, fixed: dict, below: float) -> dict:
     """Issue 48's knobs in the choice, for a GPU job (``job.device = "cuda"``) on the same
     profile: under the limit nothing fits on the device (``below``), only CPU offload
-    makes it fit; with ``reshard_after_forward = false`` (not a key the user fixed here)
-    and full AC on 2 GPUs a node, a limit between the need of an int reshard (a node: 2)
-    and that of keeping the gathered parameters, the int reshard."""
+    makes it fit; with ``reshard_after_forward = false`` (not a key the user fixed here),
+    no AC (under full AC the blocks' gathers are recomputed anyway, and a reshard to a
+    group only adds its part) and CPU offload fixed off, on 2 GPUs a node, a limit
+    between the need of an int reshard (a node: 2) and that of keeping the gathered
+    parameters, the int reshard."""
     from simplefsdp.hardware import GB, GiB
     from simplefsdp.plan import auto_layout
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
@@ -165,21 +167,24 @@ def _knob_choices(cfg, fixed: dict, below: float) -> dict:
     offload = auto_layout.choose(gpu_job, WORLD, f"cpu@{below!r}GB", WORLD, fixed, False)
     kept = copy.deepcopy(gpu_job)
     kept.parallel.reshard_after_forward = False
-    kept.parallel.dp_shard, kept.training.batch_size, kept.activation_checkpoint.mode = 4, 1, "full"
+    kept.parallel.dp_shard, kept.training.batch_size, kept.activation_checkpoint.mode = 4, 1, "none"
     by_group = copy.deepcopy(kept)
     by_group.parallel.reshard_after_forward = 2
     need = {name: predict(c, WORLD, "cpu", 2).reserved_memory_gib * GiB + CONTEXT_BYTES
             for name, c in (("kept", kept), ("group", by_group))}
     limit = (need["kept"] + need["group"]) / 2 / GB
     reshard = auto_layout.choose(kept, WORLD, f"cpu@{limit!r}GB", 2,
-                                 {**fixed, "activation_checkpoint.mode": "full"}, False)
+                                 {**fixed, "activation_checkpoint.mode": "none",
+                                  "training.cpu_offload": False}, False)
     return {"offload": offload, "reshard": reshard, "reshard_needs": need}
 
 
 def test_memory_limit_only_full_ac_meets_and_fixed_batch(planner, tmp_path):
     """Under a limit between full AC's need and the others' (their predictions), the
     choice is full AC; the fixed batch (1; the free search picks 2) is kept; below full
-    AC's need, the error names it as the smallest peak."""
+    AC's need, the error names it as the smallest peak. Issue 48's knobs: under that
+    limit a GPU job is offloaded to the CPU; an int reshard is chosen where only it fits
+    (``_knob_choices``)."""
     got = planner(_choices, str(tmp_path))
     needs, chosen = got["needs"], got["chosen"]
     assert needs["full"] < min(needs["none"], needs["selective"]), needs
