@@ -7,6 +7,7 @@ import pytest
 import torch
 from rank_runner import run_ranks
 from torch.distributed.tensor import DTensor, Shard
+from toy import token_batches
 
 import simplefsdp as sf
 from simplefsdp.mesh import ParallelDims
@@ -122,12 +123,7 @@ def test_expert_mesh_layout():
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS * world):
-        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
+    return token_batches(STEPS * world, BATCH, SEQ, ARGS.vocab_size)
 
 
 def _loss(model, inputs, targets, total_tokens: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from rank_runner import run_ranks
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from toy import DIM, HIDDEN, Toy, global_batch, loss_fn
+from toy import DIM, HIDDEN, OpCalls, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, find_collectives, is_data_parallel
@@ -647,18 +647,6 @@ def test_float8_gather_with_gradient_sync_off_equals_sync_on():
 
 
 # ------------------------------------------------------------ selective AC with float8
-class _ScaledMmCount(TorchDispatchMode):
-    """Counts ``aten._scaled_mm`` calls (float8 matmuls) while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten._scaled_mm.default
-        return func(*args, **(kwargs or {}))
-
-
 def _float8_block_step(ac: str) -> tuple[float, dict, int, int]:
     """One process: a 2-block Llama converted to float8 (tensorwise), one forward and
     backward under ``ac``; (loss, gradients, float8 matmuls in forward, in backward)."""
@@ -671,10 +659,10 @@ def _float8_block_step(ac: str) -> tuple[float, dict, int, int]:
     sf.convert_to_float8(model, recipe="tensorwise")
     apply_ac(model, ac)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
-    with _ScaledMmCount() as forward:
+    with OpCalls(torch.ops.aten._scaled_mm.default) as forward:
         logits = model(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    with _ScaledMmCount() as backward:
+    with OpCalls(torch.ops.aten._scaled_mm.default) as backward:
         loss.backward()
     grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
              for n, p in model.named_parameters()}  # the names without AC's wrapper

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from rank_runner import run_ranks
+from toy import token_batches
 
 import simplefsdp as sf
 from simplefsdp._torch_compat import dynamo_counters, dynamo_reset
@@ -33,12 +34,7 @@ VARIANTS = [("eager", False, None), ("compiled", True, None),
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS * world):
-        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
+    return token_batches(STEPS * world, BATCH, SEQ, ARGS.vocab_size)
 
 
 def _model(factor: float | None):
