@@ -232,3 +232,40 @@ def test_nothing_fits_is_a_config_error(tmp_path, monkeypatch):
                      "a smaller training.batch_size", "training.batch_size = 2"):
             assert knob in message, (knob, message)
     assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing was trained
+
+
+def test_nothing_planned_names_the_failed_trace_and_the_fixed_keys():
+    """When no candidate could be predicted although its memory floor is far under the
+    limit (here: the debug model on a 141 GB profile), the error says the planner failed
+    and why, and which keys the search kept, instead of blaming memory. With a floor over
+    the limit the memory reading stays."""
+    from simplefsdp.plan.auto_layout import _nothing_fits
+
+    cfg = load_config(None, ["--parallel.dp_shard", "8"])  # a candidate: sizes resolved
+    failure = "tp=8 pp=1 ac=full: RuntimeError: a trace failed"
+    error = _nothing_fits([], [cfg], 8, "h200", {"parallel.dp_shard": 16}, [failure])
+    assert "could be planned" in str(error) and failure in str(error), error
+    assert "parallel.dp_shard = 16" in str(error) and "parallel.dp_shard = -1" in str(error)
+    over = _nothing_fits([], [cfg], 8, "cpu@0.001GB", {}, [failure])
+    assert "exceed it" in str(over) and "could be planned" not in str(over), over
+
+
+def _traced_tp8_ring4() -> dict:
+    """A model small enough to trace quickly, laid out on 2 x 2 x ring 4 x TP 8 = 128
+    ranks of the planner's fake world (the 405B preset's TP 8 with CP 4)."""
+    from simplefsdp.plan import predict
+
+    cfg = load_config(None, ["--model.dim", "64", "--model.n_heads", "8", "--model.n_kv_heads",
+                             "8", "--training.seq_len", "64", "--training.batch_size", "1",
+                             "--parallel.dp_replicate", "2", "--parallel.dp_mode",
+                             "hybrid_shard", "--parallel.tp", "8", "--parallel.cp_ring", "4",
+                             "--compile.enable", "true", "--compile.backend", "aot_eager"])
+    return predict(cfg, 128, "h100-sxm").to_dict()
+
+
+def test_planner_traces_tp8_with_ring4(planner):
+    """Traced meshes hold 2 replicas x 2 shards x CP x TP ranks: TP 8 with CP 4 needs 128
+    fake ranks (the planner's fake world had 64, and such layouts failed to trace)."""
+    row = planner(_traced_tp8_ring4)
+    assert (row["tp"], row["cp_ring"], row["dp_replicate"]) == (8, 4, 2), row
+    assert row["peak_memory_gib"] > 0 and row["tokens_per_s_per_gpu"] > 0, row

@@ -138,8 +138,9 @@ def describe(r: Prediction) -> str:
 
 
 def _nothing_fits(rows: list[Prediction], candidates: list[JobConfig], gpus: int, gpu: str,
-                  fixed: dict[str, Any]) -> ConfigError:
-    """The error when no layout fits: the smallest need predicted, and the knobs."""
+                  fixed: dict[str, Any], failures: list[str]) -> ConfigError:
+    """The error when no layout fits: the smallest need predicted, and the knobs; when
+    none could be predicted, why (the traces that failed: ``search``'s ``failures``)."""
     limit = gpu_profile(gpu).memory_bytes
     where = f"{gpus} ranks of {gpu} ({limit / GB:.4f} GB usable a rank)"
     if rows:
@@ -149,10 +150,17 @@ def _nothing_fits(rows: list[Prediction], candidates: list[JobConfig], gpus: int
                  f"{best.reserved_memory_gib * GiB / GB:.4f} GB reserved by torch + "
                  f"{CONTEXT_BYTES / GB:.2f} GB of device context), over "
                  f"{len(rows)} layout(s) predicted")
-    else:  # none traced: each one's floor (model states and the loss's logits) is over
-        from .search import _lower_bound
+    else:  # none predicted: each one's floor (model states and the loss's logits) is
+        from .search import _lower_bound  # over the limit, or their traces failed
 
         floor = min((_lower_bound(c) for c in candidates), default=0.0) + CONTEXT_BYTES
+        if floor <= limit and failures:
+            fixed_keys = ", ".join(f"{k} = {v!r}" for k, v in fixed.items()) or "none"
+            return ConfigError(
+                f"parallel.layout = 'auto': no layout of {where} could be planned: the "
+                f"planner failed on {'; '.join(failures)}. Keys you set (kept by the "
+                f"search): {fixed_keys}; leave some of them out (parallel.dp_shard = -1: "
+                f"the rest) and the search can choose others")
         found = (f"the smallest predicted peak is over {floor / GB:.3f} GB: every layout's "
                  f"model states (16 B a parameter) and loss logits alone, with "
                  f"{CONTEXT_BYTES / GB:.2f} GB of device context, exceed it")
@@ -183,9 +191,10 @@ def choose(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int,
             raise ConfigError(outcome["error"])
         return {**outcome, "cached": True}
     started = time.perf_counter()
-    constraint, stats = Constraint(fixed), {}
+    constraint, stats, failures = Constraint(fixed), {}, []
     rows = search(cfg, gpus, gpu, gpus_per_node, keep=1, stats=stats, constrain=constraint,
-                  progress=_progress(started) if progress else None, tradeoffs_rows=True)
+                  progress=_progress(started) if progress else None, tradeoffs_rows=True,
+                  failures=failures)
     configs = [_row_config(constraint.candidates, r, gpus_per_node) for r in rows]
     rows, configs = [r for r, c in zip(rows, configs, strict=True) if _keeps_fixed(c, fixed)], \
         [c for c in configs if _keeps_fixed(c, fixed)]
@@ -194,7 +203,8 @@ def choose(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int,
                           f"keys you set ({', '.join(f'{k} = {v!r}' for k, v in fixed.items())})"
                           f"; leave some of them out of the config and the command line")
     if not rows or not rows[0].fits:
-        error = _nothing_fits(rows, list(constraint.candidates.values()), gpus, gpu, fixed)
+        error = _nothing_fits(rows, list(constraint.candidates.values()), gpus, gpu, fixed,
+                              failures)
         disk_cache.store(cache, {"error": str(error)})
         raise error
     best = configs[0]

@@ -24,13 +24,16 @@ from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
 from . import disk_cache, memory, moe, ring_pass, timing, tradeoffs
 from .eager import eager_memory
-from .trace import FAKE_WORLD, trace, trace_key
+from .trace import trace, trace_key
 
 # Caching-allocator reserve over the active peak: fitted, the one constant fitted to the
 # published runs (their reserved / our predicted active peak: 1.18 full AC, 1.22 no AC,
 # 1.24 and 1.14 selective eager / compiled; see README).
 ALLOC_OVERHEAD = 0.20
 CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserved figure
+# Eager memory is replayed at the planned shard count where the ranks it needs stay
+# within this many (shard-sized temporaries are then exact), else at the traced count.
+EXACT_EAGER_WORLD = 64
 
 
 @dataclass
@@ -142,7 +145,7 @@ def _traced_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
             fits = dataclasses.replace(tr.key.dims, dp_shard=p.dp_shard).world_size \
-                <= FAKE_WORLD
+                <= EXACT_EAGER_WORLD
             em = eager_memory(dataclasses.replace(
                 tr.key, dp_shard=p.dp_shard if fits else dp_shard_t), fits)
             fig.update(eager_peak=em.peak, eager_saved=em.saved)

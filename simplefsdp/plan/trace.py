@@ -33,8 +33,9 @@ from .moe import stand_in
 
 # One fake world for the whole process, never torn down: DTensor caches sharding
 # decisions by mesh *equality*, so a rebuilt equal mesh would get stale mesh objects
-# back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``).
-FAKE_WORLD = 64
+# back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``): up to 2
+# replicas x 2 shards x CP x TP (``predict``), so TP 8 with CP 8 fits.
+FAKE_WORLD = 256
 
 
 @dataclass(frozen=True)
