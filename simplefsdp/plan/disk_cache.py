@@ -4,9 +4,11 @@ memory and times ``predict`` derives from a role's two traces (``predict._role_f
 the Dynamo + AOTAutograd traces cost seconds each, their figures a few hundred bytes).
 
 An entry is found by a hash of everything its computation reads: the caller's inputs,
-the torch version and the source of the planner's code (``SOURCES``), so an edit to the
-planner or the model code makes every entry unreachable rather than stale. A read-only
-or missing cache folder costs the next run its work, nothing else.
+the torch version and the source of the whole package (the planner traces the models,
+their parallelisms, float8, the compiler passes and the config; a list of folders had
+missed ``float8.py``, so an edit there left stale figures), so an edit makes every entry
+unreachable rather than stale. A read-only or missing cache folder costs the next run
+its work, nothing else.
 ``SIMPLEFSDP_PLAN_CACHE=0`` turns the figures' cache off (the answers' too).
 """
 
@@ -20,9 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The package folders and files whose code decides the planner's figures and answers.
-SOURCES = ("plan", "compiler", "models", "parallel", "data_parallel.py", "mesh.py",
-           "hardware.py", "config/job.py", "_torch_compat")
 # training keys no figure or search reads (the optimizer's and the run's length)
 NOT_PLANNED = ("steps", "lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
                "max_norm", "seed", "hang_watchdog_s")
@@ -35,14 +34,12 @@ def enabled() -> bool:
 
 @functools.cache
 def sources_digest() -> str:
-    """A hash of the planner's code (``SOURCES``), once per process."""
+    """A hash of the package's code (every ``simplefsdp/**/*.py``), once per process."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
-    for name in SOURCES:
-        path = root / name
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.relative_to(root).as_posix().encode())
-            digest.update(file.read_bytes())
+    for file in sorted(root.rglob("*.py")):
+        digest.update(file.relative_to(root).as_posix().encode())
+        digest.update(file.read_bytes())
     return digest.hexdigest()
 
 
