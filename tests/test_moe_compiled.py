@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from rank_runner import run_ranks
-from toy import token_batches
+from toy import moe_token_loss, step_summed_over_ranks, token_batches
 
 import simplefsdp as sf
 from simplefsdp._torch_compat import dynamo_counters, dynamo_reset
@@ -75,17 +75,8 @@ def _variant(rank: int, world: int, compiled: bool, factor: float | None) -> dic
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses, dropped, hand, graphs_after_first = [], [], [], None
     for step, (inputs, targets) in enumerate(_batches(world)[rank::world]):
-        logits = model(inputs)
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                               reduction="sum")
-        tokens = world * targets.numel()
-        loss = (ce + moe.aux_loss(model) * targets.numel()) / tokens
-        loss.backward()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+        loss = moe_token_loss(model, inputs, targets, world * targets.numel())
+        losses.append(step_summed_over_ranks(loss, opt))
         layers = moe.moe_layers(model)
         dropped.append(int(sum(layer.tokens_dropped.item() for layer in layers)))
         for layer in layers:

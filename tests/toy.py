@@ -80,6 +80,31 @@ def token_batches(count: int, batch: int, seq: int, vocab: int
     return out
 
 
+def moe_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   total_tokens: int) -> torch.Tensor:
+    """The trainer's token-normalized loss of a mixture of experts: this forward's
+    token-loss sum over the step's ``total_tokens``, plus the balance loss
+    (``models.moe.aux_loss``) weighted by this forward's share of the tokens."""
+    from simplefsdp.models.moe import aux_loss
+
+    logits = model(inputs)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return (ce + aux_loss(model) * targets.numel()) / total_tokens
+
+
+def step_summed_over_ranks(loss: torch.Tensor, optimizer) -> float:
+    """Backward, the loss summed over the ranks (an all-reduce of a detached copy), then
+    ``optimizer``'s step; returns the summed loss."""
+    import torch.distributed as dist
+
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    optimizer.step()
+    optimizer.zero_grad()
+    return total.item()
+
+
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
