@@ -27,7 +27,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, get_args
 
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from .._torch_compat import (
 )
 from ..agreement import StoreAgreement
 from ..gloo_kernel import install_gloo_collectives, uses_gloo
+from ..source_digest import source_digest
 from . import auto_wrap, cost, manual_wrap, plan_cache, recompute
 from .collectives import all_to_alls, find_collectives, is_backward, other_collectives
 from .greedy import Decision
@@ -236,7 +236,7 @@ class SimpleFSDPBackend:
         key = plan_cache.dynamo_key(gm, example_inputs, self.bucketing, self.reordering,
                                     self.graph_budget_bytes,
                                     figures,
-                                    _world_size(), _source_hash(), self.backend)
+                                    _world_size(), source_digest("compiler"), self.backend)
         found = plan_cache.load(key, _rank())
         if self._agreement is not None:
             missing = self._agreement.max([0.0 if found else 1.0])[0]
@@ -401,15 +401,6 @@ def _install_cpu_collectives() -> None:
         install_gloo_collectives()
 
 
-@functools.cache
-def _source_hash() -> str:
-    """Our passes' source, so Inductor's cache never reuses a graph from older passes."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def _inductor_pass(owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):
     """Our passes as Inductor's ``post_grad_custom_post_pass`` for ``owner``; ``cached``:
     the plan-cache key and decisions of the Dynamo graph being compiled."""
@@ -438,7 +429,7 @@ def _inductor_pass_class() -> type:
                 if found else ""
             settings = (f"{o.bucketing}|{o.reordering}|{o.module_plan}|{o.graph_budget_bytes}"
                         f"|{o.all_reduce_bucket_mb}|{plans}")
-            return _source_hash() + hashlib.sha256(settings.encode()).hexdigest()
+            return source_digest("compiler") + hashlib.sha256(settings.encode()).hexdigest()
 
     return InductorPass
 

@@ -14,13 +14,14 @@ its work, nothing else.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from ..source_digest import source_digest
 
 # training keys no figure or search reads (the optimizer's and the run's length)
 NOT_PLANNED = ("steps", "lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
@@ -31,16 +32,6 @@ def enabled() -> bool:
     """Whether the planner reads and writes its disk cache (``SIMPLEFSDP_PLAN_CACHE``)."""
     return os.environ.get("SIMPLEFSDP_PLAN_CACHE", "1") != "0"
 
-
-@functools.cache
-def sources_digest() -> str:
-    """A hash of the package's code (every ``simplefsdp/**/*.py``), once per process."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for file in sorted(root.rglob("*.py")):
-        digest.update(file.relative_to(root).as_posix().encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()
 
 
 # parallel keys that say how to search, not what a layout is (the profile and limit
@@ -69,7 +60,7 @@ def entry_path(kind: str, inputs: dict[str, Any]) -> Path | None:
 
     from ..compiler.cost.comm import cache_dir
 
-    key = {**inputs, "torch": torch.__version__, "sources": sources_digest()}
+    key = {**inputs, "torch": torch.__version__, "sources": source_digest()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
     return cache_dir() / kind / f"{digest.hexdigest()[:32]}.json"
 
