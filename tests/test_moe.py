@@ -228,3 +228,34 @@ def test_bad_args_refused():
         moe.MoEArgs(score_func="relu")
     with pytest.raises(ValueError, match="load_balance='x'"):
         moe.MoEArgs(load_balance="x")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_counters_count_once_under_activation_checkpointing(mode):
+    """An activation-checkpointing recomputation reruns each block's forward inside
+    backward; the routed slots per expert and the padded dispatch's dropped slots must
+    still be counted once, as without checkpointing (they were doubled: bias balancing
+    kept its sign, but the reported ``tokens_dropped`` read twice the drops). Two blocks,
+    the padded dispatch at capacity factor 0.5 (so some slots drop), one forward and
+    backward; counters equal the run without AC exactly (integer counts in float32)."""
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
+
+    def counters(ac_mode: str) -> list[list[float]]:
+        torch.manual_seed(0)
+        args = moe.MoEArgs(dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, num_experts=4,
+                           moe_hidden_dim=WIDTH, vocab_size=64)
+        model = moe.MoETransformer(args)
+        model.init_weights()
+        for layer in moe.moe_layers(model):
+            layer.capacity_factor = 0.5
+        apply_ac(model, ac_mode)
+        model(torch.randint(0, 64, (2, 16))).float().sum().backward()
+        return [[*m.tokens_per_expert.tolist(), m.tokens_dropped.item()]
+                for m in moe.moe_layers(model)]
+
+    reference = counters("none")
+    assert all(row[-1] > 0 for row in reference)  # drops happened in every layer
+    assert all(min(row[:-1]) > 0 for row in reference)  # every expert routed to
+    assert sum(reference[0][:-1]) == 2 * 16 * 2  # every (token, choice) slot counted once
+    assert counters(mode) == reference

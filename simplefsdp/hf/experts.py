@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import current_graph_task_id
-from ..models.moe import expert_ffn, routed_combine
+from ..models.moe import counted_call, expert_ffn, routed_combine
 from ..module_swap import derived_class
 from ..parallel.expert import holds_experts
 from . import HFError
@@ -105,7 +104,7 @@ class RoutedExperts(nn.Module):
 
     @torch.compiler.disable  # a Python-side tally; dynamo cannot trace the task id
     def _sf_count(self, counts: torch.Tensor) -> None:
-        if current_graph_task_id() == -1:  # not an activation-checkpointing recompute
+        if counted_call():  # not an activation-checkpointing recompute
             load = counts.detach().float()
             self._sf_load = load if self._sf_load is None else self._sf_load + load
 

@@ -38,6 +38,7 @@ from .._torch_compat import (
     all_gather_autograd,
     check_size,
     check_that,
+    current_graph_task_id,
     grouped_mm,
     grouped_mm_aligned,
 )
@@ -226,6 +227,15 @@ def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
 
 
+def counted_call() -> bool:
+    """Whether a forward adds to its counters (``COUNTERS``, a Hugging Face experts'
+    ``_sf_load``): not in an activation-checkpointing recomputation, which reruns the
+    forward inside backward (a graph task is then current), so a checkpointed block counts
+    its slots once, as without checkpointing. Always while ``torch.compile`` traces: a
+    compiled backward recomputes values, it does not replay the forward's buffer updates."""
+    return torch.compiler.is_compiling() or current_graph_task_id() == -1
+
+
 def expert_capacity(slots: int, num_experts: int, capacity_factor: float) -> int:
     """Rows each rank sends to each expert under the padded dispatch: the capacity factor
     times an even share of its ``slots`` (``ceil``), at least 1."""
@@ -347,10 +357,11 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = expert_capacity(flat.numel(), self.num_experts, self.capacity_factor)
-        with torch.no_grad():
-            self.tokens_per_expert += counts
-            if capacity is not None:
-                self.tokens_dropped += dropped_slots(counts, capacity)
+        if counted_call():  # once per forward, not again in its recomputation
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+                if capacity is not None:
+                    self.tokens_dropped += dropped_slots(counts, capacity)
         if self.load_balance == "aux_loss":
             self.aux_loss = switch_aux_loss(scores, counts, self.score_func, self.token_group,
                                             self.loss_copies)
