@@ -440,6 +440,7 @@ def _layouts(rank: int, world: int, argv: list[str], out: str):
 
     import torch._dynamo
 
+    from simplefsdp._torch_compat import dynamo_counters
     from simplefsdp.models import registry
     from simplefsdp.state_dict import unwrapped_name
     from simplefsdp.train.__main__ import main
@@ -463,13 +464,16 @@ def _layouts(rank: int, world: int, argv: list[str], out: str):
             return built[-1]
 
         torch._dynamo.reset()
+        dynamo_counters().clear()
         registry.register(dataclasses.replace(family, build=capture))
         try:
             result = main([*argv, *flags, "--metrics.output_dir", f"{out}/{name}"])
         finally:
             registry.register(family)
         runs[name] = {"losses": result.losses, "rows": result.metrics["rows"],
-                      "full": gathered(built[0][1])[0], "loaded": loaded}
+                      "full": gathered(built[0][1])[0], "loaded": loaded,
+                      "breaks": sum(dynamo_counters()["graph_break"].values()),
+                      "graphs": dynamo_counters()["stats"]["unique_graphs"]}
     return runs
 
 
@@ -526,13 +530,18 @@ def test_moe_ep2_matches_ep1(layouts, layout):
 
 
 def test_moe_ep2_compiled_matches_eager(layouts):
-    """EP 2 x FSDP 2 compiled (aot_eager, our manual bucketing and reordering; graph
-    breaks around the routed experts) against the same eager run, 3 AdamW steps: the
-    losses within 1e-6 (bitwise equal seen) and every tensor within 1e-5. Not bitwise:
+    """EP 2 x FSDP 2 compiled (aot_eager, our manual bucketing and reordering) is one
+    graph on every rank: no graph break (the routed experts' counts of static shape,
+    their split sizes unbacked sizes, the exchanges functional collectives, the load
+    tally a buffer update) and no recompile over the 3 steps. Against the same eager
+    run, 3 AdamW steps: the losses within 1e-6 (bitwise equal seen) and every tensor
+    within 1e-5. Not bitwise:
     the compiled step computes its gradients in another order than eager autograd (the
     traced aten backward, buckets reduce-scattering many gradients in one collective),
     and every parameter came out different by float32 rounding: at most 1.0e-6 seen
     (experts' down_proj), the bound of the EP parity test above for the same reasons."""
+    assert [(r["ep2_compiled"]["breaks"], r["ep2_compiled"]["graphs"]) for r in layouts] \
+        == [(0, 1)] * 4
     eager, compiled = layouts[0]["ep2_fsdp"], layouts[0]["ep2_compiled"]
     diffs = {k: float(abs(compiled["full"][k] - v).max()) for k, v in eager["full"].items()}
     worst = max(diffs, key=diffs.get)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.moe import counted_call, expert_ffn, routed_combine
+from ..models.moe import counted_call, routed_combine, routed_ffn
 from ..module_swap import derived_class
 from ..parallel.expert import holds_experts
 from . import HFError
@@ -85,28 +85,30 @@ def check_experts(model: nn.Module) -> None:
 
 
 class RoutedExperts(nn.Module):
-    """The experts' forward (mixed into a transformers experts class). ``_sf_load``
-    accumulates this rank's routed slots per expert until :func:`take_loads` reads them,
-    once per forward: an activation-checkpointing recompute (it runs inside backward)
-    routes the same tokens again and is not counted."""
+    """The experts' forward (mixed into a transformers experts class). Its
+    ``tokens_per_expert`` buffer (``models.moe.COUNTERS``, as our MoE's) adds this rank's
+    routed slots per expert until :func:`take_loads` reads them; an
+    activation-checkpointing recompute routes the same tokens again and is not counted
+    (``models.moe.counted_call``). Traceable: the counts have a static shape, and
+    the split sizes become unbacked sizes under our compile path."""
 
     _sf_num_experts: int
-    _sf_load: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(top_k_index.flatten(), minlength=self._sf_num_experts)
-        if counts.numel() != self._sf_num_experts:
-            raise ValueError(f"the router chose expert {counts.numel() - 1} of "
+        flat = top_k_index.flatten()
+        if not torch.compiler.is_compiling() and flat.numel() \
+                and int(flat.max()) >= self._sf_num_experts:
+            raise ValueError(f"the router chose expert {int(flat.max())} of "
                              f"{self._sf_num_experts}: placeholder experts are not supported")
-        self._sf_count(counts)
+        # not bincount, whose output length depends on the data (a graph break)
+        counts = torch.zeros(self._sf_num_experts, dtype=flat.dtype, device=flat.device
+                             ).index_add_(0, flat, torch.ones_like(flat))
+        if counted_call():
+            with torch.no_grad():
+                self.tokens_per_expert += counts
         return routed_combine(hidden_states, top_k_weights, top_k_index, counts, self._sf_run)
-
-    @torch.compiler.disable  # a Python-side tally; dynamo cannot trace the task id
-    def _sf_count(self, counts: torch.Tensor) -> None:
-        if counted_call():  # not an activation-checkpointing recompute
-            load = counts.detach().float()
-            self._sf_load = load if self._sf_load is None else self._sf_load + load
 
     def _sf_run(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` grouped by expert, ``counts`` per expert -> through the experts (sent to
@@ -115,7 +117,7 @@ class RoutedExperts(nn.Module):
             from ..parallel.expert import ep_forward
 
             return ep_forward(self, x, counts)
-        return expert_ffn(x, counts.tolist(), self.gate_up_proj, self.down_proj)
+        return routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
 
 
 def adapt_experts(model: nn.Module) -> int:
@@ -125,7 +127,13 @@ def adapt_experts(model: nn.Module) -> int:
     found = experts_modules(model)
     for _, module in found:
         if not isinstance(module, RoutedExperts):
-            module._sf_num_experts = module._parameters["gate_up_proj"].shape[0]
+            gate_up = module._parameters["gate_up_proj"]
+            module._sf_num_experts = gate_up.shape[0]
+            # a real tensor on a model built on meta (``model.materialize`` keeps buffers'
+            # values); not in the state dict
+            module.register_buffer("tokens_per_expert", torch.zeros(
+                gate_up.shape[0], device="cpu" if gate_up.is_meta else gate_up.device),
+                persistent=False)
             module.__class__ = derived_class(type(module), "Routed", RoutedExperts)
     return len(found)
 
@@ -135,9 +143,8 @@ def take_loads(model: nn.Module) -> torch.Tensor:
     order (zeros for a layer that did not run), and restart the counts."""
     rows = []
     for _, module in experts_modules(model):
-        load, module._sf_load = getattr(module, "_sf_load", None), None
-        rows.append(load if load is not None
-                    else torch.zeros(module._parameters["gate_up_proj"].shape[0]))
+        rows.append(module.tokens_per_expert.clone())
+        module.tokens_per_expert.zero_()
     return torch.stack(rows) if rows else torch.zeros(0, 0)
 
 

@@ -179,10 +179,13 @@ def after_step(s, step_aux) -> dict[str, float]:
 
 def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     """The simplefsdp backend, graph breaks allowed (Hugging Face losses and masks
-    break graphs in some architectures)."""
-    from ..models.parallelize import compile_backend_for
+    break graphs in some architectures); adapted MoE experts traced with their split
+    sizes as unbacked sizes, as our MoE's."""
+    from ..models.parallelize import compile_backend_for, compile_model
+    from .experts import experts_modules
 
-    return torch.compile(model, backend=compile_backend_for(mesh, cfg, model))
+    return compile_model(model, compile_backend_for(mesh, cfg, model), fullgraph=False,
+                         routes_tokens=bool(experts_modules(model)))
 
 
 def build_llama_from_hf(cfg, mesh, dims, device, convert):

@@ -229,7 +229,7 @@ def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 def counted_call() -> bool:
     """Whether a forward adds to its counters (``COUNTERS``, a Hugging Face experts'
-    ``_sf_load``): not in an activation-checkpointing recomputation, which reruns the
+    ``tokens_per_expert`` too): not in an activation-checkpointing recomputation, which reruns the
     forward inside backward (a graph task is then current), so a checkpointed block counts
     its slots once, as without checkpointing. Always while ``torch.compile`` traces: a
     compiled backward recomputes values, it does not replay the forward's buffer updates."""
@@ -297,14 +297,14 @@ class Experts(nn.Module):
         rows per expert (None: every slot, exact)."""
         if capacity is not None:
             return padded_experts(x, counts, self.gate_up_proj, self.down_proj, capacity)
-        return _routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
+        return routed_ffn(x, counts, self.gate_up_proj, self.down_proj)
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.gate_up_proj, 0.02)
         _trunc_normal(self.down_proj, init_std)
 
 
-def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
+def routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """:func:`expert_ffn` with the counts read on the host: under ``torch.compile`` (with
     ``_torch_compat.data_dependent_shapes``, set by our compile path) unbacked sizes, which

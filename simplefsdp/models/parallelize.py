@@ -138,11 +138,13 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     return compile_model(model, backend, fullgraph)
 
 
-def compile_model(model: nn.Module, backend, fullgraph: bool = True) -> nn.Module:
-    """``torch.compile(model)`` with ``backend``; a model with MoE layers is traced with
-    data-dependent shapes (``_torch_compat.data_dependent_shapes``) on."""
+def compile_model(model: nn.Module, backend, fullgraph: bool = True,
+                  routes_tokens: bool | None = None) -> nn.Module:
+    """``torch.compile(model)`` with ``backend``; a model that routes tokens to experts
+    (``routes_tokens``; default: it has our MoE layers) is traced with data-dependent
+    shapes (``_torch_compat.data_dependent_shapes``) on."""
     compiled = torch.compile(model, fullgraph=fullgraph, backend=backend)
-    if moe_layers(model):
+    if moe_layers(model) if routes_tokens is None else routes_tokens:
         # The exact expert dispatch reads its split sizes on the host: traced as unbacked
         # sizes. Set only while this model's frames are traced (its forward), not globally.
         compiled.forward = _traced_with(data_dependent_shapes, compiled.forward)

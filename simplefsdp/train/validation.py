@@ -9,7 +9,7 @@ windows, data-parallel rank ``r`` taking the ``r``-th slice, as training's loade
 
 An evaluation runs with gradients off and the model in eval mode, and leaves training
 as it found it: the RNG state is forked, and the mixture of experts' load counters
-(``tokens_per_expert`` buffers, Hugging Face experts' ``_sf_load``), which the next
+(the ``tokens_per_expert`` buffers of our MoE and of Hugging Face experts), which the next
 optimizer step reads for its bias update and figures, are put back. So a run's training
 losses are bitwise the same with and without validation.
 
@@ -165,14 +165,11 @@ def _kept_counters(model: nn.Module):
     step's load (the bias update and the expert-load column read them)."""
     buffers = [b for n, b in model.named_buffers() if n.endswith(COUNTERS)]
     saved = [b.clone() for b in buffers]
-    loads = [(m, m._sf_load) for m in model.modules() if hasattr(m, "_sf_load")]
     try:
         yield
     finally:
         for buffer, value in zip(buffers, saved, strict=True):
             buffer.copy_(value)
-        for module, load in loads:
-            module._sf_load = load
 
 
 def perplexity(loss: float) -> float:
