@@ -166,3 +166,47 @@ def test_inductor_float8_gather_matches_aot_eager():
     assert aot_state.keys() == ind_state.keys() and "layers.0.up.weight" in aot_state
     for key, value in aot_state.items():
         torch.testing.assert_close(ind_state[key], value, rtol=0, atol=INDUCTOR_TOL, msg=key)
+
+
+# ---------------------------------------------------------------------------------------
+# The planner traces the float8 gather with TP (the 70B Float8 row's layout, in small).
+# ---------------------------------------------------------------------------------------
+def _planner_tp_trace() -> dict:
+    """In the planner's process: the debug Llama's one-block trace on FSDP 2 x TP 2,
+    compiled, manual buckets, bf16 parameters, float8 with the float8 all-gather: the
+    all-gather bytes by dtype of each graph and the prologue's all-reduces."""
+    from simplefsdp.compiler.collectives import KINDS, full_value
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, ["--float8.enable", "true", "--compile.enable", "true",
+                             "--compile.bucketing", "manual", "--parallel.tp", "2",
+                             "--training.mixed_precision_param", "bfloat16"], world_size=4)
+    tr = trace(trace_key(cfg, "full", 1, 1, 1, 2))
+    out: dict = {}
+    for name, gm in (("forward", tr.forward), ("backward", tr.backward)):
+        gathered = out.setdefault(name, {})
+        for node in gm.graph.nodes:
+            if node.target in KINDS and KINDS[node.target].value == "all_gather":
+                val = full_value(node)
+                gathered[str(val.dtype)] = gathered.get(str(val.dtype), 0) + \
+                    val.numel() * val.element_size()
+    out["prologue"] = [(KINDS[n.target].value, str(n.args[0].meta["val"].dtype),
+                        tuple(n.args[0].meta["val"].shape), n.args[-1])
+                       for g in tr.prologue for n in g.graph.nodes if n.target in KINDS]
+    return out
+
+
+def test_planner_traces_the_float8_gather_with_tp(planner):
+    """By hand: the debug block's 7 converted linears hold 184,320 weights
+    (``test_float8.test_planner_traces_a_float8_step``); TP 2 splits each in two, so a
+    rank gathers its 92,160-weight pieces over FSDP 2 as 92,160 uint8 bytes in forward and
+    again in backward (the recomputed gather). The prologue agrees the 7 amaxes twice,
+    over the data-parallel group and over the TP group: two all-reduces of 7 float32 on
+    two different groups."""
+    out = planner(_planner_tp_trace)
+    assert out["forward"]["torch.uint8"] == out["backward"]["torch.uint8"] == 92_160, out
+    (kind1, dtype1, shape1, group1), (kind2, dtype2, shape2, group2) = out["prologue"]
+    assert (kind1, dtype1, shape1) == (kind2, dtype2, shape2) == (
+        "all_reduce", "torch.float32", (7,)), out
+    assert group1 != group2, out
