@@ -1,8 +1,9 @@
 """The float8 all-gather (``simplefsdp/float8.py``) with tensor parallelism, and on Inductor.
 
-* FSDP 2 x TP 2 (4 gloo ranks): a column-wise then a row-wise float8 linear, their
-  weights gathered in float8 over the data-parallel dim. Each weight's scale is agreed
-  over every rank holding a piece of it (the DP and the TP group), so a rank's float8
+* FSDP 2 x TP 2 (4 gloo ranks): a column-wise then a row-wise float8 linear, and a last
+  one TP leaves whole, their weights gathered in float8 over the data-parallel dim. Each
+  weight's scale is agreed over every rank holding a piece of it (the DP and the TP
+  group; DP alone for the last), so a rank's float8
   shard is exactly that slice of the whole weight's cast: the run equals the same run
   gathering high precision **bitwise** (the same float8 operands reach the same
   matmuls; the gradients' reduce-scatter sums two ranks and halves, exact), and equals
@@ -30,7 +31,6 @@ from test_float8 import (
     _CollectiveLog,
     _full,
     _parity_runs,
-    _tp_reference,
     _tp_train,
 )
 
@@ -43,12 +43,28 @@ TP_CASES = ((False, None), (True, None), (True, "aot_eager"))
 
 
 def _tp_model(all_gather: bool) -> torch.nn.Sequential:
-    """``test_float8._tp_model`` (same seed, shapes and conversion) with ``all_gather``."""
+    """``test_float8._tp_model`` (same seed, shapes and conversion) with ``all_gather``,
+    plus a last float8 linear that TP leaves whole (sharded over DP only): its amax is
+    agreed over DP alone, next to the TP-split weights agreed over both groups."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(TP_IN, TP_HIDDEN, bias=False),
                                 torch.nn.Tanh(),
-                                torch.nn.Linear(TP_HIDDEN, TP_OUT, bias=False))
+                                torch.nn.Linear(TP_HIDDEN, TP_OUT, bias=False),
+                                torch.nn.Linear(TP_OUT, TP_OUT, bias=False))
     return sf.convert_to_float8(model, recipe="tensorwise", all_gather=all_gather, exclude=[])
+
+
+def _tp_reference() -> tuple[list[float], dict]:
+    """One process, every DP part's batch in turn (``test_float8._tp_reference``'s
+    scheme), on one thread as the ranks run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _tp_model(False)  # all_gather acts only under data_parallel
+        losses = _tp_train(model, model, list(range(DP)), DP)
+        return losses, {k: _full(v) for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _graph_gathers(graphs) -> dict[str, dict[torch.dtype, int]]:
@@ -94,16 +110,17 @@ def _tp_gather_runs(rank: int, world: int) -> list[dict]:
 
 
 # This rank's TP pieces, gathered whole over DP: the column-wise weight's (TP_HIDDEN / 2,
-# TP_IN) = (16, 16) and the row-wise weight's (TP_OUT, TP_HIDDEN / 2) = (8, 16): 384
-# elements, one byte each in float8, four in float32.
-TP_PIECES = TP_HIDDEN // TP * TP_IN + TP_OUT * TP_HIDDEN // TP
+# TP_IN) = (16, 16), the row-wise weight's (TP_OUT, TP_HIDDEN / 2) = (8, 16) and the
+# whole last weight (8, 8): 448 elements, one byte each in float8, four in float32.
+LAST = TP_OUT * TP_OUT
+TP_PIECES = TP_HIDDEN // TP * TP_IN + TP_OUT * TP_HIDDEN // TP + LAST
 
 
 @pytest.mark.quick
 def test_float8_gather_with_tp_equals_the_bf16_gather_and_one_process():
     runs = run_ranks(_tp_gather_runs, DP * TP)
-    ref_losses, ref_state = _tp_reference(DP)
-    assert TP_PIECES == 384
+    ref_losses, ref_state = _tp_reference()
+    assert TP_PIECES == 448
     for rank_runs in runs:
         plain, eager8, compiled8 = rank_runs
         for name, run in (("eager", eager8), ("aot_eager", compiled8)):
@@ -124,16 +141,16 @@ def test_float8_gather_with_tp_equals_the_bf16_gather_and_one_process():
         assert sum(b for _, b in gathers8) == STEPS * 2 * TP_PIECES
         assert {d for d, _ in gathers8} == {torch.uint8}
         assert sum(b for _, b in gathers32) == STEPS * 4 * TP_PIECES
-        # the step's first collectives: the amaxes of both weights, stacked, agreed over
-        # the DP group then the TP group (2 float32 each)
+        # the step's first collectives: the 3 weights' amaxes, stacked, agreed over the
+        # DP group (3 float32), then the 2 TP-split ones' over the TP group (2 float32)
         reduces = [(k, b) for k, _, b in eager8["eager"] if k != "all_gather"]
-        assert reduces[:2] == [("all_reduce", 8), ("all_reduce", 8)], reduces[:4]
-        # compiled: forward's gathers and backward's recomputed one, float8 bytes only.
-        # Backward needs the row-wise weight's piece (8 x 16) for dX; the column-wise
-        # layer's input is the model input (no dX), so its weight is not gathered again
+        assert reduces[:2] == [("all_reduce", 12), ("all_reduce", 8)], reduces[:4]
+        # compiled: forward's gathers and backward's recomputed ones, float8 bytes only.
+        # Backward needs the row-wise piece (8 x 16) and the last weight for dX; the
+        # column-wise layer's input is the model input (no dX): not gathered again
         graphs = compiled8["graphs"]
         assert graphs["forward"] == {torch.uint8: TP_PIECES}, graphs
-        assert graphs["backward"] == {torch.uint8: TP_OUT * TP_HIDDEN // TP}, graphs
+        assert graphs["backward"] == {torch.uint8: TP_OUT * TP_HIDDEN // TP + LAST}, graphs
 
 
 def test_config_accepts_the_float8_gather_with_tp():
@@ -210,3 +227,36 @@ def test_planner_traces_the_float8_gather_with_tp(planner):
     assert (kind1, dtype1, shape1) == (kind2, dtype2, shape2) == (
         "all_reduce", "torch.float32", (7,)), out
     assert group1 != group2, out
+
+
+def _uneven_answers(rank: int, world: int) -> list[bool]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from simplefsdp._torch_compat import StridedShard
+    from simplefsdp.compiler.backend import uneven_dtensor_inputs
+
+    flat = sf.make_mesh(dp_shard=world, device_type="cpu")["dp_shard"]
+    grid = sf.make_mesh(dp_shard=2, tp=2, device_type="cpu")["dp_shard", "tp"] \
+        if world == 4 else None
+
+    def sharded(rows: int, mesh, placements) -> DTensor:
+        local = torch.zeros(-(-rows // mesh.size()), 4)
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=(rows, 4), stride=(4, 1))
+
+    answers = [uneven_dtensor_inputs([torch.zeros(7, 4), sharded(7, flat, (Shard(0),))]),
+               uneven_dtensor_inputs([sharded(8, flat, (Shard(0),))])]
+    if grid is not None:  # DP within TP's row split (a column-wise weight): 4 ways
+        strided = (StridedShard(0, split_factor=2), Shard(0))
+        answers += [uneven_dtensor_inputs([sharded(6, grid, strided)]),
+                    uneven_dtensor_inputs([sharded(12, grid, strided)])]
+    return answers
+
+
+def test_uneven_shards_are_compiled_without_the_caches():
+    """Inductor's and AOTAutograd's caches key a DTensor input by its global shape: with
+    uneven shards (the toy's 7-row weights on 2 ranks) the ranks' graphs share a key,
+    and with a warm cache a rank ran another's graph (``test_inductor_...`` failed on
+    its second run: "expected size 3==4"). Such graphs compile without the caches; which
+    ones, by the global shapes (the same answer on every rank)."""
+    assert run_ranks(_uneven_answers, 4)[0] == [True, False, True, False]
