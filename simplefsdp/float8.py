@@ -25,6 +25,10 @@ the local shard to float8 with the scale of the *whole* weight (its amax all-red
 as its gather, so the scale never goes stale and needs no call from the trainer), gathers
 the float8 bytes as ``uint8`` (gloo refuses float8 tensors; NCCL takes the same view)
 and hands the gathered float8 weight and its scale to the float8 matmul, with no upcast.
+Under tensor parallelism the same: the amax is agreed over the TP group as well (every
+rank holding a piece of the weight), each rank casts its shard, the gather over the
+data-parallel dims gives this rank's TP piece in float8, and that piece goes to the TP
+float8 matmul (:func:`_tp_matmul`) with the whole weight's scale.
 The gradient takes another path: a full-shape stand-in (:class:`_GradientPath`, no
 memory) whose backward reduce-scatters the weight's gradient in the reduce dtype into
 the shard's gradient, so gradients, optimizer and checkpoints stay high precision.
@@ -165,12 +169,15 @@ def _rowwise_grads(ctx, grad: torch.Tensor):
 
 
 class Float8Weight(NamedTuple):
-    """A weight gathered in float8: ``data`` (the full float8 weight), ``scale`` (it holds
-    ``weight * scale``), ``grad_path`` (full-shape stand-in that takes ``dW``)."""
+    """A weight gathered in float8: ``data`` (the full float8 weight; under tensor
+    parallelism this rank's TP piece of it), ``scale`` (it holds ``weight * scale``: one
+    scale for the whole weight), ``grad_path`` (a stand-in of ``data``'s shape that takes
+    ``dW``), ``tp`` (tensor parallelism: the TP mesh and the weight's TP placement)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     grad_path: torch.Tensor
+    tp: tuple | None = None
 
 
 class Float8Linear(nn.Linear):
@@ -184,7 +191,8 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         flat = x.reshape(-1, x.shape[-1])
-        if isinstance(weight, DTensor):  # tensor parallelism: each rank its piece
+        tp_piece = isinstance(weight, Float8Weight) and weight.tp is not None
+        if isinstance(weight, DTensor) or tp_piece:  # tensor parallelism: each rank its piece
             out = _tp_matmul(x, weight, self.float8_recipe)
             bias = self.bias
             return out if bias is None else out + bias.to(out.dtype)
@@ -202,19 +210,26 @@ class Float8Linear(nn.Linear):
                 f"{', float8_all_gather' if self.float8_all_gather else ''}")
 
 
-def _tp_matmul(x: DTensor, weight: DTensor, recipe: str) -> DTensor:
+def _tp_matmul(x: DTensor, weight: DTensor | Float8Weight, recipe: str) -> DTensor:
     """A tensor-parallel float8 linear on this rank's pieces (``ColwiseParallel``: the
     weight split on its output rows, ``x`` whole; ``RowwiseParallel``: both split on
     the contraction dim), tensorwise. The amax of each operand that is split is agreed
     over the TP group, so every piece is cast exactly as one process casts the whole
     tensor: colwise, the weight and the output's gradient (split on the output
-    columns); rowwise, the weight and ``x`` (the gradient arrives whole). Returns the
-    output as a DTensor (colwise ``Shard(-1)``, rowwise ``Partial``: the parallel
-    style's output hook redistributes it)."""
+    columns); rowwise, the weight and ``x`` (the gradient arrives whole). ``weight``: the
+    high-precision TP piece (a DTensor), or the TP piece gathered in float8 with the
+    whole weight's scale (:class:`Float8Weight`), used as it is. Returns the output as a
+    DTensor (colwise ``Shard(-1)``, rowwise ``Partial``: the parallel style's output
+    hook redistributes it)."""
     if recipe != "tensorwise":
         raise ValueError(f"float8 recipe {recipe!r} with tensor parallelism: only "
                          f"'tensorwise' is built (one scale agreed over the TP group)")
-    mesh, (placement,) = weight.device_mesh, weight.placements
+    if isinstance(weight, Float8Weight):
+        (mesh, (placement,)), local_w = weight.tp, weight.grad_path
+        w8, w_scale = weight.data, weight.scale
+    else:
+        mesh, (placement,) = weight.device_mesh, weight.placements
+        local_w, w8, w_scale = weight.to_local(), None, None
     group = mesh.get_group().group_name
     colwise = placement == Shard(0) and tuple(x.placements) == (Replicate(),)
     rowwise = placement == Shard(1) and tuple(x.placements) in ((Shard(-1),),
@@ -222,7 +237,7 @@ def _tp_matmul(x: DTensor, weight: DTensor, recipe: str) -> DTensor:
     if not (colwise or rowwise):
         raise ValueError(f"a float8 Linear under tensor parallelism takes ColwiseParallel "
                          f"(weight Shard(0), input Replicate) or RowwiseParallel (weight "
-                         f"Shard(1), input Shard(-1)); got weight {weight.placements} and "
+                         f"Shard(1), input Shard(-1)); got weight ({placement},) and "
                          f"input {x.placements}")
     if colwise:  # x whole: its gradient is this rank's partial sum
         local_x = x.to_local(grad_placements=(Partial(),))
@@ -231,7 +246,7 @@ def _tp_matmul(x: DTensor, weight: DTensor, recipe: str) -> DTensor:
         local_x = x.to_local()
         groups, out_placement = AmaxGroups(group, group, None), Partial()
     flat = local_x.reshape(-1, local_x.shape[-1])
-    out = _Float8Matmul.apply(flat, weight.to_local(), None, None, False, groups)
+    out = _Float8Matmul.apply(flat, local_w, w8, w_scale, False, groups)
     out = out.reshape(*local_x.shape[:-1], out.shape[-1])
     return DTensor.from_local(out, mesh, (out_placement,), run_check=False)
 
@@ -249,6 +264,7 @@ class _GatherSpec(NamedTuple):
     reduce_op: str  # "avg" or "sum"
     reduce_dtype: torch.dtype | None
     grad_dtype: torch.dtype  # the dtype dW is computed in (the gathered compute dtype)
+    tp_group: str | None = None  # tensor parallelism: the TP group (its amax agreed there too)
 
 
 def _shard_rows(spec: _GatherSpec) -> tuple[int, int]:
@@ -291,6 +307,14 @@ def _all_reduce_max(amax: torch.Tensor, group_name: str) -> torch.Tensor:
     return c10d_functional.wait_tensor(c10d_functional.all_reduce(amax, "max", group_name))
 
 
+def _weight_amax(shard: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
+    """The amax of the whole weight from this rank's shard: the max over the
+    data-parallel group and, under tensor parallelism, over the TP group too (every
+    rank holding a piece of the weight)."""
+    amax = _all_reduce_max(_local_amax(shard), spec.group_name)
+    return amax if spec.tp_group is None else _all_reduce_max(amax, spec.tp_group)
+
+
 def gather_float8(shard: torch.Tensor, full_shape: torch.Size, spec: _GatherSpec,
                   scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,7 +323,7 @@ def gather_float8(shard: torch.Tensor, full_shape: torch.Size, spec: _GatherSpec
     agreed at the start of this forward; None (a module called outside the model's
     forward, a recomputation after it): this weight's amax is all-reduced here."""
     if scale is None:
-        scale = scale_from_amax(_all_reduce_max(_local_amax(shard), spec.group_name), E4M3)
+        scale = scale_from_amax(_weight_amax(shard, spec), E4M3)
     mine, chunk = _shard_rows(spec)
     bytes8 = pad_dim0(to_float8(shard.detach(), scale, E4M3).view(torch.uint8), chunk)
     gathered = c10d_functional.wait_tensor(
@@ -316,25 +340,38 @@ def float8_gather_for(module: nn.Module, name: str, gather) -> object | None:
     ``float8_scale`` holds the scale agreed for the current forward."""
     if not (isinstance(module, Float8Linear) and module.float8_all_gather and name == "weight"):
         return None
-    if gather.tp is not None or gather.hybrid or gather.replicated:
+    if gather.hybrid or gather.replicated:
         raise ValueError("a Linear converted with float8 all_gather=True: the float8 "
-                         "all-gather runs with mode='fully_shard' and no tensor "
-                         "parallelism; convert with all_gather=False for other layouts")
+                         "all-gather runs with mode='fully_shard'; convert with "
+                         "all_gather=False for other layouts")
     if gather.reshard_group is not None or gather.offload is not None:
         raise ValueError("a Linear converted with float8 all_gather=True: the float8 "
                          "all-gather is not built with an int reshard_after_forward or an "
                          "offload_policy; convert with all_gather=False, or pass "
                          "reshard_after_forward=True and no offload_policy")
-    mesh = gather.dp_mesh
+    mesh, tp_group = gather.dp_mesh, _tp_group(gather)
     gather.float8_scale = None
 
     def gather_fn(sharded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # under TP ``sharded`` is the DP view of this rank's TP piece: the gather over the
+        # data-parallel dims gives the TP piece, in float8
         spec = _GatherSpec(mesh.get_group(0).group_name, mesh.size(), ParallelDims.local_rank(mesh),
                            sharded.shape[0], gather.reduce_op, gather.reduce_dtype,
-                           gather.param_dtype or sharded.dtype)
+                           gather.param_dtype or sharded.dtype, tp_group)
         return gather_float8(sharded.to_local(), sharded.shape, spec, gather.float8_scale)
 
     return gather_fn
+
+
+def _tp_group(gather) -> str | None:
+    """The TP group name of a tensor-parallel weight's gather (None without TP)."""
+    if gather.tp is None:
+        return None
+    tp_mesh = gather.tp[0]
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"the float8 all-gather takes a 1-D TP mesh, got {tp_mesh.ndim}-D "
+                         f"{tp_mesh.mesh_dim_names}; convert with all_gather=False")
+    return tp_mesh.get_group().group_name
 
 
 def float8_weight(gather, parts: tuple, sharded, to_sink: bool) -> Float8Weight:
@@ -346,7 +383,8 @@ def float8_weight(gather, parts: tuple, sharded, to_sink: bool) -> Float8Weight:
     grad_path = gather.route_gradient(grad_path, sharded, to_sink)
     if gather.reshard_after_forward and not torch.compiler.is_compiling():
         eager_reshard.note_gathered(data, sharded, lambda s: gather.regather(s)[1])
-    return Float8Weight(data, scale, grad_path)
+    tp = None if gather.tp is None else gather.tp[:2]  # (TP mesh, TP placements)
+    return Float8Weight(data, scale, grad_path, tp)
 
 
 def _float8_gathers(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
@@ -358,6 +396,19 @@ def _float8_gathers(model: nn.Module) -> list[tuple[object, torch.Tensor]]:
                 seen.add(id(gather))
                 found.append((gather, module._parameters[name]))
     return found
+
+
+def _agree_over_tp(amax: torch.Tensor, tp_groups: list[str | None]) -> torch.Tensor:
+    """Tensor parallelism: the entries of the stacked ``amax`` (already agreed over the
+    data-parallel group) whose weights are split over a TP group are agreed over it
+    too, one all-reduce per TP group for all its weights."""
+    for group in dict.fromkeys(g for g in tp_groups if g is not None):
+        rows = [i for i, g in enumerate(tp_groups) if g == group]
+        if len(rows) == len(tp_groups):
+            return _all_reduce_max(amax, group)
+        index = torch.tensor(rows, device=amax.device)
+        amax = amax.index_copy(0, index, _all_reduce_max(amax[index], group))
+    return amax
 
 
 def install_float8_scales(model: nn.Module) -> None:
@@ -379,7 +430,9 @@ def install_float8_scales(model: nn.Module) -> None:
                 (gather, sharded))
         for group_name, members in by_group.items():
             amax = torch.stack([_local_amax(s.to_local()) for _, s in members])
-            scales = scale_from_amax(_all_reduce_max(amax, group_name), E4M3)
+            amax = _agree_over_tp(_all_reduce_max(amax, group_name),
+                                  [_tp_group(gather) for gather, _ in members])
+            scales = scale_from_amax(amax, E4M3)
             for i, (gather, _) in enumerate(members):
                 gather.float8_scale = scales[i]
 

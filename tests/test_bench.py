@@ -480,3 +480,32 @@ def test_ep_variants_gradients_are_the_global_mean():
                 atol = 1e-5 * want.abs().max().item()
                 torch.testing.assert_close(grad, want, rtol=0, atol=atol,
                                            msg=f"{name} rank {rank} {key}")
+
+
+# The bf16 run (bf16 parameters gathered and computed, float32 reductions) against the
+# float32 single-process losses: measured 4.6e-4 apart by the 5th step (bf16 rounding of
+# weights and activations), far over SINGLE_PROCESS_ATOL (1e-5, what float32 variants
+# reach); 2e-4 says the dtype was applied. FSDP2's MixedPrecisionPolicy and ours cast
+# the same weights to bf16 but accumulate some sums in another order: measured 2.0e-5
+# apart; 5e-5 is well under the bf16-vs-float32 gap, so a variant that ignored the
+# policy fails it.
+BF16_SHOWS = 2e-4
+BF16_FSDP2_ATOL = 5e-5
+
+
+@pytest.mark.quick
+def test_mixed_precision_key_applies_to_ours_and_fsdp2(tmp_path):
+    flags = [*SMOKE_SHAPE, "--training.mixed_precision_param", "bfloat16",
+             "--training.mixed_precision_reduce", "float32"]
+    proc = _bench(tmp_path, *flags, "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
+    assert results["meta"]["mixed_precision_param"] == "bfloat16"
+    rows = {r["name"]: r for r in results["variants"]}
+    # no policy to apply: refused by name, not run in float32 next to bf16 rows
+    assert rows["compute-only"]["status"] == "failed"
+    assert "training.mixed_precision_param" in rows["compute-only"]["error"]
+    ours, fsdp2 = rows["simplefsdp-eager"]["losses"], rows["fsdp2-eager"]["losses"]
+    float32 = _single_process_losses(SMOKE_SHAPE)
+    assert max(abs(a - b) for a, b in zip(ours, float32, strict=True)) > BF16_SHOWS
+    assert ours == pytest.approx(fsdp2, rel=0, abs=BF16_FSDP2_ATOL)

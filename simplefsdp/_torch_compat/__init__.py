@@ -34,7 +34,8 @@ __all__ = [
     "backend_name", "c10d_functional", "check_size", "check_that", "checkpoint_wrapper",
     "compile_fx", "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
     "data_dependent_shapes", "default_group", "default_store", "destroy_library",
-    "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
+    "detect_fake_mode", "disable_compile_caches", "compile_caches_off",
+    "disable_current_modes", "dynamo_counters",
     "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
@@ -236,6 +237,19 @@ def collective_timed_out(error: BaseException) -> bool:
     backend_error = getattr(torch.distributed, "DistBackendError", ())
     return isinstance(error, backend_error) or (
         isinstance(error, RuntimeError) and "timed out" in str(error).lower())
+
+
+def compile_caches_off():
+    """A context in which AOTAutograd's cache is off (Inductor's FX graph cache is one
+    of ``compile_fx``'s config patches). Version fallback: a version without the option
+    has no such cache. checked: 2.13 has ``enable_autograd_cache``."""
+    import contextlib
+
+    from torch._functorch import config as functorch
+
+    if not hasattr(functorch, "enable_autograd_cache"):
+        return contextlib.nullcontext()
+    return functorch.patch(enable_autograd_cache=False)
 
 
 def disable_compile_caches() -> None:

@@ -22,7 +22,7 @@ import copy
 import importlib.util
 from dataclasses import dataclass, field
 
-from ..config.job import CompileBackend, Device, ModelConfig
+from ..config.job import CompileBackend, Device, DType, ModelConfig
 from ..config.reader import config_help, read_config, split_argv
 from ..config.shapes import check_seq_len
 from ..errors import ConfigError, require
@@ -38,6 +38,12 @@ class BenchTraining:
     seq_len: int = 128  # tokens per sequence
     lr: float = 1e-3  # AdamW learning rate, constant
     seed: int = 0  # initialization and data
+    # Mixed precision of the sharded variants, as the trainer's keys: the dtype weights
+    # are gathered and computed in, and the dtype gradients are reduced in (FSDP2's
+    # MixedPrecisionPolicy on the fsdp2 variants, simplefsdp's on ours). The weights the
+    # optimizer updates stay float32.
+    mixed_precision_param: DType = "float32"
+    mixed_precision_reduce: DType = "float32"
 
 
 @dataclass

@@ -185,6 +185,8 @@ def _meta(cfg: BenchConfig, raw: dict, backend: str, tokens: int,
         "tokens_per_step": tokens, "warmup": cfg.bench.warmup, "steps": cfg.bench.steps,
         "compile_backend": cfg.compile.backend, "compile_cache": cfg.bench.compile_cache,
         "lr": cfg.training.lr, "seed": cfg.training.seed,
+        "mixed_precision_param": cfg.training.mixed_precision_param,
+        "mixed_precision_reduce": cfg.training.mixed_precision_reduce,
         "threads_per_rank": torch.get_num_threads(),
         "memory_measure": CUDA_MEMORY_MEASURE if cfg.job.device == "cuda"
         else CPU_MEMORY_MEASURE,
@@ -315,7 +317,10 @@ def legend(results: dict) -> list[str]:
         "compile s: first step minus median step (compiled variants); Inductor caches "
         + ("on: may be a warm compile" if m.get("compile_cache") else "off: a cold compile"),
         f"loss ok: max |loss - {m['loss_reference']} loss| over all steps <= "
-        f"{m['loss_tolerance']:g} (float32; reduction order and compiler fusions differ); "
+        f"{m['loss_tolerance']:g} (parameters gathered in "
+        f"{m.get('mixed_precision_param', 'float32')}, gradients reduced in "
+        f"{m.get('mixed_precision_reduce', 'float32')}; reduction order and compiler "
+        "fusions differ); "
         "compute-only trains on rank 0's data alone (n/a unless world size 1); fake process "
         "group: n/a",
     ]

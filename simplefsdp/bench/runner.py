@@ -101,6 +101,16 @@ def _error_text(e: BaseException) -> str:
     return first[:400]
 
 
+def _mixed_precision(cfg: BenchConfig) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param dtype, reduce dtype) of ``[training] mixed_precision_*``; None for float32
+    (no cast, as without a policy)."""
+    from ..config.job import DTYPES
+
+    t = cfg.training
+    return tuple(None if name == "float32" else DTYPES[name]
+                 for name in (t.mixed_precision_param, t.mixed_precision_reduce))
+
+
 def _setup_torch(cfg: BenchConfig, local_world: int) -> None:
     import os
 
@@ -159,7 +169,8 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
     reference = model_class(args)(args)
     reference.init_weights()
     ctx = BuildContext(args, {k: v.detach().clone() for k, v in reference.state_dict().items()},
-                       fsdp_mesh, replicate_mesh, device, cfg.compile.backend)
+                       fsdp_mesh, replicate_mesh, device, cfg.compile.backend,
+                       *_mixed_precision(cfg))
     n_params = num_params(reference)
     del reference
     batches = _batches(cfg, rank, world, device)

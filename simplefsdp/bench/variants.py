@@ -40,6 +40,31 @@ class BuildContext:
     replicate_mesh: DeviceMesh  # the (pp, dp_replicate, dp_shard, tp) mesh for replicate
     device: torch.device
     compile_backend: str  # "inductor" or "aot_eager", for our compiled variants and FSDP2
+    # [training] mixed_precision_param / _reduce; None: float32, no cast
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def mp_policy(self) -> sf.MixedPrecisionPolicy:
+        """simplefsdp's mixed precision for ``data_parallel``."""
+        return sf.MixedPrecisionPolicy(param_dtype=self.param_dtype,
+                                       reduce_dtype=self.reduce_dtype)
+
+    def fsdp2_mp_policy(self):
+        """The same mixed precision as FSDP2's ``MixedPrecisionPolicy`` for ``fully_shard``."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype,
+                                    reduce_dtype=self.reduce_dtype)
+
+    def full_precision_only(self, variant: str) -> None:
+        """A variant with no mixed-precision policy (it trains plain modules) is
+        unavailable under a lower parameter or reduce dtype: it would run another
+        precision than the rows it is compared with."""
+        if self.param_dtype is not None or self.reduce_dtype is not None:
+            raise VariantUnavailable(
+                f"{variant} has no mixed-precision policy: it runs only with "
+                f"training.mixed_precision_param and training.mixed_precision_reduce = "
+                f"'float32'")
 
 
 @dataclass
@@ -96,7 +121,7 @@ def _simplefsdp(bucketing: str | None, reordering: bool = False,
         if float8:  # before AC and sharding, as the trainer converts
             sf.convert_to_float8(model, recipe="tensorwise", all_gather=True)
         apply_ac(model, ac)
-        model = sf.data_parallel(model, ctx.fsdp_mesh)
+        model = sf.data_parallel(model, ctx.fsdp_mesh, mp_policy=ctx.mp_policy())
         if backend is not None:
             model = torch.compile(model, fullgraph=True, backend=backend)
         return Built(model, backend)
@@ -110,7 +135,8 @@ def _replicate(compiled: bool) -> Callable[[BuildContext], Built]:
     def build(ctx: BuildContext) -> Built:
         backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
                                      reordering=True) if compiled else None
-        model = sf.data_parallel(plain_model(ctx), ctx.replicate_mesh, mode="replicate")
+        model = sf.data_parallel(plain_model(ctx), ctx.replicate_mesh, mode="replicate",
+                                 mp_policy=ctx.mp_policy())
         if backend is not None:
             model = torch.compile(model, fullgraph=True, backend=backend)
         return Built(model, backend)
@@ -128,7 +154,8 @@ def _hybrid_shard(ctx: BuildContext) -> Built:
     backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
                                  reordering=True)
     mesh = sf.make_mesh(dp_replicate=2, dp_shard=world // 2, device_type=ctx.device.type)
-    model = sf.data_parallel(plain_model(ctx), mesh, mode="hybrid_shard")
+    model = sf.data_parallel(plain_model(ctx), mesh, mode="hybrid_shard",
+                             mp_policy=ctx.mp_policy())
     return Built(torch.compile(model, fullgraph=True, backend=backend), backend)
 
 
@@ -149,7 +176,7 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         model = plain_model(ctx)
         apply_ep(model, ParallelDims.expert_mesh(mesh, ep))
         shard_experts(model, ParallelDims.expert_mesh(mesh, ep))
-        model = sf.data_parallel(model, mesh)
+        model = sf.data_parallel(model, mesh, mp_policy=ctx.mp_policy())
         # The benchmark's loss is each rank's mean and gradients are averaged: an expert's
         # gradient already sums its EP group's ranks (the exchange's backward), then is
         # averaged over the world / ep ranks holding it; / ep makes it the mean over all
@@ -187,10 +214,10 @@ def _fsdp2_expert_parallel(ep: int) -> Callable[[BuildContext], Built]:
             experts = layer.experts
             for name in ("gate_up_proj", "down_proj"):  # this rank's experts, plain
                 experts._parameters[name] = nn.Parameter(experts._parameters[name].to_local())
-            fully_shard(experts, mesh=experts_mesh["dp_shard"])
+            fully_shard(experts, mesh=experts_mesh["dp_shard"], mp_policy=ctx.fsdp2_mp_policy())
         for block in model.layers.values():
-            fully_shard(block, mesh=ctx.fsdp_mesh)
-        fully_shard(model, mesh=ctx.fsdp_mesh)
+            fully_shard(block, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
+        fully_shard(model, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
         # FSDP2 averages the experts' gradients over the world / ep ranks holding them;
         # then / ep (see _expert_parallel): the mean over all ranks, as every other
         # gradient. Before the optimizer step: a gradient divide factor would make FSDP2
@@ -261,7 +288,7 @@ def _upstream(patches: dict, missing: Callable[[], str | None] = lambda: None
         def backend(gm, example_inputs):
             return compile_fx(gm, example_inputs, config_patches=dict(patches))
 
-        model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh)
+        model = sf.data_parallel(plain_model(ctx), ctx.fsdp_mesh, mp_policy=ctx.mp_policy())
         return Built(torch.compile(model, fullgraph=True, backend=backend))
 
     return build
@@ -280,8 +307,8 @@ def _fsdp2(compile_blocks: bool) -> Callable[[BuildContext], Built]:
         for block in model.layers.values():
             if compile_blocks:  # in place, so names and hooks stay on the block itself
                 block.compile(backend=ctx.compile_backend, fullgraph=True)
-            fully_shard(block, mesh=ctx.fsdp_mesh)
-        fully_shard(model, mesh=ctx.fsdp_mesh)
+            fully_shard(block, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
+        fully_shard(model, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
         return Built(model)
 
     return build
@@ -321,14 +348,15 @@ def _fsdp2_float8(ctx: BuildContext) -> Built:
     ao.convert_to_float8_training(model, module_filter_fn=converted, config=ao.Float8LinearConfig(
         enable_fsdp_float8_all_gather=True))
     for block in model.layers.values():
-        fully_shard(block, mesh=ctx.fsdp_mesh)
-    fully_shard(model, mesh=ctx.fsdp_mesh)
+        fully_shard(block, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
+    fully_shard(model, mesh=ctx.fsdp_mesh, mp_policy=ctx.fsdp2_mp_policy())
     return Built(model, after_step=lambda: ao.precompute_float8_dynamic_scale_for_fsdp(model))
 
 
 def _torch_ddp(ctx: BuildContext) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
+    ctx.full_precision_only("torch-ddp")
     model = plain_model(ctx)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # The only buffer (the RoPE table) is derived from the config: nothing to sync per
@@ -344,6 +372,7 @@ def _compute_only(compiled: bool) -> Callable[[BuildContext], Built]:
     (``ctx.compile_backend``, one graph), so each is measured against the computation it
     really runs (Inductor's fused kernels are faster than eager's)."""
     def build(ctx: BuildContext) -> Built:
+        ctx.full_precision_only(COMPUTE_ONLY[compiled])
         model = plain_model(ctx)
         if compiled:
             model = torch.compile(model, fullgraph=True, backend=ctx.compile_backend)

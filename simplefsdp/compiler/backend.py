@@ -34,6 +34,7 @@ from torch import fx
 
 from .._torch_compat import (
     aot_autograd,
+    compile_caches_off,
     compile_fx,
     custom_graph_pass_base,
     custom_partitioner_base,
@@ -222,6 +223,14 @@ class SimpleFSDPBackend:
             patches["custom_partitioner_fn"] = recompute.inductor_partitioner(base)
         if self.bucketing in PLANNED and cached[1] is None:
             patches["fx_graph_cache"] = False  # the pass talks: every rank must run it
+        if uneven_dtensor_inputs(example_inputs):
+            # The compile caches key a DTensor input by its global shape and placements,
+            # not this rank's local shape: with uneven shards the ranks compile different
+            # graphs under one key, and a rank on the same host may load another's (its
+            # size check then fails at run time). Compiled cold instead.
+            patches["fx_graph_cache"] = False
+            with compile_caches_off():
+                return compile_fx(gm, example_inputs, config_patches=patches)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _look_up_plans(self, gm: fx.GraphModule, example_inputs
@@ -399,6 +408,27 @@ def _count(collectives) -> dict[str, int]:
 def _install_cpu_collectives() -> None:
     if dist.is_initialized() and uses_gloo():
         install_gloo_collectives()
+
+
+def uneven_dtensor_inputs(example_inputs) -> bool:
+    """Whether a DTensor among ``example_inputs`` is split unevenly over the ranks: a
+    sharded dim whose size the product of its mesh dims' sizes does not divide (the
+    same answer on every rank: it reads global shapes only)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .._torch_compat import StridedShard
+
+    for value in example_inputs:
+        if not isinstance(value, DTensor):
+            continue
+        ways: dict[int, int] = {}
+        for mesh_dim, placement in enumerate(value.placements):
+            if isinstance(placement, (Shard, StridedShard)):
+                ways[placement.dim] = ways.get(placement.dim, 1) * \
+                    value.device_mesh.size(mesh_dim)
+        if any(value.shape[dim] % n for dim, n in ways.items()):
+            return True
+    return False
 
 
 def _inductor_pass(owner: SimpleFSDPBackend, cached: tuple[str | None, dict | None]):

@@ -24,8 +24,8 @@ class Float8Config:
     # contraction dim (finer, no float8 all-gather).
     recipe: Float8Recipe = "tensorwise"
     # Gather the converted weights in float8 (half the bf16 bytes, plus one scale each);
-    # tensorwise, parallel.dp_mode = 'fully_shard', no tensor parallelism (with
-    # parallel.tp > 1 set it false: the linears compute in float8 under TP, tensorwise).
+    # tensorwise, parallel.dp_mode = 'fully_shard' (with parallel.tp > 1 too: each scale
+    # agreed over the data-parallel and TP groups, the TP piece gathered in float8).
     all_gather: bool = True
     # Module FQN globs (fnmatch) kept in high precision: the output head and routers.
     exclude: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE))
@@ -53,11 +53,6 @@ def check_float8(cfg) -> None:
         raise ConfigError(f"float8.recipe = {f.recipe!r} with parallel.tp = {p.tp}: tensor "
                           f"parallelism is built for tensorwise scaling (each scale agreed "
                           f"over the TP group); set float8.recipe = 'tensorwise'")
-    if p.tp > 1 and f.all_gather:
-        raise ConfigError(f"float8.all_gather = true with parallel.tp = {p.tp}: the float8 "
-                          f"all-gather is not built with tensor parallelism; set "
-                          f"float8.all_gather = false (the linears still compute in float8, "
-                          f"their weights gathered in the parameter dtype)")
     if cfg.lora.enable:
         raise ConfigError("float8.enable = true with lora.enable = true is not supported; "
                           "turn one of them off")
