@@ -203,11 +203,20 @@ def expert_ffn(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         gate, up = mm(x, gate_up_t, offs=offsets).chunk(2, dim=-1)
         return mm((F.silu(gate) * up).contiguous(), down_t, offs=offsets)
+    # Traced, each expert's matmul is a one-batch bmm: the grouped matmul's stand-in, which
+    # selective AC keeps as it keeps ``_grouped_mm`` (``parallel.activation_checkpoint``;
+    # a plain ``mm`` would count among the block's every-other matmuls).
+    linear = _expert_bmm if traced else F.linear
     outs = []
     for e, rows in enumerate(x.split(counts)):
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[e]))
+        gate, up = linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(linear(F.silu(gate) * up, down[e]))
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+def _expert_bmm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(rows, weight)`` as a batch of one ``bmm`` (``expert_ffn``'s traced loop)."""
+    return torch.bmm(rows.unsqueeze(0), weight.t().unsqueeze(0)).squeeze(0)
 
 
 def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
