@@ -36,7 +36,7 @@ DISPATCHES = {"exact": None, "padded": float(ARGS.num_experts)}
 # (name, activation checkpointing, compiled, dispatch)
 VARIANTS = [("eager", "none", False, "exact"),
             *[(f"{ac}_{d}", ac, True, d) for d in DISPATCHES for ac in ("none", "selective")]]
-OPS = {torch.ops.aten.mm.default: "mm", torch.ops.aten.bmm.default: "bmm",
+OPS = {torch.ops.aten.mm.default: "mm", torch.ops.simplefsdp.expert_linear.default: "expert_linear",
        ALL_TO_ALL: "all_to_all"}
 
 
@@ -156,14 +156,14 @@ def test_selective_policy_keeps_exchanges_and_expert_matmuls(runs, dispatch):
     Dense block: 7 matmuls (wq, wk, wv, wo, w1, w3, w2), every other kept: 4 kept, 3
     recomputed; attention kept. Routed block: 5 matmuls counted (4 of attention and the
     router): 3 kept (wq, wv, router), 2 recomputed (wk, wo); the experts' matmuls (2 per
-    local expert: gate_up and down, ``bmm`` traced in float32) all kept and not counted;
+    local expert: gate_up and down, ``expert_linear`` traced in float32) all kept and not counted;
     the token exchanges kept: counts, dispatch and combine (exact), dispatch and combine
     (padded: static capacity, no counts' exchange)."""
     exchanges = 3 if dispatch == "exact" else 2
     dense = {("mm", "MUST_SAVE"): 4, ("mm", "PREFER_RECOMPUTE"): 3,
              ("attention", "MUST_SAVE"): 1}
     routed = {("mm", "MUST_SAVE"): 3, ("mm", "PREFER_RECOMPUTE"): 2,
-              ("attention", "MUST_SAVE"): 1, ("bmm", "MUST_SAVE"): 2 * LOCAL_EXPERTS,
+              ("attention", "MUST_SAVE"): 1, ("expert_linear", "MUST_SAVE"): 2 * LOCAL_EXPERTS,
               ("all_to_all", "MUST_SAVE"): exchanges}
     for rank in runs:
         calls = rank[f"selective_{dispatch}"]["policy_calls"]

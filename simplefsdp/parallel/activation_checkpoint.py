@@ -84,13 +84,14 @@ def _routed_saved_ops() -> set:
     token exchanges' outputs (``all_to_all_single``: recomputing one would repeat a
     collective in backward; the counts' exchange too, whose values size the rest) and the
     routed experts' matmuls, all of them (``aten._grouped_mm``; traced in float32
-    ``models.moe.expert_ffn`` runs one ``bmm`` per expert in its place), not counted
+    ``models.moe.expert_ffn`` runs one ``expert_linear`` per expert in its place), not counted
     among the block's every-other matmuls. Not the exchanges' waits: the policy cannot
     tell them from the FSDP gathers' waits, which must be recomputed (a recomputed wait
     on a kept exchange's output moves nothing)."""
     aten = torch.ops.aten
     grouped = getattr(aten, "_grouped_mm", None)  # torch's grouped matmul, where it has one
-    return {ALL_TO_ALL, aten.bmm.default,
+    # models.moe (imported by .expert) registered simplefsdp::expert_linear
+    return {ALL_TO_ALL, torch.ops.simplefsdp.expert_linear.default,
             *(() if grouped is None else (grouped.default,))}
 
 
