@@ -26,13 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .teardown import destroy_library, release_mesh_groups
-from .unbacked import (
-    all_to_all_single,
-    check_size,
-    check_that,
-    data_dependent_shapes,
-    forward_side_effects_once,
-)
+from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 
 __all__ = [
     "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd",
@@ -42,8 +36,7 @@ __all__ = [
     "data_dependent_shapes", "default_group", "default_store", "destroy_library",
     "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
     "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
-    "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "forward_side_effects_once",
-    "grouped_mm",
+    "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
     "release_mesh_groups", "replay_after_graph", "resolve_process_group", "root_mesh",

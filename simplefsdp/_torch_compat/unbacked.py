@@ -51,3 +51,10 @@ def forward_side_effects_once():
     writes happen in the forward only, not again when backward recomputes the region.
     checked: 2.13 (``_dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``)."""
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+def grouped_mm_op():
+    """The grouped matmul's aten overload (``aten._grouped_mm.default``: what a checkpoint
+    policy sees of the routed experts), or None where torch has none. checked: 2.13."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    return None if packet is None else packet.default

@@ -223,7 +223,6 @@ def expert_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(rows, weight)
 
 
-@expert_linear.register_fake
 def _expert_linear_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], weight.shape[0])
 
@@ -238,6 +237,7 @@ def _expert_linear_backward(ctx, grad: torch.Tensor):
     return grad.mm(weight), rows.t().mm(grad).t()
 
 
+expert_linear.register_fake(_expert_linear_shape)
 expert_linear.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup)
 
 

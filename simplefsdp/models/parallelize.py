@@ -37,11 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import simplefsdp
 
-from .._torch_compat import (
-    data_dependent_shapes,
-    forward_side_effects_once,
-    raise_recompile_limits,
-)
+from .._torch_compat import data_dependent_shapes, raise_recompile_limits
+from .._torch_compat.unbacked import forward_side_effects_once
 from ..compiler.cost.state import optimizer_state_bytes
 from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
 from ..errors import ConfigError

@@ -41,6 +41,7 @@ from .._torch_compat.internals import (
     checkpointed_inner,
     set_checkpoint_keywords,
 )
+from .._torch_compat.unbacked import grouped_mm_op
 from ..compiler.collectives import ALL_TO_ALL, CollectiveKind
 from ..errors import ConfigError
 from .expert import holds_experts, keep_exchanges
@@ -88,11 +89,10 @@ def _routed_saved_ops() -> set:
     among the block's every-other matmuls. Not the exchanges' waits: the policy cannot
     tell them from the FSDP gathers' waits, which must be recomputed (a recomputed wait
     on a kept exchange's output moves nothing)."""
-    aten = torch.ops.aten
-    grouped = getattr(aten, "_grouped_mm", None)  # torch's grouped matmul, where it has one
+    grouped = grouped_mm_op()  # torch's grouped matmul, where it has one
     # models.moe (imported by .expert) registered simplefsdp::expert_linear
     return {ALL_TO_ALL, torch.ops.simplefsdp.expert_linear.default,
-            *(() if grouped is None else (grouped.default,))}
+            *(() if grouped is None else (grouped,))}
 
 
 def _selective_context(extra_saved: frozenset = frozenset()):
