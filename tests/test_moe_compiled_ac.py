@@ -148,7 +148,6 @@ def test_selective_moe_block_is_one_graph_equal_to_no_ac(runs, dispatch):
         assert all(sum(load) == BATCH * SEQ * ARGS.top_k for load in selective["loads"])
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("dispatch", DISPATCHES)
 def test_selective_policy_keeps_exchanges_and_expert_matmuls(runs, dispatch):
     """The policy's decisions in each traced checkpointed call, counted by hand.
@@ -186,3 +185,35 @@ def test_backward_recomputes_what_the_policy_says(runs, dispatch):
         extra = selective["backward"].copy()
         extra.subtract(none["backward"])
         assert {op: n for op, n in extra.items() if n} == {"mm": 3 + 2}
+
+
+@pytest.mark.quick
+def test_routed_policy_and_expert_linear_by_hand():
+    """One process, no compile. The compiled routed block's policy (a fresh one per call,
+    as the checkpoint makes it) keeps the all-to-all, the grouped matmul and
+    ``expert_linear`` every time, without counting them: the block's matmuls are still
+    kept, recomputed, kept (1st, 2nd, 3rd). ``expert_linear`` is ``F.linear``: the same
+    output and gradients, bitwise (the same matmuls)."""
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    from simplefsdp._torch_compat.unbacked import grouped_mm_op
+
+    saved = frozenset(activation_checkpoint._saved_ops()
+                      | activation_checkpoint._routed_saved_ops())
+    calls, ctx = collections.Counter(), SelectiveCheckpointContext(is_recompute=False)
+    kept = [ALL_TO_ALL, torch.ops.simplefsdp.expert_linear.default]
+    kept += [grouped_mm_op()] if grouped_mm_op() is not None else []
+    decisions = []
+    for op in (torch.ops.aten.mm.default, *kept, torch.ops.aten.mm.default, *kept,
+               torch.ops.aten.mm.default, torch.ops.aten.silu.default):
+        decisions.append(activation_checkpoint._selective_policy(saved, calls, ctx, op))
+    save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert decisions == [save, *[save] * len(kept), again, *[save] * len(kept), save, again]
+    rows = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(6, 8, requires_grad=True)
+    ours, theirs = moe.expert_linear(rows, weight), torch.nn.functional.linear(rows, weight)
+    grad = torch.randn(5, 6)
+    assert torch.equal(ours, theirs)
+    ours_grads = torch.autograd.grad(ours, (rows, weight), grad)
+    assert all(torch.equal(a, b) for a, b in zip(
+        ours_grads, torch.autograd.grad(theirs, (rows, weight), grad), strict=True))
