@@ -377,9 +377,10 @@ def test_moe_ep_variants_two_ranks(tmp_path):
     the two token exchanges reversed: 5) and spend time in them, part of the time blocked
     in communication.
 
-    Compiled (aot_eager), the exchanges are nodes of the graph and are counted and timed
-    the same: the exact dispatch's 5 with the reference's losses; the padded dispatch's 4
-    (no counts' exchange: static capacity), its losses its own (dropped slots)."""
+    Compiled (aot_eager), the exchanges are nodes of the one forward and one backward
+    graph and are counted and timed the same: the exact dispatch's 5 with the reference's
+    losses; the padded dispatch's 4 (no counts' exchange: static capacity), its losses its
+    own (dropped slots)."""
     exact = ["simplefsdp-eager", "moe-ep2-eager", "fsdp2-ep2-eager", "moe-ep2-compiled"]
     names = [*exact, "moe-ep2-padded-compiled"]
     proc = _bench(tmp_path, *SMOKE_SHAPE, "--model.name", "debug_moe", "--model.num_experts",
@@ -396,6 +397,8 @@ def test_moe_ep_variants_two_ranks(tmp_path):
         assert 0 < rows[name]["all_to_all_s"] <= rows[name]["comm_blocked_s"], name
     for name in exact[1:]:
         assert rows[name]["loss_match"] is True, (name, rows[name]["max_loss_diff"])
+    for name in names[3:]:  # compiled as the trainer does: no break, one graph each way
+        assert [p["graph"] for p in rows[name]["passes"]] == ["forward", "backward"], name
     assert rows["simplefsdp-eager"]["all_to_alls_per_step"] is None
 
 
