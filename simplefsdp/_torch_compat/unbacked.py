@@ -43,3 +43,18 @@ def data_dependent_shapes():
     (``_dynamo.config.capture_scalar_outputs`` / ``capture_dynamic_output_shape_ops``)."""
     return torch._dynamo.config.patch(capture_scalar_outputs=True,
                                       capture_dynamic_output_shape_ops=True)
+
+
+def forward_side_effects_once():
+    """A context in which Dynamo traces a checkpointed region that writes outside itself
+    (a routed block's load counters and balance loss) instead of breaking the graph; the
+    writes happen in the forward only, not again when backward recomputes the region.
+    checked: 2.13 (``_dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``)."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+def grouped_mm_op():
+    """The grouped matmul's aten overload (``aten._grouped_mm.default``: what a checkpoint
+    policy sees of the routed experts), or None where torch has none. checked: 2.13."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    return None if packet is None else packet.default

@@ -159,15 +159,24 @@ def _hybrid_shard(ctx: BuildContext) -> Built:
     return Built(torch.compile(model, fullgraph=True, backend=backend), backend)
 
 
-def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]:
+# The padded dispatch's capacity factor in the benchmark: the trainer's default
+# (``parallel.expert_capacity_factor``).
+PADDED_CAPACITY_FACTOR = 1.25
+
+
+def _expert_parallel(ep: int, compiled: bool, dispatch: str = "exact"
+                     ) -> Callable[[BuildContext], Built]:
     """An MoE preset with expert parallelism over ``ep`` of the ranks (``parallel/expert.py``:
     experts split, then sharded over the rest; everything else fully sharded), eager or
-    compiled with our backend (manual bucketing and reordering; the routed experts leave
-    the graph, as in the trainer)."""
+    compiled with our backend (manual bucketing and reordering) as the trainer compiles
+    an MoE (``models.parallelize.compile_model``: the routed experts and their
+    all-to-alls in the graph); ``dispatch``: ``"exact"`` or ``"padded"``
+    (:data:`PADDED_CAPACITY_FACTOR`, ``parallel.expert.set_expert_dispatch``)."""
 
     def build(ctx: BuildContext) -> Built:
         from ..mesh import ParallelDims
-        from ..parallel.expert import apply_ep, shard_experts
+        from ..models.parallelize import compile_model
+        from ..parallel.expert import apply_ep, set_expert_dispatch, shard_experts
 
         world = _check_ep(ctx, ep)
         backend = sf.compile_backend(backend=ctx.compile_backend, bucketing="manual",
@@ -175,6 +184,7 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
         mesh = sf.make_mesh(dp_shard=world, device_type=ctx.device.type)
         model = plain_model(ctx)
         apply_ep(model, ParallelDims.expert_mesh(mesh, ep))
+        set_expert_dispatch(model, dispatch, PADDED_CAPACITY_FACTOR)
         shard_experts(model, ParallelDims.expert_mesh(mesh, ep))
         model = sf.data_parallel(model, mesh, mp_policy=ctx.mp_policy())
         # The benchmark's loss is each rank's mean and gradients are averaged: an expert's
@@ -186,7 +196,7 @@ def _expert_parallel(ep: int, compiled: bool) -> Callable[[BuildContext], Built]
             if mesh_of is not None and "ep" in (mesh_of.mesh_dim_names or ()):
                 param.register_post_accumulate_grad_hook(functools.partial(_divide_grad, ep))
         if backend is not None:
-            model = torch.compile(model, fullgraph=False, backend=backend)
+            model = compile_model(model, backend, fullgraph=False)
         return Built(model, backend)
 
     return build
@@ -422,8 +432,12 @@ _SPECS = [
     VariantSpec("moe-ep2-eager", "MoE preset: EP 2 x FSDP (world / 2), eager",
                 _expert_parallel(2, False), moe=True),
     VariantSpec("moe-ep2-compiled", "MoE preset: EP 2 x FSDP, compiled (manual bucketing + "
-                "reordering; routed experts eager between graphs)", _expert_parallel(2, True),
-                compiled=True, moe=True),
+                "reordering; the exact dispatch and its all-to-alls in the graph)",
+                _expert_parallel(2, True), compiled=True, moe=True),
+    VariantSpec("moe-ep2-padded-compiled", "moe-ep2-compiled with the padded dispatch "
+                f"(capacity factor {PADDED_CAPACITY_FACTOR}, static shapes; its losses differ "
+                "from the reference by the dropped slots)",
+                _expert_parallel(2, True, "padded"), compiled=True, moe=True),
     VariantSpec("fsdp2-ep2-eager", "MoE preset: torch FSDP2 (experts over world / 2, the "
                 "rest per block + root) with our EP 2 dispatch, eager",
                 _fsdp2_expert_parallel(2), moe=True),

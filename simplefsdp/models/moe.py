@@ -204,11 +204,42 @@ def expert_ffn(x: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         gate, up = mm(x, gate_up_t, offs=offsets).chunk(2, dim=-1)
         return mm((F.silu(gate) * up).contiguous(), down_t, offs=offsets)
+    # Traced, each expert's matmul is one op of our own (``expert_linear``): the grouped
+    # matmul's stand-in, which selective AC keeps as it keeps ``_grouped_mm``
+    # (``parallel.activation_checkpoint``); a plain ``mm`` would count among the block's
+    # every-other matmuls, and Inductor's ``bmm`` guards on the unbacked row counts.
+    linear = expert_linear if traced else F.linear
     outs = []
     for e, rows in enumerate(x.split(counts)):
-        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[e]))
+        gate, up = linear(rows, gate_up[e]).chunk(2, dim=-1)
+        outs.append(linear(F.silu(gate) * up, down[e]))
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+@torch.library.custom_op("simplefsdp::expert_linear", mutates_args=(),
+                         schema="(Tensor rows, Tensor weight) -> Tensor")
+def expert_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(rows, weight)`` for one routed expert, as one op a checkpoint policy can
+    name (``expert_ffn``'s traced loop, where the grouped matmul cannot run)."""
+    return F.linear(rows, weight)
+
+
+def _expert_linear_shape(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weight.shape[0])
+
+
+def _expert_linear_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_linear_backward(ctx, grad: torch.Tensor):
+    """``F.linear``'s own gradients, the same matmuls in the same layouts (bitwise)."""
+    rows, weight = ctx.saved_tensors
+    return grad.mm(weight), rows.t().mm(grad).t()
+
+
+expert_linear.register_fake(_expert_linear_shape)
+expert_linear.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup)
 
 
 def routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

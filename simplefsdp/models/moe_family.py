@@ -41,7 +41,6 @@ from ..config.job import JobConfig
 from ..errors import ConfigError, config_errors
 from ..mesh import ParallelDims
 from ..models import moe, registry
-from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.expert import (
     MOE_COLUMNS,
     apply_ep,
@@ -133,15 +132,11 @@ COMPILE_NOTE = ("[simplefsdp] compile: the routed experts are traced into each M
                 "block's graph (the exact dispatch's split sizes as unbacked sizes, its "
                 "all-to-alls as functional collectives; parallel.expert_dispatch = 'padded' "
                 "has static shapes); under selective activation checkpointing a routed "
-                "block's dispatch runs eagerly between its graphs, keeping the token "
-                "exchanges' outputs for the recomputation")
-# Not one graph by force: under selective AC a routed block breaks around its dispatch
-# (COMPILE_NOTE); otherwise nothing breaks.
+                "block keeps its token exchanges' and its experts' matmuls' outputs")
+# Not one graph by force: nothing breaks under no or selective AC; under full AC each
+# block's own call is compiled inside its eager checkpoint
+# (``parallel.activation_checkpoint.compile_checkpointed_blocks``).
 FULLGRAPH = False
-SELECTIVE_NOTE = ("[simplefsdp] compile: activation_checkpoint.mode = 'selective' recomputes "
-                  "each block's compiled graphs whole here, as 'full' (a block's checkpoint "
-                  "runs around them: the selective policy cannot see inside); it keeps the "
-                  "outputs of the token all-to-alls between them, which are not repeated")
 
 
 def _parallelize(model, mesh, dims: ParallelDims, cfg: JobConfig):
@@ -149,9 +144,6 @@ def _parallelize(model, mesh, dims: ParallelDims, cfg: JobConfig):
     compiled as :data:`COMPILE_NOTE` says."""
     if cfg.compile.enable and dist.get_rank() == 0:
         print(COMPILE_NOTE, flush=True)
-        mode = cfg.activation_checkpoint.mode
-        if ac_mode_run(mode, compiled=True, fullgraph=FULLGRAPH) != mode:
-            print(SELECTIVE_NOTE, flush=True)
     return parallelize(model, mesh, dims, _with_router_fp32(cfg), before_dp=_shard_experts,
                        fullgraph=FULLGRAPH)
 

@@ -25,6 +25,7 @@ family's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -37,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import simplefsdp
 
 from .._torch_compat import data_dependent_shapes, raise_recompile_limits
+from .._torch_compat.unbacked import forward_side_effects_once
 from ..compiler.cost.state import optimizer_state_bytes
 from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
 from ..errors import ConfigError
@@ -142,13 +144,21 @@ def compile_model(model: nn.Module, backend, fullgraph: bool = True,
                   routes_tokens: bool | None = None) -> nn.Module:
     """``torch.compile(model)`` with ``backend``; a model that routes tokens to experts
     (``routes_tokens``; default: it has our MoE layers) is traced with data-dependent
-    shapes (``_torch_compat.data_dependent_shapes``) on."""
+    shapes (``_torch_compat.data_dependent_shapes``) on, and its routed blocks' forward
+    writes (load counters, balance loss) done once under a checkpoint
+    (``_torch_compat.forward_side_effects_once``: selective AC traces the block whole)."""
     compiled = torch.compile(model, fullgraph=fullgraph, backend=backend)
     if moe_layers(model) if routes_tokens is None else routes_tokens:
         # The exact expert dispatch reads its split sizes on the host: traced as unbacked
         # sizes. Set only while this model's frames are traced (its forward), not globally.
-        compiled.forward = _traced_with(data_dependent_shapes, compiled.forward)
+        compiled.forward = _traced_with(_moe_tracing, compiled.forward)
     return compiled
+
+
+@contextlib.contextmanager
+def _moe_tracing():
+    with data_dependent_shapes(), forward_side_effects_once():
+        yield
 
 
 def _traced_with(context, forward):

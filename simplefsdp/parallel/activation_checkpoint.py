@@ -7,11 +7,13 @@ without the trainer: a model (or a block) and a mode.
 policy: it keeps the outputs of attention, TP reduce-scatters and every other matmul,
 and recomputes the rest (the other matmuls, norms, activations, RoPE, and the FSDP
 all-gathers, so resharding still holds). A block that routes tokens to experts also keeps
-its token exchanges (``parallel.expert.keep_exchanges``).
+its token exchanges: eagerly through ``parallel.expert.keep_exchanges``; compiled, the
+same policy keeps the all-to-alls' and the experts' (grouped) matmuls' outputs
+(:func:`_compiled_routed_selective_context`), traced into the model's graph.
 
 Under ``torch.compile``: :func:`ac_mode_run` says what a compiled block's graphs get,
-:func:`compile_checkpointed_blocks` compiles each checkpointed block of a model that
-leaves the graph, and :func:`check_composition` refuses what this torch cannot compile.
+:func:`compile_checkpointed_blocks` prepares the checkpointed blocks of a model that may
+leave the graph, and :func:`check_composition` refuses what this torch cannot compile.
 :func:`quiet_our_checkpoint_warning` drops torch's warning about our own regions.
 """
 
@@ -39,7 +41,8 @@ from .._torch_compat.internals import (
     checkpointed_inner,
     set_checkpoint_keywords,
 )
-from ..compiler.collectives import CollectiveKind
+from .._torch_compat.unbacked import grouped_mm_op
+from ..compiler.collectives import ALL_TO_ALL, CollectiveKind
 from ..errors import ConfigError
 from .expert import holds_experts, keep_exchanges
 
@@ -77,18 +80,42 @@ def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func
 _MATMULS = _matmul_ops()
 
 
-def _selective_context():
-    """A fresh policy per checkpointed call: the matmul count restarts with each block."""
-    policy = functools.partial(_selective_policy, frozenset(_saved_ops()),
+def _routed_saved_ops() -> set:
+    """What selective AC keeps in a compiled routed block besides :func:`_saved_ops`: the
+    token exchanges' outputs (``all_to_all_single``: recomputing one would repeat a
+    collective in backward; the counts' exchange too, whose values size the rest) and the
+    routed experts' matmuls, all of them (``aten._grouped_mm``; traced in float32
+    ``models.moe.expert_ffn`` runs one ``expert_linear`` per expert in its place), not counted
+    among the block's every-other matmuls. Not the exchanges' waits: the policy cannot
+    tell them from the FSDP gathers' waits, which must be recomputed (a recomputed wait
+    on a kept exchange's output moves nothing)."""
+    grouped = grouped_mm_op()  # torch's grouped matmul, where it has one
+    # models.moe (imported by .expert) registered simplefsdp::expert_linear
+    return {ALL_TO_ALL, torch.ops.simplefsdp.expert_linear.default,
+            *(() if grouped is None else (grouped,))}
+
+
+def _selective_context(extra_saved: frozenset = frozenset()):
+    """A fresh policy per checkpointed call: the matmul count restarts with each block;
+    ``extra_saved``: ops kept besides :func:`_saved_ops` (a routed block's, compiled)."""
+    policy = functools.partial(_selective_policy, frozenset(_saved_ops()) | extra_saved,
                                collections.Counter())
     return create_selective_checkpoint_contexts(policy)
+
+
+def _compiled_routed_selective_context():
+    """:func:`_selective_context` for a routed block traced into a compiled graph: the
+    same policy, keeping the exchanges and the experts' matmuls (:func:`_routed_saved_ops`).
+    Dispatch modes only, as a checkpoint traced by Dynamo needs; the Python-state
+    exchanges of :func:`_routed_selective_context` are eager's."""
+    return _selective_context(frozenset(_routed_saved_ops()))
 
 
 def _routed_selective_context():
     """:func:`_selective_context` for a block that routes tokens to experts, its token
     exchanges kept as well (``parallel.expert.keep_exchanges``: the recomputation is
     served their outputs, so it moves no token again). Eager only: a checkpoint traced
-    into a graph takes dispatch modes alone, and a routed block breaks the graph."""
+    into a graph takes dispatch modes alone (:func:`_compiled_routed_selective_context`)."""
     return tuple(_both(*pair) for pair in zip(_selective_context(), keep_exchanges(),
                                               strict=True))
 
@@ -131,43 +158,39 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
 
 
 def ac_mode_run(mode: str, compiled: bool, fullgraph: bool) -> str:
-    """The activation checkpointing a block's graphs get for
-    ``activation_checkpoint.mode``: ``selective`` recomputes them whole in a compiled
-    model that leaves the graph (``fullgraph = False``: an MoE's; only the token exchanges
-    between them are kept, :func:`compile_checkpointed_blocks`)."""
+    """The activation checkpointing the planner prices for ``activation_checkpoint.mode``:
+    ``selective`` as whole-block recomputation in a compiled model that may leave the
+    graph (``fullgraph = False``: an MoE's), as compiled routed blocks ran before their
+    op-level policy (:func:`compile_checkpointed_blocks`); the planner's MoE terms
+    (``plan/moe.py``) are priced on that rule until they learn the op-level one."""
     return "full" if mode == "selective" and compiled and not fullgraph else mode
 
 
 def compile_checkpointed_blocks(model: nn.Module, backend) -> None:
-    """Compile each checkpointed block's own call, in a model that leaves the graph (an
-    MoE's eager expert dispatch). A block with a break cannot be one checkpoint region of
-    a graph: its checkpoint runs eagerly around compiled frames, and a recomputation in
-    backward, called by autograd outside the compiled model, would run the block eagerly,
-    saving other tensors than the compiled forward (``torch.utils.checkpoint`` refuses
-    that: "Recomputed values ... have different metadata"; a dense block traced from the
-    outer frames breaks the same way). Compiled on their own, the forward and its
-    recomputation run the same graphs.
+    """Prepare the checkpointed blocks of a model compiled with ``fullgraph = False`` (an
+    MoE's).
 
-    Under ``selective`` such a block's graphs are recomputed whole: the op-level policy
-    cannot see into an Inductor graph. What a routed block keeps is the outputs of the
-    eager token exchanges between them (``parallel.expert.keep_exchanges``), so the
-    recomputation moves no token again. No selective-checkpoint mode runs around these
-    graphs: in the recomputation it would meet ops of Inductor's runtime wrappers that
-    the forward did not run ("... encountered during backward but not found in
-    storage"). A dense block (DeepSeek's first) has no break:
-    Dynamo traces its checkpoint into the graph, where ``context_fn`` must make dispatch
-    modes, so it gets none (full AC, as the graphs of a routed block)."""
+    ``selective``: every block's checkpoint is traced into the model's graph, with the
+    op-level policy applied in the graph. A routed block's policy also keeps its token
+    exchanges and its experts' matmuls (:func:`_compiled_routed_selective_context`): its
+    recomputation in backward repeats no all-to-all. The routed dispatch traces whole
+    (``parallel.expert``'s exact one with unbacked sizes); a routed block's forward
+    updates its load counters and balance loss, which the recomputation must not repeat
+    (``_torch_compat.forward_side_effects_once``, set by ``models.parallelize.compile_model``).
+
+    ``full``: each block's own call is compiled inside its eager checkpoint, so a
+    recomputation, called by autograd outside the compiled model, runs the same graphs
+    (a checkpoint around compiled frames would recompute the block eagerly, saving other
+    tensors than the compiled forward: "Recomputed values ... have different metadata")."""
     for block in getattr(model, "layers", {}).values():
         inner = checkpointed_inner(block)
         if inner is None:
             continue
-        inner.compile(backend=backend)
         keywords = checkpoint_keywords(block)
-        if keywords.get("context_fn") is not None:  # selective
-            if _routes_tokens(block):  # its checkpoint runs eagerly, around the dispatch
-                keywords["context_fn"] = keep_exchanges
-            else:  # traced whole: compile takes dispatch-mode contexts only; as full
-                del keywords["context_fn"]
+        if keywords.get("context_fn") is None:  # full
+            inner.compile(backend=backend)
+        elif _routes_tokens(block):  # selective: dispatch modes only, traced with the model
+            keywords["context_fn"] = _compiled_routed_selective_context
             set_checkpoint_keywords(block, keywords)
 
 
@@ -207,7 +230,8 @@ def _our_context_fns() -> tuple:
     # the module by name: ``simplefsdp.data_parallel`` the attribute is the function
     gather = importlib.import_module("simplefsdp.data_parallel")
     return tuple(fn for fn in (getattr(gather, "_gather_policy_contexts", None),
-                               _selective_context) if fn is not None)
+                               _selective_context, _compiled_routed_selective_context)
+                 if fn is not None)
 
 
 def _has_in_place_op(region: nn.Module) -> bool:

@@ -219,7 +219,7 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
         group = experts._sf_ep_group
         return padded_experts(x, counts, gate_up, down, capacity, dist.get_world_size(group),
                               functools.partial(_exchange_even, group=group))
-    if _kept is not None:  # selective AC around compiled frames: the kept exchanges
+    if _kept is not None:  # eager selective AC: the kept exchanges
         return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group)
     return _dispatch(x, counts, gate_up, down, experts._sf_ep_group)
 
@@ -254,9 +254,10 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
 @torch.compiler.disable
 def _dispatch_kept(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """:func:`_dispatch` while a checkpoint keeps the token exchanges
-    (:func:`keep_exchanges`, selective AC of a compiled model's routed blocks): it reads
-    and appends to Python state that a graph cannot replay, so it runs eagerly here."""
+    """:func:`_dispatch` while an eager checkpoint keeps the token exchanges
+    (:func:`keep_exchanges`, eager selective AC): it reads and appends to Python state
+    that a graph cannot replay, so it is never traced (a compiled routed block's policy
+    keeps the exchanges in the graph: ``activation_checkpoint.compile_checkpointed_blocks``)."""
     return _dispatch(x, counts, gate_up, down, group)
 
 
