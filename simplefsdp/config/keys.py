@@ -32,6 +32,37 @@ def check_expert_dispatch(p, family: str) -> None:
                           f"parallel.expert_dispatch = 'exact'")
 
 
+def check_etp(cfg, family: str) -> None:
+    """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
+    TP ranks, ``parallel/expert.py``'s ``apply_etp``), and then only where it is built:
+    our MoE family, ``ep = 1``, ``pp = 1``, no context parallelism, the exact dispatch,
+    eager."""
+    p = cfg.parallel
+    if p.etp == 1:
+        return
+    if p.etp != p.tp:
+        raise ConfigError(f"parallel.etp = {p.etp!r} must be 1 or parallel.tp = {p.tp} (the "
+                          f"routed experts are split over the whole TP group or not at all); "
+                          f"set parallel.etp = {p.tp} or 1")
+    cp = p.cp_ring * p.cp_ulysses
+    refusals = [
+        (family != "moe", f"model.family = {family!r}: expert tensor parallelism is built "
+                          f"for our MoE presets"),
+        (p.ep > 1, f"parallel.ep = {p.ep}: the expert-parallel groups include the TP ranks, "
+                   f"which would then hold different experts"),
+        (p.pp > 1, f"parallel.pp = {p.pp}: not built with pipeline stages"),
+        (cp > 1, "parallel.cp_ring / cp_ulysses > 1: not built with context parallelism"),
+        (p.expert_dispatch != "exact", "parallel.expert_dispatch = 'padded': the padded "
+                                       "dispatch is not split over TP"),
+        (cfg.compile.enable, "compile.enable = true: not yet traced into the compiled "
+                             "blocks"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"parallel.etp = {p.etp} cannot be combined with {why}; set "
+                              f"parallel.etp = 1")
+
+
 def check_hf_balance(m) -> None:
     """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
     ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss

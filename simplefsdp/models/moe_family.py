@@ -45,6 +45,7 @@ from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.expert import (
     MOE_COLUMNS,
     apply_ep,
+    apply_etp,
     check_expert_split,
     expert_figures,
     set_expert_dispatch,
@@ -126,6 +127,8 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode)
     if p.ep > 1:
         apply_ep(model, experts_mesh)
+    if p.etp > 1:
+        apply_etp(model, mesh["tp"])
     shard_experts(model, experts_mesh, **dp_options(cfg))
 
 
