@@ -39,8 +39,7 @@ __all__ = [
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
-    "reduce_scatter_autograd", "release_mesh_groups", "replay_after_graph",
-    "resolve_process_group", "root_mesh",
+    "release_mesh_groups", "replay_after_graph", "resolve_process_group", "root_mesh",
     "slice_flattened", "storage_key", "StridedShard", "symint_hint", "TorchDispatchMode",
     "tree_flatten", "tree_map",
 ]
@@ -449,17 +448,6 @@ def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
     gather = getattr(funcol, "all_gather_single_autograd", None)
     return (gather or funcol.all_gather_tensor_autograd)(x, 0, group)
-
-
-def reduce_scatter_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Reduce-scatter (sum) along dim 0 whose backward all-gathers the gradient, waited
-    for. checked: 2.13 (``_functional_collectives.reduce_scatter_single_autograd``, on
-    gloo); version fallback: ``reduce_scatter_tensor_autograd`` (its older name)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    scatter = getattr(funcol, "reduce_scatter_single_autograd", None)
-    out = (scatter or funcol.reduce_scatter_tensor_autograd)(x, "sum", 0, group)
-    return funcol.wait_tensor(out)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

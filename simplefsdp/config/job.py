@@ -432,7 +432,7 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_expert_dispatch(p, family.name)
-        check_etp(self, family.name)
+        check_etp(self, family.name, dims.cp)
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)

@@ -32,11 +32,11 @@ def check_expert_dispatch(p, family: str) -> None:
                           f"parallel.expert_dispatch = 'exact'")
 
 
-def check_etp(cfg, family: str) -> None:
+def check_etp(cfg, family: str, cp: int) -> None:
     """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
     TP ranks, ``parallel/expert.py``'s ``apply_etp``), and then only where it is built:
     our MoE family, ``ep = 1``, ``pp = 1``, no context parallelism, the exact dispatch,
-    eager."""
+    eager. ``cp``: the context-parallel degree (``ParallelDims.cp``)."""
     p = cfg.parallel
     if p.etp == 1:
         return
@@ -44,7 +44,6 @@ def check_etp(cfg, family: str) -> None:
         raise ConfigError(f"parallel.etp = {p.etp!r} must be 1 or parallel.tp = {p.tp} (the "
                           f"routed experts are split over the whole TP group or not at all); "
                           f"set parallel.etp = {p.tp} or 1")
-    cp = p.cp_ring * p.cp_ulysses
     refusals = [
         (family != "moe", f"model.family = {family!r}: expert tensor parallelism is built "
                           f"for our MoE presets"),

@@ -45,9 +45,8 @@ from .._torch_compat import (
     all_to_all_single_autograd,
     check_size,
     flatten_mesh,
-    reduce_scatter_autograd,
 )
-from .._torch_compat.internals import module_style
+from .._torch_compat.internals import module_style, reduce_scatter_autograd
 from ..mesh import CP_DIMS, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers, padded_experts
 from ..module_swap import derived_class
