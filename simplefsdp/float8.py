@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import eager_reshard
 from ._torch_compat import c10d_functional
@@ -69,8 +70,15 @@ def to_float8(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
     return (t.float() * scale).clamp(-top, top).to(dtype)
 
 
-def cast_tensorwise(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = scale_from_amax(t.detach().abs().max(), dtype)
+def cast_tensorwise(t: torch.Tensor, dtype: torch.dtype, group: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast with one scale for the whole tensor; ``group``: ``t`` is this rank's piece of
+    a tensor split over that process group (tensor parallelism), whose amax is agreed
+    (all-reduced, ``max``) so every piece is cast as the whole tensor would be."""
+    amax = _local_amax(t)
+    if group is not None:
+        amax = _all_reduce_max(amax, group)
+    scale = scale_from_amax(amax, dtype)
     return to_float8(t, scale, dtype), scale
 
 
@@ -92,22 +100,37 @@ def _mm(a8: torch.Tensor, b8: torch.Tensor, a_scale: torch.Tensor, b_scale: torc
     return scaled_mm(a8, b8, a_scale.reciprocal(), b_scale.reciprocal(), out_dtype)
 
 
+class AmaxGroups(NamedTuple):
+    """Tensor parallelism: the process group over which the tensorwise amax of ``x``,
+    the weight and the output's gradient is agreed, for each one that is split over the
+    TP ranks (None: whole on every rank, its local amax is the tensor's)."""
+
+    x: str | None = None
+    weight: str | None = None
+    grad: str | None = None
+
+
+_LOCAL = AmaxGroups()
+
+
 class _Float8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with all three matmuls in float8. ``x``: (M, K); ``weight``: the
     (N, K) high-precision weight, or with ``w8`` given (the gathered float8 weight and
-    its ``w_scale``) the gradient stand-in that receives ``dW``."""
+    its ``w_scale``) the gradient stand-in that receives ``dW``. ``groups``: under
+    tensor parallelism, where each tensorwise amax is agreed (:class:`AmaxGroups`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w8, w_scale, rowwise: bool):
+    def forward(ctx, x, weight, w8, w_scale, rowwise: bool, groups: AmaxGroups = _LOCAL):
         ctx.rowwise, ctx.x_dtype, ctx.w_dtype = rowwise, x.dtype, weight.dtype
+        ctx.grad_group = groups.grad
         if rowwise:
             x8, xs = cast_rowwise(x, E4M3, dim=1)
             wr8, ws = cast_rowwise(weight, E4M3, dim=1)
             ctx.save_for_backward(x, weight)
             return _mm(x8, wr8.t(), xs, ws.t(), x.dtype)
-        x8, xs = cast_tensorwise(x, E4M3)
+        x8, xs = cast_tensorwise(x, E4M3, groups.x)
         if w8 is None:
-            w8, w_scale = cast_tensorwise(weight, E4M3)
+            w8, w_scale = cast_tensorwise(weight, E4M3, groups.weight)
         ctx.save_for_backward(x8, xs, w8, w_scale)
         return _mm(x8, w8.t(), xs, w_scale, x.dtype)
 
@@ -115,15 +138,15 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         if ctx.rowwise:
-            return (*_rowwise_grads(ctx, grad), None, None, None)
+            return (*_rowwise_grads(ctx, grad), None, None, None, None)
         x8, xs, w8, ws = ctx.saved_tensors
-        g8, gs = cast_tensorwise(grad, E5M2)
+        g8, gs = cast_tensorwise(grad, E5M2, ctx.grad_group)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
             grad_x = _mm(g8, _column_major(w8), gs, ws, ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
             grad_w = _mm(g8.t().contiguous(), _column_major(x8), gs, xs, ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def _rowwise_grads(ctx, grad: torch.Tensor):
@@ -161,6 +184,10 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         flat = x.reshape(-1, x.shape[-1])
+        if isinstance(weight, DTensor):  # tensor parallelism: each rank its piece
+            out = _tp_matmul(x, weight, self.float8_recipe)
+            bias = self.bias
+            return out if bias is None else out + bias.to(out.dtype)
         if isinstance(weight, Float8Weight):
             out = _Float8Matmul.apply(flat, weight.grad_path, weight.data, weight.scale, False)
         else:
@@ -173,6 +200,40 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, float8={self.float8_recipe}"
                 f"{', float8_all_gather' if self.float8_all_gather else ''}")
+
+
+def _tp_matmul(x: DTensor, weight: DTensor, recipe: str) -> DTensor:
+    """A tensor-parallel float8 linear on this rank's pieces (``ColwiseParallel``: the
+    weight split on its output rows, ``x`` whole; ``RowwiseParallel``: both split on
+    the contraction dim), tensorwise. The amax of each operand that is split is agreed
+    over the TP group, so every piece is cast exactly as one process casts the whole
+    tensor: colwise, the weight and the output's gradient (split on the output
+    columns); rowwise, the weight and ``x`` (the gradient arrives whole). Returns the
+    output as a DTensor (colwise ``Shard(-1)``, rowwise ``Partial``: the parallel
+    style's output hook redistributes it)."""
+    if recipe != "tensorwise":
+        raise ValueError(f"float8 recipe {recipe!r} with tensor parallelism: only "
+                         f"'tensorwise' is built (one scale agreed over the TP group)")
+    mesh, (placement,) = weight.device_mesh, weight.placements
+    group = mesh.get_group().group_name
+    colwise = placement == Shard(0) and tuple(x.placements) == (Replicate(),)
+    rowwise = placement == Shard(1) and tuple(x.placements) in ((Shard(-1),),
+                                                                (Shard(x.ndim - 1),))
+    if not (colwise or rowwise):
+        raise ValueError(f"a float8 Linear under tensor parallelism takes ColwiseParallel "
+                         f"(weight Shard(0), input Replicate) or RowwiseParallel (weight "
+                         f"Shard(1), input Shard(-1)); got weight {weight.placements} and "
+                         f"input {x.placements}")
+    if colwise:  # x whole: its gradient is this rank's partial sum
+        local_x = x.to_local(grad_placements=(Partial(),))
+        groups, out_placement = AmaxGroups(None, group, group), Shard(x.ndim - 1)
+    else:
+        local_x = x.to_local()
+        groups, out_placement = AmaxGroups(group, group, None), Partial()
+    flat = local_x.reshape(-1, local_x.shape[-1])
+    out = _Float8Matmul.apply(flat, weight.to_local(), None, None, False, groups)
+    out = out.reshape(*local_x.shape[:-1], out.shape[-1])
+    return DTensor.from_local(out, mesh, (out_placement,), run_check=False)
 
 
 # ---------------------------------------------------------------------------------------

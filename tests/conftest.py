@@ -21,14 +21,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def _planner_call(fn, args):
-    """``fn(*args)`` in the planner's process, its trace caches emptied first: each call
-    traces what it needs itself (as in a fresh process), so its counts of traces are its
-    own; the fake process group, the meshes and Dynamo's warm imports are kept."""
+    """``fn(*args)`` in the planner's process, its trace caches emptied first and the
+    planner's disk cache off (``plan.disk_cache``; a call that tests it turns it on in a
+    folder of its own): each call traces what it needs itself (as in a fresh process),
+    so its counts of traces are its own; the fake process group, the meshes and Dynamo's
+    warm imports are kept."""
     from simplefsdp.plan.eager import eager_memory
     from simplefsdp.plan.trace import trace
 
     trace.cache_clear()
     eager_memory.cache_clear()
+    os.environ["SIMPLEFSDP_PLAN_CACHE"] = "0"
     return fn(*args)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from rank_runner import run_ranks
 from torch.distributed.tensor import DTensor, Shard
+from toy import moe_token_loss, step_summed_over_ranks, token_batches
 
 import simplefsdp as sf
 from simplefsdp.mesh import ParallelDims
@@ -72,7 +73,7 @@ def _expert_mesh_layout(rank: int, world: int):
     expert.all_to_all_single_autograd = counting
     inputs, targets = _batches(1)[0]
     try:
-        _loss(model, inputs, targets, targets.numel()).backward()
+        moe_token_loss(model, inputs, targets, targets.numel()).backward()
     finally:
         expert.all_to_all_single_autograd = exchange
     # the gradient is a Partial DTensor (data_parallel would reduce it): its sum over TP
@@ -103,7 +104,7 @@ def test_expert_mesh_layout():
     reference = moe.MoETransformer(ARGS)
     reference.init_weights()
     inputs, targets = _batches(1)[0]
-    _loss(reference, inputs, targets, targets.numel()).backward()
+    moe_token_loss(reference, inputs, targets, targets.numel()).backward()
     layers = moe.moe_layers(reference)
     for _, _, _, _, _, aux, routers in results:
         assert aux == pytest.approx([layer.aux_loss.item() for layer in layers], rel=1e-6)
@@ -122,21 +123,7 @@ def test_expert_mesh_layout():
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS * world):
-        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
-
-
-def _loss(model, inputs, targets, total_tokens: int) -> torch.Tensor:
-    """The trainer's token-normalized loss: this forward's token-loss sum over the step's
-    tokens, plus the balance loss weighted by this forward's share of the tokens."""
-    logits = model(inputs)
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                           reduction="sum")
-    return (ce + moe.aux_loss(model) * targets.numel()) / total_tokens
+    return token_batches(STEPS * world, BATCH, SEQ, ARGS.vocab_size)
 
 
 def _reference(world: int):
@@ -152,7 +139,7 @@ def _reference(world: int):
         step_loss = 0.0
         for rank in range(world):
             inputs, targets = batches[step * world + rank]
-            loss = _loss(model, inputs, targets, world * targets.numel())
+            loss = moe_token_loss(model, inputs, targets, world * targets.numel())
             loss.backward()
             step_loss += loss.item()
         losses.append(step_loss)
@@ -174,13 +161,8 @@ def _ep_fsdp(rank: int, world: int, ep: int):
     batches, losses = _batches(world), []
     for step in range(STEPS):
         inputs, targets = batches[step * world + rank]
-        loss = _loss(model, inputs, targets, world * targets.numel())
-        loss.backward()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+        loss = moe_token_loss(model, inputs, targets, world * targets.numel())
+        losses.append(step_summed_over_ranks(loss, opt))
     placements = {n: (tuple(p.device_mesh.mesh_dim_names), tuple(p.placements),
                       tuple(p.to_local().shape)) for n, p in model.named_parameters()}
     # Plain lists: tensors would travel as shared memory that dies with this process.

@@ -25,7 +25,7 @@ import torch
 from rank_runner import run_ranks
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from toy import DIM, HIDDEN, Toy, global_batch, loss_fn
+from toy import DIM, HIDDEN, OpCalls, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, find_collectives, is_data_parallel
@@ -322,7 +322,10 @@ def test_checkpoint_loads_into_bf16_and_back(tmp_path):
     (["--float8.recipe", "rowwise"], "float8.all_gather = true needs float8.recipe"),
     (["--parallel.dp_mode", "replicate", "--parallel.dp_shard", "1",
       "--parallel.dp_replicate", "2"], "float8.all_gather = true gathers fully_shard"),
-    (["--parallel.tp", "2"], "parallel.tp = 2: set parallel.tp = 1"),
+    (["--parallel.tp", "2"], r"float8.all_gather = true with parallel.tp = 2: .* set "
+                             r"float8.all_gather = false"),
+    (["--parallel.tp", "2", "--float8.all_gather", "false", "--float8.recipe", "rowwise"],
+     "float8.recipe = 'rowwise' with parallel.tp = 2: .* set float8.recipe = 'tensorwise'"),
     (["--lora.enable", "true"], "float8.enable = true with lora.enable = true"),
 ])
 def test_config_refusals(flags, message):
@@ -359,9 +362,6 @@ def test_api_refusals(monkeypatch):
     model = sf.convert_to_float8(Toy(), exclude=[])
     assert model.float8_modules == ["layers.0.up", "layers.0.down", "layers.1.up",
                                     "layers.1.down"]  # the output head is tied: left out
-    from simplefsdp.plan.trace import trace_key  # the planner: refused, not planned as bf16
-    with pytest.raises(ConfigError, match="planner does not trace float8"):
-        trace_key(load_config(None, ["--float8.enable", "true"]), "full", 1, 1, 1, 1)
     monkeypatch.delattr(torch, "_scaled_mm")
     with pytest.raises(RuntimeError, match="has no _scaled_mm"):
         sf.convert_to_float8(Toy())
@@ -444,3 +444,244 @@ def test_planner_prices_float8_matmuls_at_the_float8_peak():
         flops / (989e12 * 0.60) + 3e-6, rel=1e-9)
     with pytest.raises(ValueError, match="no float8 tensor cores"):
         node_seconds(fp8, GPU_PROFILES["a100-80gb"], compiled=True)
+
+
+def _planner_trace(float8: bool) -> dict:
+    """In the planner's process: the debug Llama's one-block trace (FSDP 2, compiled,
+    manual buckets, bf16 parameters), summarized: the float8 matmuls of each graph, the
+    all-gather bytes by dtype, the prologue's collectives, and the step's prediction on
+    8 H100 with and without float8's own rate."""
+    from simplefsdp.compiler.collectives import full_value
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan.trace import trace, trace_key
+
+    cfg = load_config(None, ["--float8.enable", str(float8).lower(), "--compile.enable",
+                             "true", "--compile.bucketing", "manual",
+                             "--training.mixed_precision_param", "bfloat16"])
+    tr = trace(trace_key(cfg, "full", 1, 1, 1, 2))
+
+    def summary(gm) -> dict:
+        gathered: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            if node.target in KINDS and KINDS[node.target].value == "all_gather":
+                val = full_value(node)
+                key = str(val.dtype)
+                gathered[key] = gathered.get(key, 0) + val.numel() * val.element_size()
+        scaled = sum(n.target == torch.ops.aten._scaled_mm.default for n in gm.graph.nodes)
+        return {"scaled_mm": scaled, "gathered": gathered}
+
+    prologue = [(KINDS[n.target].value, str(n.args[0].meta["val"].dtype),
+                 tuple(n.args[0].meta["val"].shape))
+                for g in tr.prologue for n in g.graph.nodes if n.target in KINDS]
+    return {"forward": summary(tr.forward), "backward": summary(tr.backward),
+            "prologue": prologue}
+
+
+def test_planner_traces_a_float8_step(planner):
+    """The planner traces ``[float8]`` as the trainer runs it (it refused it before:
+    the root's scale-agreeing pre-hook compiles as its own inference graph, and the
+    capture took it for the forward). One block of the debug Llama (dim 128, 4 heads,
+    2 KV heads, FFN 352) on FSDP 2, by hand: its 7 converted linears (wq, wo 128 x 128;
+    wk, wv 64 x 128; w1, w3 352 x 128; w2 128 x 352: 184,320 weights) run 7 float8
+    matmuls forward and 14 backward; their all-gathers move 184,320 uint8 bytes where
+    the bf16 trace moves them as 368,640 bf16 bytes (the rest, norms, embedding and
+    head, is bf16 in both); the prologue all-reduces the 7 weights' float32 amaxes."""
+    f8, bf16 = planner(_planner_trace, True), planner(_planner_trace, False)
+    converted = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 352 * 128
+    assert (f8["forward"]["scaled_mm"], f8["backward"]["scaled_mm"]) == (7, 14), f8
+    assert (bf16["forward"]["scaled_mm"], bf16["backward"]["scaled_mm"]) == (0, 0), bf16
+    assert f8["forward"]["gathered"]["torch.uint8"] == converted, f8
+    assert bf16["forward"]["gathered"]["torch.bfloat16"] \
+        - f8["forward"]["gathered"]["torch.bfloat16"] == 2 * converted, (f8, bf16)
+    assert f8["prologue"] == [("all_reduce", "torch.float32", (7,))], f8
+    assert bf16["prologue"] == [], bf16
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor parallelism (tensorwise): the amax of each split operand agreed over TP.
+# ---------------------------------------------------------------------------------------
+TP_IN, TP_HIDDEN, TP_OUT = 16, 32, 8
+
+
+def _tp_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(TP_IN, TP_HIDDEN, bias=False),
+                                torch.nn.Tanh(),
+                                torch.nn.Linear(TP_HIDDEN, TP_OUT, bias=False))
+    return sf.convert_to_float8(model, recipe="tensorwise", exclude=[])
+
+
+def _tp_batch(step: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel part ``part`` of step ``step``'s batch (TP ranks share theirs)."""
+    g = torch.Generator().manual_seed(100 * step + part)
+    return torch.randn(2, 6, TP_IN, generator=g) * 3, torch.randn(2, 6, TP_OUT, generator=g)
+
+
+def _tp_train(model, forward, dp_parts: list[int], divisor: int) -> list[float]:
+    """SGD steps on the data-parallel parts' losses / ``divisor`` (one process: every
+    part in turn, divided by their count, gradients accumulated; ranks: their own part,
+    whose gradients data_parallel averages)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for part in dp_parts:
+            x, y = _tp_batch(step, part)
+            loss = torch.nn.functional.mse_loss(forward(x), y) / divisor
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _tp_reference(dp: int) -> tuple[list[float], dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run
+    try:
+        model = _tp_model()
+        losses = _tp_train(model, model, list(range(dp)), dp)
+        return losses, {k: _full(v) for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tp_runs(rank: int, world: int, backends) -> list[tuple[list[float], dict]]:
+    """TP 2 (x FSDP over the rest): the first Linear column-wise, the second row-wise."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dp = world // 2
+    mesh = sf.make_mesh(dp_shard=dp, tp=2)
+    out = []
+    for backend in backends:
+        model = parallelize_module(_tp_model(), mesh["tp"],
+                                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if dp > 1:
+            sf.data_parallel(model, mesh["dp_shard"])
+        forward = model
+        if backend is not None:
+            torch._dynamo.reset()
+            forward = torch.compile(model, fullgraph=True, backend=sf.compile_backend(
+                backend=backend, bucketing="manual"))
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        loss = torch.tensor(_tp_train(model, forward, [dp_rank], 1)) / dp
+        torch.distributed.all_reduce(loss, group=mesh["dp_shard"].get_group())
+        out.append((loss.tolist(), {k: _full(v) for k, v in model.state_dict().items()}))
+    return out
+
+
+# Tolerance: the row-wise layer sums its contraction dim in two pieces (one per TP rank)
+# and adds them, one process in one piece, so its float32 output differs by rounding
+# (~1e-7 relative); everything cast to float8 is cast with the whole tensor's scale, so
+# the float8 operands agree (a per-shard scale would move weights by up to a float8 step,
+# 1/16 relative, far over this bound). 1e-5 leaves room for 3 SGD steps of float32
+# rounding; a float8 cast of a value within ~1e-7 of a rounding boundary could still
+# flip it: these seeds' runs do not.
+TP_TOL = 1e-5
+
+
+@pytest.mark.parametrize("dp, backends", [
+    (1, (None, "aot_eager")), pytest.param(2, (None,), marks=pytest.mark.quick)],
+    ids=["tp2", "tp2_fsdp2"])
+def test_tensor_parallel_float8_equals_one_process(dp, backends):
+    runs = run_ranks(_tp_runs, 2 * dp, backends)
+    ref_losses, ref_state = _tp_reference(dp)
+    for rank_runs in runs:
+        for backend, (losses, state) in zip(backends, rank_runs, strict=True):
+            case = f"TP 2 x FSDP {dp}, {backend or 'eager'}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                       rtol=TP_TOL, atol=TP_TOL, msg=case)
+            for name, value in ref_state.items():
+                torch.testing.assert_close(state[name], value, rtol=TP_TOL, atol=TP_TOL,
+                                           msg=f"{case}: {name}")
+
+
+# ---------------------------------------------------------------------------------------
+# Gradient sync off: the float8 gather's gradients accumulate, then reduce once.
+# ---------------------------------------------------------------------------------------
+MICRO = 3
+
+
+def _accumulated(rank: int, world: int) -> dict:
+    """One optimizer step's worth of MICRO micro-steps on the toy (float8 all-gather),
+    twice from one seed: sync on every micro-step, and sync off for all but the last;
+    the accumulated gradients (whole) and the reduce-scatters each issued."""
+    mesh = sf.make_mesh(dp_shard=world, device_type="cpu")
+    out = {}
+    for sync_every_step in (True, False):
+        torch.manual_seed(0)
+        model = sf.convert_to_float8(Toy(tie=False), all_gather=True)
+        model = sf.data_parallel(model, mesh)
+        with _CollectiveLog() as log:
+            for micro in range(MICRO):
+                model.set_requires_gradient_sync(sync_every_step or micro == MICRO - 1)
+                loss_fn(model, global_batch(micro, world)[2 * rank:2 * rank + 2]).backward()
+        # (the toy's final norm's bias takes no gradient: None in both runs)
+        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        scatters = sum(kind == "reduce_scatter" for kind, _, _ in log.records)
+        out[sync_every_step] = (grads, scatters)
+    return out
+
+
+# Tolerance: sync on sums avg_r(g[m, r]) over micro-steps m, sync off avg_r(sum_m g[m,
+# r]): the same float32 terms in another order (the float8 casts see the same values in
+# both: each micro-step's forward and backward are unchanged), so a few ulp of the O(1)
+# gradients; 2e-6 absolute, as tests/test_gradient_sync.py.
+SYNC_TOL = 2e-6
+
+
+@pytest.mark.quick
+def test_float8_gather_with_gradient_sync_off_equals_sync_on():
+    for rank_out in run_ranks(_accumulated, 2):
+        (on, on_scatters), (off, off_scatters) = rank_out[True], rank_out[False]
+        assert on.keys() == off.keys() and "layers.0.up.weight" in on
+        for name, grad in on.items():
+            torch.testing.assert_close(off[name], grad, rtol=0, atol=SYNC_TOL, msg=name)
+        # the reduce-scatters of one micro-step, issued once instead of MICRO times
+        assert on_scatters == MICRO * off_scatters > 0, (on_scatters, off_scatters)
+
+
+# ------------------------------------------------------------ selective AC with float8
+def _float8_block_step(ac: str) -> tuple[float, dict, int, int]:
+    """One process: a 2-block Llama converted to float8 (tensorwise), one forward and
+    backward under ``ac``; (loss, gradients, float8 matmuls in forward, in backward)."""
+    from simplefsdp.models.llama import ModelArgs, Transformer
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  vocab_size=64, multiple_of=16, max_seq_len=16))
+    sf.convert_to_float8(model, recipe="tensorwise")
+    apply_ac(model, ac)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    with OpCalls(torch.ops.aten._scaled_mm.default) as forward:
+        logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    with OpCalls(torch.ops.aten._scaled_mm.default) as backward:
+        loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+             for n, p in model.named_parameters()}  # the names without AC's wrapper
+    return loss.item(), grads, forward.calls, backward.calls
+
+
+def test_selective_ac_keeps_every_other_float8_matmul():
+    """Selective AC counts a float8 linear's ``_scaled_mm`` as the matmul it is: each
+    block keeps wq, wv, w1, w2's outputs and recomputes wk, wo, w3 (its 2nd, 4th and 6th
+    of 7), as for high-precision ``mm``; before, no ``_scaled_mm`` output was kept and
+    all 7 ran again. Counted: the backward's float8 matmuls beyond the run without AC
+    (2 per linear: dX and dW) are the recomputed ones, 3 a block x 2 blocks; full AC
+    recomputes all 7. Recomputation repeats the same ops: bitwise the same loss and
+    gradients."""
+    loss, grads, forward, backward = _float8_block_step("none")
+    assert forward == 2 * 7  # the output head stays high precision
+    assert backward == 2 * forward
+    for ac, recomputed in (("selective", 2 * 3), ("full", 2 * 7)):
+        ac_loss, ac_grads, ac_forward, ac_backward = _float8_block_step(ac)
+        assert (ac_forward, ac_backward - backward) == (forward, recomputed), ac
+        assert ac_loss == loss and grads.keys() == ac_grads.keys()
+        assert all(torch.equal(grads[n], ac_grads[n]) for n in grads), ac

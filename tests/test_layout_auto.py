@@ -42,15 +42,20 @@ def _train(rank: int, world: int, argv: list[str]) -> dict:
     return {"losses": result.losses, "grad_norms": result.grad_norms}
 
 
-def _cli_search(out: str) -> dict:
-    """``python -m simplefsdp.plan --search`` for the same job and device: its first row."""
+def _cli_search(out: str, cache: str) -> dict:
+    """``python -m simplefsdp.plan --search --tradeoffs`` for the same job and device (the
+    search ``layout = "auto"`` runs): its first row."""
     import json
 
     from simplefsdp.plan.__main__ import main
 
+    # the figures the trainer's search stored (``plan.disk_cache``; they are what a fresh
+    # trace gives: tests/test_plan_search.py): the search here traces nothing again
+    os.environ["SIMPLEFSDP_CACHE_DIR"], os.environ["SIMPLEFSDP_PLAN_CACHE"] = cache, "1"
     path = os.path.join(out, "plan.json")
     code = main(["--gpus", str(WORLD), "--gpus-per-node", str(WORLD), "--gpu", PROFILE,
-                 "--search", "--keep", "1", "--workers", "1", "--json", path, *MODEL])
+                 "--search", "--tradeoffs", "--keep", "1", "--workers", "1", "--json", path,
+                 *MODEL])
     assert code == 0
     with open(path) as f:
         return json.load(f)[0]
@@ -76,9 +81,9 @@ def auto_run(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.quick
-def test_auto_trains_what_the_search_ranks_first(auto_run, planner, tmp_path):
+def test_auto_trains_what_the_search_ranks_first(auto_run, planner, tmp_path, cache_dir):
     out, _ = auto_run
-    top = planner(_cli_search, str(tmp_path))
+    top = planner(_cli_search, str(tmp_path), str(cache_dir))
     assert top["fits"]
     chosen = load_config(out / "layout.toml", [])
     p = chosen.parallel
@@ -86,6 +91,9 @@ def test_auto_trains_what_the_search_ranks_first(auto_run, planner, tmp_path):
     assert {k: getattr(p, k) for k in LAYOUT_KEYS} == {k: top[k] for k in LAYOUT_KEYS}
     assert (chosen.activation_checkpoint.mode, chosen.training.batch_size) == \
         (top["ac"], top["batch_size"])
+    from simplefsdp.plan.tradeoffs import knob_label
+
+    assert knob_label(chosen) == top["knobs"]  # the search's knob rows are candidates too
     # the start line (the file's header) names the layout and its prediction
     header = (out / "layout.toml").read_text().splitlines()[0]
     assert f"tokens/s ({top['tokens_per_s_per_gpu']:.0f} per rank)" in header, header
@@ -115,7 +123,9 @@ def _choices(cache: str) -> dict:
     """In the planner process: the needs of the three AC modes on the only layout a fixed
     batch of 1 leaves (dp_shard 4; PP needs 2 microbatches), a choice under a limit only
     full AC meets, and the error under one nothing meets."""
-    os.environ["SIMPLEFSDP_CACHE_DIR"] = cache
+    # the planner's disk cache on, in this call's folder: the answer under one limit
+    # must not answer the search under the other (the limit is in the answer's key)
+    os.environ["SIMPLEFSDP_CACHE_DIR"], os.environ["SIMPLEFSDP_PLAN_CACHE"] = cache, "1"
     from simplefsdp.hardware import GB, GiB
     from simplefsdp.plan import auto_layout
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
@@ -136,13 +146,45 @@ def _choices(cache: str) -> dict:
         refused = None
     except ConfigError as e:
         refused = str(e)
-    return {"needs": needs, "chosen": chosen, "refused": refused}
+    return {"needs": needs, "chosen": chosen, "refused": refused,
+            **_knob_choices(cfg, fixed, below)}
+
+
+def _knob_choices(cfg, fixed: dict, below: float) -> dict:
+    """Issue 48's knobs in the choice, for a GPU job (``job.device = "cuda"``) on the same
+    profile: under the limit nothing fits on the device (``below``), only CPU offload
+    makes it fit; with ``reshard_after_forward = false`` (not a key the user fixed here),
+    no AC (under full AC the blocks' gathers are recomputed anyway, and a reshard to a
+    group only adds its part) and CPU offload fixed off, on 2 GPUs a node, a limit
+    between the need of an int reshard (a node: 2) and that of keeping the gathered
+    parameters, the int reshard."""
+    from simplefsdp.hardware import GB, GiB
+    from simplefsdp.plan import auto_layout
+    from simplefsdp.plan.predict import CONTEXT_BYTES, predict
+
+    gpu_job = copy.deepcopy(cfg)
+    gpu_job.job.device = "cuda"
+    offload = auto_layout.choose(gpu_job, WORLD, f"cpu@{below!r}GB", WORLD, fixed, False)
+    kept = copy.deepcopy(gpu_job)
+    kept.parallel.reshard_after_forward = False
+    kept.parallel.dp_shard, kept.training.batch_size, kept.activation_checkpoint.mode = 4, 1, "none"
+    by_group = copy.deepcopy(kept)
+    by_group.parallel.reshard_after_forward = 2
+    need = {name: predict(c, WORLD, "cpu", 2).reserved_memory_gib * GiB + CONTEXT_BYTES
+            for name, c in (("kept", kept), ("group", by_group))}
+    limit = (need["kept"] + need["group"]) / 2 / GB
+    reshard = auto_layout.choose(kept, WORLD, f"cpu@{limit!r}GB", 2,
+                                 {**fixed, "activation_checkpoint.mode": "none",
+                                  "training.cpu_offload": False}, False)
+    return {"offload": offload, "reshard": reshard, "reshard_needs": need}
 
 
 def test_memory_limit_only_full_ac_meets_and_fixed_batch(planner, tmp_path):
     """Under a limit between full AC's need and the others' (their predictions), the
     choice is full AC; the fixed batch (1; the free search picks 2) is kept; below full
-    AC's need, the error names it as the smallest peak."""
+    AC's need, the error names it as the smallest peak. Issue 48's knobs: under that
+    limit a GPU job is offloaded to the CPU; an int reshard is chosen where only it fits
+    (``_knob_choices``)."""
     got = planner(_choices, str(tmp_path))
     needs, chosen = got["needs"], got["chosen"]
     assert needs["full"] < min(needs["none"], needs["selective"]), needs
@@ -153,6 +195,15 @@ def test_memory_limit_only_full_ac_meets_and_fixed_batch(planner, tmp_path):
     assert refused is not None and "no layout fits" in refused, refused
     assert f"smallest predicted peak is {needs['full'] / 1e9:.4f} GB" in refused, refused
     assert "ac=full" in refused and "activation_checkpoint.mode = 'full'" in refused
+    # the same limit for a GPU job: CPU offload fits (a CPU job cannot offload: refused)
+    offload = got["offload"]
+    assert offload["layout"]["training.cpu_offload"] is True, offload
+    assert offload["prediction"]["knobs"] == "offload" and offload["prediction"]["fits"]
+    # reshard to a node of 2: holds half the gathered parameters a rank would keep
+    need, reshard = got["reshard_needs"], got["reshard"]
+    assert need["group"] < need["kept"], need
+    assert reshard["layout"]["parallel.reshard_after_forward"] == 2, reshard
+    assert reshard["prediction"]["knobs"] == "reshard=2"
 
 
 def _refused(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
@@ -181,3 +232,40 @@ def test_nothing_fits_is_a_config_error(tmp_path, monkeypatch):
                      "a smaller training.batch_size", "training.batch_size = 2"):
             assert knob in message, (knob, message)
     assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing was trained
+
+
+def test_nothing_planned_names_the_failed_trace_and_the_fixed_keys():
+    """When no candidate could be predicted although its memory floor is far under the
+    limit (here: the debug model on a 141 GB profile), the error says the planner failed
+    and why, and which keys the search kept, instead of blaming memory. With a floor over
+    the limit the memory reading stays."""
+    from simplefsdp.plan.auto_layout import _nothing_fits
+
+    cfg = load_config(None, ["--parallel.dp_shard", "8"])  # a candidate: sizes resolved
+    failure = "tp=8 pp=1 ac=full: RuntimeError: a trace failed"
+    error = _nothing_fits([], [cfg], 8, "h200", {"parallel.dp_shard": 16}, [failure])
+    assert "could be planned" in str(error) and failure in str(error), error
+    assert "parallel.dp_shard = 16" in str(error) and "parallel.dp_shard = -1" in str(error)
+    over = _nothing_fits([], [cfg], 8, "cpu@0.001GB", {}, [failure])
+    assert "exceed it" in str(over) and "could be planned" not in str(over), over
+
+
+def _traced_tp8_ring4() -> dict:
+    """A model small enough to trace quickly, laid out on 2 x 2 x ring 4 x TP 8 = 128
+    ranks of the planner's fake world (the 405B preset's TP 8 with CP 4)."""
+    from simplefsdp.plan import predict
+
+    cfg = load_config(None, ["--model.dim", "64", "--model.n_heads", "8", "--model.n_kv_heads",
+                             "8", "--training.seq_len", "64", "--training.batch_size", "1",
+                             "--parallel.dp_replicate", "2", "--parallel.dp_mode",
+                             "hybrid_shard", "--parallel.tp", "8", "--parallel.cp_ring", "4",
+                             "--compile.enable", "true", "--compile.backend", "aot_eager"])
+    return predict(cfg, 128, "h100-sxm").to_dict()
+
+
+def test_planner_traces_tp8_with_ring4(planner):
+    """Traced meshes hold 2 replicas x 2 shards x CP x TP ranks: TP 8 with CP 4 needs 128
+    fake ranks (the planner's fake world had 64, and such layouts failed to trace)."""
+    row = planner(_traced_tp8_ring4)
+    assert (row["tp"], row["cp_ring"], row["dp_replicate"]) == (8, 4, 2), row
+    assert row["peak_memory_gib"] > 0 and row["tokens_per_s_per_gpu"] > 0, row

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from toy import OpCalls
 
 from simplefsdp.models.llama import (
     LLAMA3_PRESETS,
@@ -157,18 +158,6 @@ def test_bad_args_rejected():
         _model()(torch.zeros(1, TINY.max_seq_len + 1, dtype=torch.long))
 
 
-class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ``aten.mm`` calls while active (backward recomputation included)."""
-
-    def __init__(self):
-        super().__init__()
-        self.mm = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.mm += func is torch.ops.aten.mm.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_activation_checkpointing_keeps_the_math_and_recomputes_its_matmuls(mode):
     """AC changes what is kept, not what is computed: loss and every gradient equal the
@@ -186,9 +175,9 @@ def test_activation_checkpointing_keeps_the_math_and_recomputes_its_matmuls(mode
     counts, losses = [], []
     for model in (reference, wrapped):
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        with _CountMatmuls() as mm:
+        with OpCalls(torch.ops.aten.mm.default) as mm:
             loss.backward()
-        counts.append(mm.mm)
+        counts.append(mm.calls)
         losses.append(loss)
     assert torch.equal(*losses)
     for (name, a), b in zip(reference.named_parameters(), wrapped.parameters(), strict=True):

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from rank_runner import run_ranks
+from toy import moe_token_loss, step_summed_over_ranks, token_batches
 
 import simplefsdp as sf
 from simplefsdp._torch_compat import dynamo_counters, dynamo_reset
@@ -33,12 +34,7 @@ VARIANTS = [("eager", False, None), ("compiled", True, None),
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS * world):
-        tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
-    return out
+    return token_batches(STEPS * world, BATCH, SEQ, ARGS.vocab_size)
 
 
 def _model(factor: float | None):
@@ -79,17 +75,8 @@ def _variant(rank: int, world: int, compiled: bool, factor: float | None) -> dic
     opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
     losses, dropped, hand, graphs_after_first = [], [], [], None
     for step, (inputs, targets) in enumerate(_batches(world)[rank::world]):
-        logits = model(inputs)
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                               reduction="sum")
-        tokens = world * targets.numel()
-        loss = (ce + moe.aux_loss(model) * targets.numel()) / tokens
-        loss.backward()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+        loss = moe_token_loss(model, inputs, targets, world * targets.numel())
+        losses.append(step_summed_over_ranks(loss, opt))
         layers = moe.moe_layers(model)
         dropped.append(int(sum(layer.tokens_dropped.item() for layer in layers)))
         for layer in layers:
@@ -104,7 +91,6 @@ def _variant(rank: int, world: int, compiled: bool, factor: float | None) -> dic
         counters = dynamo_counters()
         out.update(breaks=dict(counters["graph_break"]),
                    graphs=(graphs_after_first, counters["stats"]["unique_graphs"]),
-                   recompiles=sum(counters["recompiles"].values()),
                    all_to_alls={r.graph: 0 for r in backend.reports})
         for report in backend.reports:
             out["all_to_alls"][report.graph] += report.all_to_alls
@@ -126,16 +112,16 @@ def test_compiled_exact_dispatch_one_graph_no_recompile(runs):
     """Compiled (aot_eager, as the trainer compiles an MoE: ``fullgraph=False``): no graph
     break anywhere (the old dispatch broke once per MoE block) and no graph compiled after
     step 1 (the old frames recompiled per block on a hook guard). The losses equal eager's
-    within 1e-6 relative: traced, the experts run one ``F.linear`` per expert, where eager
-    runs torch's CPU grouped matmul (its fake kernel takes only bfloat16), a different
-    summation order in float32 (a few ulps of the matmuls, through 3 steps)."""
+    bitwise: the graph runs eager's ops in eager's order; traced, the experts run one
+    ``F.linear`` per expert where eager runs torch's CPU grouped matmul (whose fake kernel
+    takes only bfloat16), and on CPU float32 the two give the same sums (a GPU's grouped
+    kernel need not: there a tolerance of a few ulps would be the honest check)."""
     for rank in runs:
         compiled = rank["compiled"]
         assert compiled["breaks"] == {}
-        assert compiled["recompiles"] == 0
         first, last = compiled["graphs"]
         assert first == last >= 1
-        assert compiled["losses"] == pytest.approx(rank["eager"]["losses"], rel=1e-6, abs=0)
+        assert compiled["losses"] == rank["eager"]["losses"]
 
 
 def test_all_to_alls_are_in_the_compiled_graphs(runs):
@@ -162,16 +148,18 @@ def test_padded_without_drops_equals_exact(runs):
 def test_padded_drops_match_hand_count(runs):
     """Capacity factor 0.6: the dropped slots of each step equal the hand count from the
     router's choices on every rank, eager and compiled; compiled runs one graph per
-    step too, and its losses equal padded eager's within 1e-6 relative (the matmul
-    order, as above); dropping changes the model's output (losses differ from exact)."""
+    step too, and its losses equal padded eager's bitwise (as above); dropping changes
+    the model's output (losses differ from exact)."""
     for rank in runs:
         eager, compiled = rank["padded_drop"], rank["padded_drop_compiled"]
         assert eager["dropped"] == eager["hand"]
         assert all(n > 0 for n in eager["dropped"])
         # the first step's routing is the same weights' on the same tokens: same drops
         assert compiled["dropped"][0] == eager["dropped"][0]
-        assert compiled["breaks"] == {} and compiled["recompiles"] == 0
-        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=0)
+        assert compiled["breaks"] == {}
+        first, last = compiled["graphs"]
+        assert first == last >= 1
+        assert compiled["losses"] == eager["losses"]
         assert eager["losses"][0] != rank["eager"]["losses"][0]
 
 

@@ -8,6 +8,8 @@ caches emptied per call) and traces as little as it can.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from simplefsdp.config.job import load_config
@@ -108,12 +110,56 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
                for c in layouts(cfg, gpus, per_node)}
     dev = gpu_profile("h100-sxm")
     bounds = [(speed_bound(configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac,
-                                    r.batch_size)], gpus, dev), r.tokens_per_s_per_gpu)
+                                    r.batch_size)], gpus, dev, per_node), r.tokens_per_s_per_gpu)
               for r in full]
     rows = {"pruned": pruned, "full": full, "keep3": keep3, "workers": workers}
     return ({k: [r.to_dict() for r in v] for k, v in rows.items()},
             {"pruned": pruned_stats, "full": full_stats, "keep3": keep3_stats,
-             "workers": workers_stats}, bounds, traces)
+             "workers": workers_stats}, bounds, traces,
+            _comm_bound(cfg, dev, next(r for r in full if r.tp == r.pp == 1)),
+            _knob_rows_keep(cfg, gpus, per_node))
+
+
+def _knob_rows_keep(cfg, gpus, per_node) -> dict:
+    """``--tradeoffs`` with ``keep = 1`` against the exhaustive search, with gradient
+    accumulation (each layout without PP gets a gradient-sync row), on the traces made."""
+    import copy
+
+    from simplefsdp.plan.search import search
+    from simplefsdp.plan.trace import trace
+
+    accum = copy.deepcopy(cfg)
+    accum.training.grad_accum_steps = 2
+    before = trace.cache_info().misses
+    stats = {"pruned": {}, "full": {}}
+    rows = {name: search(accum, gpus, "h100-sxm", per_node, keep=keep, stats=stats[name],
+                         tradeoffs_rows=True)
+            for name, keep in (("pruned", 1), ("full", 0))}
+    return {"rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}, "stats": stats,
+            "new_traces": trace.cache_info().misses - before}
+
+
+def _comm_bound(cfg, dev, row) -> dict:
+    """A layout whose step the data-parallel gathers bound: the searches' best tp 1, pp 1
+    row (``row``: its AC mode and batch) on 16 GPUs of one per node (all over
+    InfiniBand), from the traces the searches made (dp_shard is traced at 2 and
+    rescaled): its speed bound with and without the communication floor, and its
+    prediction."""
+    import copy
+
+    from simplefsdp.plan.predict import predict
+    from simplefsdp.plan.search import speed_bound
+    from simplefsdp.plan.trace import trace
+
+    c = copy.deepcopy(cfg)
+    c.parallel.tp, c.parallel.dp_shard, c.parallel.dp_replicate = 1, 16, 1
+    c.parallel.dp_mode, c.training.batch_size = "fully_shard", row.batch_size
+    c.activation_checkpoint.mode = row.ac
+    before = trace.cache_info().misses
+    row = predict(c, 16, "h100-sxm", 1)
+    return {"with_floor": speed_bound(c, 16, dev, 1), "without": speed_bound(c, 16, dev),
+            "predicted": row.tokens_per_s_per_gpu,
+            "new_traces": trace.cache_info().misses - before}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +175,7 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
     (the CLI's default) gives its first 3 rows; the bound holds for every layout
     predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
     under PP) trace them once."""
-    rows, stats, bounds, traces = searches
+    rows, stats, bounds, traces, _, _ = searches
     pruned, full, keep3 = rows["pruned"], rows["full"], rows["keep3"]
     pruned_stats, full_stats, keep3_stats = stats["pruned"], stats["full"], stats["keep3"]
     # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
@@ -149,6 +195,28 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
     assert full_stats["memory"] + full_stats["fits_with_less_ac"] > 0
     # whole sequences fit here: the search never splits them (no context-parallel pass)
     assert all((r["cp_ring"], r["cp_ulysses"]) == (1, 1) for r in full + pruned), full
+
+
+def test_speed_bound_counts_the_data_parallel_communication(searches):
+    """Where the gathers and reductions over InfiniBand take longer than the FLOPs, the
+    speed bound is their floor's (lower than the FLOPs' bound) and still holds over the
+    prediction (the simulation waits for every collective), from traces already made."""
+    comm = searches[4]
+    assert comm["new_traces"] == 0, comm
+    assert comm["with_floor"] < 0.8 * comm["without"], comm  # the floor binds here
+    assert comm["predicted"] <= comm["with_floor"], comm
+
+
+def test_knob_rows_keep_the_best_row_exact(searches):
+    """With the knob rows (``--tradeoffs``, what ``layout = "auto"`` searches) the pruned
+    search's best row, knob or not, is the exhaustive one's, and fitting knob rows raise
+    the bar: fewer rows predicted."""
+    got = searches[5]
+    pruned, full = got["rows"]["pruned"], got["rows"]["full"]
+    assert got["new_traces"] == 0
+    assert any(r["knobs"] == "sync=last" for r in full), full
+    assert pruned[0] == full[0] and full[0]["fits"]
+    assert len(pruned) < len(full) and got["stats"]["pruned"]["bound"] > 0
 
 
 def test_keep_bar_is_the_kth_best_fitting_speed():
@@ -174,7 +242,7 @@ def test_keep_bar_is_the_kth_best_fitting_speed():
 def test_search_workers_split_by_tp(searches):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
     best row as one process, and report their traces."""
-    rows, stats, _, _ = searches
+    rows, stats, _, _, _, _ = searches
     assert rows["pruned"][0] == rows["workers"][0]
     assert stats["pruned"]["traces"] > 0 and stats["workers"]["traces"] > 0
     for name in ("pruned", "workers"):
@@ -295,3 +363,55 @@ def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways(planner):
     assert [(r["dp_shard"], r["cp_ring"], r["fits"]) for r in rows] == [
         (2, 2, False), (1, 4, True)], rows
     assert stats["memory"] == 0 and stats["predicted"] == 2
+
+
+# A small job whose traces are cheap: the debug model's 2 blocks, 64 tokens, on 2 GPUs.
+TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--job.device", "cuda"]
+
+
+def _figures_from_disk(folder: str) -> dict:
+    """Predictions with the planner's disk cache on (in ``folder``): the first one traces
+    and stores its role figures; predictions that differ in one input of the figures
+    (the node size, the device, the GPU count: the traces are shared, the figures not)
+    with the cache on and off; the first one again with the traces forgotten (read back
+    from disk) and with another memory limit (the figures do not depend on it)."""
+    from simplefsdp.plan.predict import predict
+    from simplefsdp.plan.trace import trace
+
+    os.environ["SIMPLEFSDP_CACHE_DIR"] = folder
+    cfg = load_config(None, TINY)
+
+    def run(gpus, gpu, per_node, cached=True):
+        os.environ["SIMPLEFSDP_PLAN_CACHE"] = "1" if cached else "0"
+        before = trace.cache_info().misses
+        row = predict(cfg, gpus, gpu, per_node).to_dict()
+        return row, trace.cache_info().misses - before
+
+    out = {"cold": run(2, "h100-sxm", 2)}
+    for name, inputs in {"node": (2, "h100-sxm", 1), "device": (2, "a100-80gb", 2),
+                         "gpus": (4, "h100-sxm", 2)}.items():
+        out[name] = (run(*inputs), run(*inputs, cached=False))
+    trace.cache_clear()
+    out["warm"] = run(2, "h100-sxm", 2)
+    out["limit"] = run(2, "h100-sxm@1GB", 2)
+    return out
+
+
+def test_role_figures_come_back_from_disk_for_the_same_inputs_only(planner, tmp_path):
+    """The disk cache gives a prediction back bit for bit without tracing; an input of
+    the figures that changes (node size, device speeds, the layout's sizes) is a miss,
+    computed afresh (equal to the prediction with the cache off, unlike the first)."""
+    got = planner(_figures_from_disk, str(tmp_path))
+    cold, traces = got["cold"]
+    assert traces == 2  # one role, 1 and 2 blocks
+    for name in ("node", "device", "gpus"):
+        (cached, _), (fresh, _) = got[name]
+        assert cached == fresh, name
+        assert (cached["step_time_s"], cached["peak_memory_gib"]) != \
+            (cold["step_time_s"], cold["peak_memory_gib"]), name
+    warm, traces = got["warm"]
+    assert traces == 0 and warm == cold
+    limit, traces = got["limit"]
+    assert traces == 0 and not limit["fits"] and cold["fits"]
+    assert {**limit, "fits": True, "gpu": "h100-sxm"} == cold
+    assert len(list((tmp_path / "figures").glob("*.json"))) == 4  # cold, node, device, gpus

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB, DIM, HIDDEN = 16, 8, 7
 
@@ -52,6 +53,56 @@ def global_batch(step: int, world: int, per_rank: int = 2, seq: int = 4) -> torc
     [r * per_rank, (r + 1) * per_rank), the reference on all of them."""
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, VOCAB, (per_rank * world, seq + 1), generator=g)
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the calls of one ATen op (``calls``) while active, backward recomputation
+    included."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def token_batches(count: int, batch: int, seq: int, vocab: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` (inputs, targets) pairs of ``batch`` random sequences of ``seq`` tokens,
+    the targets shifted by one; the same on every rank and run (seed 1)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def moe_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   total_tokens: int) -> torch.Tensor:
+    """The trainer's token-normalized loss of a mixture of experts: this forward's
+    token-loss sum over the step's ``total_tokens``, plus the balance loss
+    (``models.moe.aux_loss``) weighted by this forward's share of the tokens."""
+    from simplefsdp.models.moe import aux_loss
+
+    logits = model(inputs)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return (ce + aux_loss(model) * targets.numel()) / total_tokens
+
+
+def step_summed_over_ranks(loss: torch.Tensor, optimizer) -> float:
+    """Backward, the loss summed over the ranks (an all-reduce of a detached copy), then
+    ``optimizer``'s step; returns the summed loss."""
+    import torch.distributed as dist
+
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    optimizer.step()
+    optimizer.zero_grad()
+    return total.item()
 
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

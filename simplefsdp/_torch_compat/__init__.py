@@ -26,14 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .teardown import destroy_library, release_mesh_groups
+from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 
 __all__ = [
     "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd",
     "allgather_base", "aot_autograd", "attention_with_lse", "attention_with_lse_backward",
-    "backend_name", "c10d_functional", "check_size",
-    "checkpoint_wrapper", "compile_fx", "current_graph_task_id", "custom_graph_pass_base",
-    "custom_partitioner_base", "data_dependent_shapes", "default_group", "default_store",
-    "destroy_library",
+    "backend_name", "c10d_functional", "check_size", "check_that", "checkpoint_wrapper",
+    "compile_fx", "current_graph_task_id", "custom_graph_pass_base", "custom_partitioner_base",
+    "data_dependent_shapes", "default_group", "default_store", "destroy_library",
     "detect_fake_mode", "disable_compile_caches", "disable_current_modes", "dynamo_counters",
     "cudnn_attention", "cudnn_attention_runs", "dynamo_reset", "eager_backward_compile",
     "fake_store", "FakeTensor", "FakeTensorMode", "flatten_mesh", "grouped_mm",
@@ -389,37 +389,6 @@ def all_to_all_single_autograd(inp: torch.Tensor, output_split_sizes: list[int],
 
     out = funcol.all_to_all_single_autograd(inp, output_split_sizes, input_split_sizes, group)
     return funcol.wait_tensor(out) if wait else out
-
-
-def all_to_all_single(inp: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """An even ``all_to_all_single`` (no gradient), waited for: a functional collective, so
-    a compiled graph holds it as a node. checked: 2.13
-    (``_functional_collectives.all_to_all_single`` with ``None`` splits on gloo)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol.wait_tensor(funcol.all_to_all_single(inp, None, None, group))
-
-
-def check_size(size) -> None:
-    """Tell the tracer that ``size`` (an int read from a tensor: unbacked when traced) is a
-    valid size, >= 0; a plain check in eager. checked: 2.13 (``torch._check(size >= 0)``,
-    which replaces the deprecated ``_check_is_size``), 2.11-2.12 (``_check_is_size``)."""
-    if _TORCH_MINOR >= 13:
-        torch._check(size >= 0)
-    else:
-        torch._check_is_size(size)
-
-
-_TORCH_MINOR = int(torch.__version__.split(".")[1])
-
-
-def data_dependent_shapes():
-    """A context in which Dynamo traces a tensor's values read on the host (``tolist``,
-    ``item``) as unbacked sizes and ops whose output shape depends on the data, instead
-    of breaking the graph (the exact MoE dispatch's split sizes). checked: 2.13
-    (``_dynamo.config.capture_scalar_outputs`` / ``capture_dynamic_output_shape_ops``)."""
-    return torch._dynamo.config.patch(capture_scalar_outputs=True,
-                                      capture_dynamic_output_shape_ops=True)
 
 
 # --- Context parallelism (parallel/context.py). ---

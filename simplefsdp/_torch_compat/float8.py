@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["has_scaled_mm", "scaled_mm", "scaled_mm_op"]
+__all__ = ["has_scaled_mm", "inner_tensors", "scaled_mm", "scaled_mm_op"]
 
 
 def has_scaled_mm() -> bool:
@@ -26,3 +26,14 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 def scaled_mm_op():
     """The ATen op of :func:`scaled_mm`, as traced graphs name it. checked: 2.13."""
     return torch.ops.aten._scaled_mm.default
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The plain tensors a wrapper tensor subclass holds (e.g. torchao's float8 training
+    weight, whose own storage is not a real one), None for any other tensor; through
+    torch's subclass protocol (``__tensor_flatten__``). checked: 2.13."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    return [getattr(t, name) for name in t.__tensor_flatten__()[0]]

@@ -19,6 +19,7 @@ Example (``configs/bench_debug.toml``)::
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import dataclass, field
 
 from ..config.job import CompileBackend, Device, ModelConfig
@@ -108,6 +109,11 @@ class BenchConfig:
                               f"{', '.join(VARIANTS)} (see --list)")
         if len(set(b.variants)) != len(b.variants):
             raise ConfigError(f"bench.variants lists a variant twice: {b.variants}")
+        if "fsdp2-float8" in b.variants and importlib.util.find_spec("torchao") is None:
+            from .variants import TORCHAO_MISSING
+
+            raise ConfigError(f"bench.variants lists fsdp2-float8, which {TORCHAO_MISSING}; "
+                              f"or leave it out of bench.variants")
         args = self.model_args()
         if args.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {args.vocab_size} is below 256: the "

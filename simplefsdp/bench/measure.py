@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from .._torch_compat import profiler_events
+from .._torch_compat.float8 import inner_tensors
 from .._torch_compat.internals import C10D_FUNCTIONAL
 from ..compiler.collectives import collective_kind
 from ..mesh import local_shard
@@ -71,6 +72,11 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
             return
         t = local_shard(t)
         if t.device.type == "meta":
+            return
+        inner = inner_tensors(t)
+        if inner is not None:  # e.g. torchao's float8 weight: count the tensors it holds
+            for piece in inner:
+                add(piece)
             return
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:

@@ -174,6 +174,8 @@ def run_benchmark(cfg: BenchConfig, rank: int, world: int, fake: bool,
             optimizer = make_optimizer(built.model, cfg.training.lr)
             if built.before_step is not None:
                 optimizer.register_step_pre_hook(lambda *_, f=built.before_step: f())
+            if built.after_step is not None:
+                optimizer.register_step_post_hook(lambda *_, f=built.after_step: f())
         except Exception as e:  # noqa: BLE001 - recorded, the others go on
             error = _error_text(e)
             expected = isinstance(e, VariantUnavailable | ValueError)  # a refused setting

@@ -49,6 +49,7 @@ class Built:
     model: nn.Module
     backend: object | None = None
     before_step: Callable[[], None] | None = None  # run before each optimizer step
+    after_step: Callable[[], None] | None = None  # run after each optimizer step
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,45 @@ def _fsdp2(compile_blocks: bool) -> Callable[[BuildContext], Built]:
     return build
 
 
+TORCHAO_MISSING = ("needs torchao's float8 training (torchao 0.18): pip install "
+                   "'simplefsdp[float8]'")
+
+
+def torchao_float8():
+    """torchao's ``float8`` module, or :class:`VariantUnavailable` saying how to get it
+    (the optional ``float8`` extra)."""
+    try:
+        from torchao import float8
+    except ImportError as e:
+        raise VariantUnavailable(f"{TORCHAO_MISSING} ({e})") from None
+    return float8
+
+
+def _fsdp2_float8(ctx: BuildContext) -> Built:
+    """FSDP2 (per block + root, eager) with torchao's float8 training: the linear layers
+    that ``simplefsdp-float8`` converts (``float8.DEFAULT_EXCLUDE`` kept high precision),
+    tensorwise, their weights gathered in float8 (``enable_fsdp_float8_all_gather``) with
+    the scales precomputed after each optimizer step, torchao's recommended setting."""
+    import fnmatch
+
+    from torch.distributed.fsdp import fully_shard
+
+    from ..float8 import DEFAULT_EXCLUDE
+
+    ao = torchao_float8()
+    model = plain_model(ctx)
+
+    def converted(module: nn.Module, fqn: str) -> bool:
+        return not any(fnmatch.fnmatchcase(fqn, g) for g in DEFAULT_EXCLUDE)
+
+    ao.convert_to_float8_training(model, module_filter_fn=converted, config=ao.Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True))
+    for block in model.layers.values():
+        fully_shard(block, mesh=ctx.fsdp_mesh)
+    fully_shard(model, mesh=ctx.fsdp_mesh)
+    return Built(model, after_step=lambda: ao.precompute_float8_dynamic_scale_for_fsdp(model))
+
+
 def _torch_ddp(ctx: BuildContext) -> Built:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -339,6 +379,9 @@ _SPECS = [
                 compiled=True),
     VariantSpec("fsdp2-eager", "torch FSDP2 fully_shard per block + root, eager",
                 _fsdp2(False)),
+    VariantSpec("fsdp2-float8", "FSDP2 eager with torchao's float8 training and float8 "
+                "all-gather (the optional float8 extra; losses differ from the reference by "
+                "float8 rounding)", _fsdp2_float8),
     VariantSpec("fsdp2-compiled-blocks", "FSDP2, each block torch.compile'd before fully_shard",
                 _fsdp2(True), compiled=True),
     VariantSpec("ddp-replicate", "simplefsdp mode='replicate' (DDP), eager", _replicate(False)),

@@ -24,7 +24,8 @@ class Float8Config:
     # contraction dim (finer, no float8 all-gather).
     recipe: Float8Recipe = "tensorwise"
     # Gather the converted weights in float8 (half the bf16 bytes, plus one scale each);
-    # tensorwise, parallel.dp_mode = 'fully_shard', no tensor parallelism.
+    # tensorwise, parallel.dp_mode = 'fully_shard', no tensor parallelism (with
+    # parallel.tp > 1 set it false: the linears compute in float8 under TP, tensorwise).
     all_gather: bool = True
     # Module FQN globs (fnmatch) kept in high precision: the output head and routers.
     exclude: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE))
@@ -48,9 +49,15 @@ def check_float8(cfg) -> None:
                           f"parallel.reshard_after_forward ({p.reshard_after_forward!r}) or "
                           f"training.cpu_offload ({cfg.training.cpu_offload}): set "
                           f"float8.all_gather = false, or turn those off")
-    if p.tp > 1:
-        raise ConfigError(f"float8.enable = true is not built with tensor parallelism yet; "
-                          f"parallel.tp = {p.tp}: set parallel.tp = 1 or float8.enable = false")
+    if p.tp > 1 and f.recipe != "tensorwise":
+        raise ConfigError(f"float8.recipe = {f.recipe!r} with parallel.tp = {p.tp}: tensor "
+                          f"parallelism is built for tensorwise scaling (each scale agreed "
+                          f"over the TP group); set float8.recipe = 'tensorwise'")
+    if p.tp > 1 and f.all_gather:
+        raise ConfigError(f"float8.all_gather = true with parallel.tp = {p.tp}: the float8 "
+                          f"all-gather is not built with tensor parallelism; set "
+                          f"float8.all_gather = false (the linears still compute in float8, "
+                          f"their weights gathered in the parameter dtype)")
     if cfg.lora.enable:
         raise ConfigError("float8.enable = true with lora.enable = true is not supported; "
                           "turn one of them off")

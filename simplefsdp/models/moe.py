@@ -34,7 +34,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._torch_compat import all_gather_autograd, check_size, grouped_mm, grouped_mm_aligned
+from .._torch_compat import (
+    all_gather_autograd,
+    check_size,
+    check_that,
+    grouped_mm,
+    grouped_mm_aligned,
+)
 from .llama import (
     FeedForward,
     Transformer,
@@ -292,11 +298,11 @@ def _routed_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """:func:`expert_ffn` with the counts read on the host: under ``torch.compile`` (with
     ``_torch_compat.data_dependent_shapes``, set by our compile path) unbacked sizes, which
-    ``torch._check`` says are sizes adding up to the rows."""
+    ``check_size``/``check_that`` say are sizes adding up to the rows."""
     sizes = counts.tolist()
     for size in sizes:
         check_size(size)
-    torch._check(sum(sizes) == x.shape[0])
+    check_that(sum(sizes) == x.shape[0])
     return expert_ffn(x, sizes, gate_up, down)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._torch_compat import checkpoint_wrapper, custom_partitioner_base
+from .._torch_compat.float8 import scaled_mm_op
 from .._torch_compat.internals import (
     CHECKPOINT_CONTEXT_FN_FRAME,
     CHECKPOINT_CONTEXT_FN_LOGGER,
@@ -43,26 +44,37 @@ from ..errors import ConfigError
 from .expert import holds_experts, keep_exchanges
 
 
+def _matmul_ops() -> frozenset:
+    """The matmuls of a block's linear layers: ``aten.mm``, and ``aten._scaled_mm`` where
+    ``[float8]`` converted them (``simplefsdp/float8.py``)."""
+    return frozenset({torch.ops.aten.mm.default, scaled_mm_op()})
+
+
 def _saved_ops() -> set:
     """Ops whose outputs selective AC keeps (torchtitan's per-op list): attention, the TP
     reduce-scatters (not the FSDP all-gathers: those must be recomputed), ``max``; and
     matmuls, of which ``_selective_policy`` keeps every other one."""
     aten = torch.ops.aten
-    return {aten.mm.default, aten.max.default, *attention_ops(),
+    return {*_matmul_ops(), aten.max.default, *attention_ops(),
             CollectiveKind.REDUCE_SCATTER.op}
 
 
 def _selective_policy(saved: frozenset, mm_calls: collections.Counter, ctx, func,
                       *args, **kwargs) -> CheckpointPolicy:
     """torchtitan's op-level rule: save ``saved`` ops' outputs except every second
-    ``aten.mm`` of a block's forward (its 2nd, 4th, ...; counted separately in the forward
+    matmul of a block's forward (its 2nd, 4th, ...; counted separately in the forward
     and in its recomputation, so both make the same decisions). In our Llama block that
-    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory."""
-    if func is torch.ops.aten.mm.default:
+    keeps wq, wv, w1, w2 and recomputes wk, wo, w3: about half the matmul memory. A
+    float8 linear's ``_scaled_mm`` counts as its matmul, so a converted block keeps the
+    same layers' outputs as a high-precision one."""
+    if func in _MATMULS:
         mm_calls[ctx.is_recompute] += 1
         if mm_calls[ctx.is_recompute] % 2 == 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_MATMULS = _matmul_ops()
 
 
 def _selective_context():

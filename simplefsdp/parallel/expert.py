@@ -44,6 +44,7 @@ from .._torch_compat import (
     all_to_all_single,
     all_to_all_single_autograd,
     check_size,
+    check_that,
     flatten_mesh,
 )
 from .._torch_compat.internals import module_style, reduce_scatter_autograd
@@ -230,7 +231,7 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
 
     Traceable: under ``torch.compile`` (with ``_torch_compat.data_dependent_shapes``, which
     our compile path sets) the split sizes read on the host become unbacked sizes, and both
-    exchanges are functional collectives, nodes of the block's graph. ``torch._check``
+    exchanges are functional collectives, nodes of the block's graph. ``check_that``
     tells the tracer what the data guarantees: every size is a size, and the splits add up
     to the rows they split."""
     ep = dist.get_world_size(group)
@@ -242,10 +243,10 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     per_expert = received.sum(0).tolist()
     for size in (*send, *recv, *per_expert):
         check_size(size)
-    torch._check(sum(send) == x.shape[0])
+    check_that(sum(send) == x.shape[0])
     tokens = _exchange(x, recv, send, group)
-    torch._check(sum(per_expert) == tokens.shape[0])
-    torch._check(sum(recv) == tokens.shape[0])
+    check_that(sum(per_expert) == tokens.shape[0])
+    check_that(sum(recv) == tokens.shape[0])
     by_expert = _source_to_expert_order(received, tokens.shape[0])
     out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
     return _exchange(out[by_expert.argsort()], send, recv, group)

@@ -3,7 +3,10 @@ user fixed, and its answer as a configuration.
 
 The search (``plan.search.search``, the ranking ``python -m simplefsdp.plan --search``
 prints) chooses the layout keys (``LAYOUT_KEYS``: the parallel sizes, ``dp_mode``,
-``pp_microbatches``, the AC mode and the local batch). A layout key the user set (in the
+``pp_microbatches``, the AC mode and the local batch) and issue 48's knobs (``KNOB_KEYS``:
+its rows with a knob turned, ``plan.tradeoffs.variants``: an int reshard, gradient sync
+on the last micro-step, CPU offload where a layout does not fit; the fastest row that
+fits wins, whichever it is). A layout key the user set (in the
 TOML or on the command line) is a constraint: candidates that differ are dropped, and a
 fixed ``training.batch_size`` replaces the search's own batches (1 and 2, or under PP one
 sequence per microbatch). ``dp_shard = -1`` ("the rest") constrains nothing.
@@ -18,7 +21,6 @@ own (the trainer).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import sys
 import time
@@ -28,17 +30,18 @@ from typing import Any
 from ..config.job import JobConfig
 from ..errors import ConfigError
 from ..hardware import GB, GiB, gpu_profile
+from . import disk_cache
 from .predict import CONTEXT_BYTES, Prediction
 
-# The keys the search sets on each candidate (``plan.search.layouts``).
+# Issue 48's knobs, set by the search's knob rows (``plan.tradeoffs.variants``): a
+# reshard to a node, gradient sync on the last micro-step, CPU offload.
+KNOB_KEYS = ("parallel.reshard_after_forward", "training.gradient_sync", "training.cpu_offload")
+# The keys the search sets on each candidate (``plan.search.layouts``) or its knob rows.
 LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp",
                "parallel.cp_ring", "parallel.cp_ulysses", "parallel.cp_rotate", "parallel.ep",
                "parallel.dp_mode", "parallel.pp_microbatches", "activation_checkpoint.mode",
-               "training.batch_size")
-# The package folders and files whose code decides a search's answer: a cached answer
-# is reused only while they are unchanged.
-_SOURCES = ("plan", "compiler", "models", "parallel", "data_parallel.py", "mesh.py",
-            "hardware.py", "config/job.py")
+               "training.batch_size", *KNOB_KEYS)
+
 
 
 def get_key(cfg: JobConfig, dotted: str) -> Any:
@@ -70,6 +73,24 @@ def _row_key(c: JobConfig) -> tuple:
 def prediction_key(r: Prediction) -> tuple:
     return (r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac, r.batch_size, r.ep, r.cp_ring,
             r.cp_ulysses, r.cp_rotate)
+
+
+def _row_config(candidates: dict[tuple, JobConfig], r: Prediction,
+                gpus_per_node: int) -> JobConfig:
+    """The configuration of row ``r``: its candidate layout, with the knob its label
+    names turned as the search turned it (``tradeoffs.variants``)."""
+    from . import tradeoffs
+
+    base = candidates[prediction_key(r)]
+    if r.knobs == tradeoffs.knob_label(base):  # the layout's own row (knobs the config set)
+        return base
+    return next(v for v in tradeoffs.variants(base, False, gpus_per_node)
+                if tradeoffs.knob_label(v) == r.knobs)
+
+
+def _keeps_fixed(c: JobConfig, fixed: dict[str, Any]) -> bool:
+    """Whether a knob row's configuration keeps the knob keys the user set."""
+    return all(get_key(c, k) == v for k, v in fixed.items() if k in KNOB_KEYS)
 
 
 class Constraint:
@@ -112,12 +133,14 @@ def describe(r: Prediction) -> str:
     cp = f" cp_ring={r.cp_ring} cp_ulysses={r.cp_ulysses} ({r.cp_rotate})" \
         if (r.cp_ring, r.cp_ulysses) != (1, 1) else ""
     return (f"dp_replicate={r.dp_replicate} dp_shard={r.dp_shard} tp={r.tp} pp={r.pp}"
-            f"{f' ep={r.ep}' if r.ep > 1 else ''}{cp} ac={r.ac} batch_size={r.batch_size}")
+            f"{f' ep={r.ep}' if r.ep > 1 else ''}{cp} ac={r.ac} batch_size={r.batch_size}"
+            f"{f' knobs={r.knobs}' if r.knobs else ''}")
 
 
 def _nothing_fits(rows: list[Prediction], candidates: list[JobConfig], gpus: int, gpu: str,
-                  fixed: dict[str, Any]) -> ConfigError:
-    """The error when no layout fits: the smallest need predicted, and the knobs."""
+                  fixed: dict[str, Any], failures: list[str]) -> ConfigError:
+    """The error when no layout fits: the smallest need predicted, and the knobs; when
+    none could be predicted, why (the traces that failed: ``search``'s ``failures``)."""
     limit = gpu_profile(gpu).memory_bytes
     where = f"{gpus} ranks of {gpu} ({limit / GB:.4f} GB usable a rank)"
     if rows:
@@ -127,10 +150,17 @@ def _nothing_fits(rows: list[Prediction], candidates: list[JobConfig], gpus: int
                  f"{best.reserved_memory_gib * GiB / GB:.4f} GB reserved by torch + "
                  f"{CONTEXT_BYTES / GB:.2f} GB of device context), over "
                  f"{len(rows)} layout(s) predicted")
-    else:  # none traced: each one's floor (model states and the loss's logits) is over
-        from .search import _lower_bound
+    else:  # none predicted: each one's floor (model states and the loss's logits) is
+        from .search import _lower_bound  # over the limit, or their traces failed
 
         floor = min((_lower_bound(c) for c in candidates), default=0.0) + CONTEXT_BYTES
+        if floor <= limit and failures:
+            fixed_keys = ", ".join(f"{k} = {v!r}" for k, v in fixed.items()) or "none"
+            return ConfigError(
+                f"parallel.layout = 'auto': no layout of {where} could be planned: the "
+                f"planner failed on {'; '.join(failures)}. Keys you set (kept by the "
+                f"search): {fixed_keys}; leave some of them out (parallel.dp_shard = -1: "
+                f"the rest) and the search can choose others")
         found = (f"the smallest predicted peak is over {floor / GB:.3f} GB: every layout's "
                  f"model states (16 B a parameter) and loss logits alone, with "
                  f"{CONTEXT_BYTES / GB:.2f} GB of device context, exceed it")
@@ -155,28 +185,33 @@ def choose(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int,
     from .search import search
 
     cache = _cache_path(cfg, gpus, gpu, gpus_per_node, fixed)
-    if cache is not None and cache.is_file():
-        outcome = json.loads(cache.read_text())
+    outcome = disk_cache.load(cache)
+    if outcome is not None:
         if "error" in outcome:
             raise ConfigError(outcome["error"])
         return {**outcome, "cached": True}
     started = time.perf_counter()
-    constraint, stats = Constraint(fixed), {}
+    constraint, stats, failures = Constraint(fixed), {}, []
     rows = search(cfg, gpus, gpu, gpus_per_node, keep=1, stats=stats, constrain=constraint,
-                  progress=_progress(started) if progress else None)
+                  progress=_progress(started) if progress else None, tradeoffs_rows=True,
+                  failures=failures)
+    configs = [_row_config(constraint.candidates, r, gpus_per_node) for r in rows]
+    rows, configs = [r for r, c in zip(rows, configs, strict=True) if _keeps_fixed(c, fixed)], \
+        [c for c in configs if _keeps_fixed(c, fixed)]
     if not constraint.candidates:
         raise ConfigError(f"parallel.layout = 'auto': no layout of {gpus} ranks keeps the "
                           f"keys you set ({', '.join(f'{k} = {v!r}' for k, v in fixed.items())})"
                           f"; leave some of them out of the config and the command line")
     if not rows or not rows[0].fits:
-        error = _nothing_fits(rows, list(constraint.candidates.values()), gpus, gpu, fixed)
-        _store(cache, {"error": str(error)})
+        error = _nothing_fits(rows, list(constraint.candidates.values()), gpus, gpu, fixed,
+                              failures)
+        disk_cache.store(cache, {"error": str(error)})
         raise error
-    best = constraint.candidates[prediction_key(rows[0])]
+    best = configs[0]
     outcome = {"layout": {k: get_key(best, k) for k in LAYOUT_KEYS},
                "prediction": rows[0].to_dict(), "search_s": time.perf_counter() - started,
                "stats": stats}
-    _store(cache, outcome)
+    disk_cache.store(cache, outcome)
     return {**outcome, "cached": False}
 
 
@@ -233,50 +268,14 @@ def apply_layout(cfg: JobConfig, layout: dict[str, Any]) -> JobConfig:
 # ---------------------------------------------------------------------------------------
 # The answer cache and the configuration as TOML.
 # ---------------------------------------------------------------------------------------
-_NOT_SEARCHED = ("steps", "lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps",
-                 "max_norm", "seed", "hang_watchdog_s")
-
-
-def _sources_digest() -> str:
-    """A hash of the planner's code (``_SOURCES``)."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for name in _SOURCES:
-        path = root / name
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(file.relative_to(root).as_posix().encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()
-
-
 def _cache_path(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int,
                 fixed: dict[str, Any]) -> Path | None:
-    """Where the answer for these inputs is kept (None: no writable cache folder)."""
-    import torch
-
-    from ..compiler.cost.comm import cache_dir
-
-    d = cfg.to_dict()
-    inputs = {"model": d["model"], "parallel": d["parallel"],
-              "activation_checkpoint": d["activation_checkpoint"], "compile": d["compile"],
-              "training": {k: v for k, v in d["training"].items() if k not in _NOT_SEARCHED},
+    """Where the answer for these inputs is kept (None: the cache is off)."""
+    inputs = {"config": disk_cache.planned_config(cfg),
+              "device": cfg.job.device,  # CPU offload validates for a CUDA job only
               "fixed": sorted(fixed.items()), "gpus": gpus, "gpu": gpu,
-              "gpus_per_node": gpus_per_node, "torch": torch.__version__,
-              "sources": _sources_digest()}
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode())
-    return cache_dir() / "layouts" / f"{key.hexdigest()[:24]}.json"
-
-
-def _store(path: Path | None, outcome: dict[str, Any]) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{time.time_ns()}.tmp")
-        tmp.write_text(json.dumps(outcome, indent=1, default=str))
-        tmp.replace(path)  # readers see a whole file or none
-    except OSError:
-        pass  # a read-only cache folder costs the next run a search, nothing else
+              "gpus_per_node": gpus_per_node}
+    return disk_cache.entry_path("layouts", inputs)
 
 
 def _toml_value(value: Any) -> str:

@@ -3,8 +3,9 @@
 A job with ``[float8] enable`` is traced as it runs (``simplefsdp/float8.py``): its
 converted linear layers become ``torch._scaled_mm`` calls on float8 operands, and with
 ``float8.all_gather`` their weights' all-gathers move ``uint8`` bytes, which the
-collective pricing already counts at one byte an element. What is left for the
-roofline is the matmul class and rate, here.
+collective pricing already counts at one byte an element; the scales' all-reduce runs
+in a graph of its own before the forward (``trace.Trace.prologue``). What is left for
+the roofline is the matmul class and rate, here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from .._torch_compat.float8 import scaled_mm_op
-from ..errors import ConfigError
 from ..float8 import E4M3, E5M2
 from ..hardware import GpuSpec
 
@@ -30,10 +30,3 @@ def matmul_peak_flops(spec: GpuSpec, dtype: torch.dtype) -> float:
         return spec.fp8_flops
     return spec.bf16_flops if dtype in (torch.bfloat16, torch.float16) else spec.fp32_flops
 
-
-def check_plannable(cfg) -> None:
-    """The planner does not trace ``[float8]`` yet (its fake-tensor capture of the float8
-    step fails in AOTAutograd's runtime wrapper): refuse it rather than plan bf16."""
-    if cfg.float8.enable:
-        raise ConfigError("float8.enable = true: the planner does not trace float8 steps "
-                          "yet; plan with --float8.enable false (the bf16 step)")

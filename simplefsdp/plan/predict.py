@@ -18,19 +18,22 @@ from dataclasses import dataclass, field
 
 from ..config.job import JobConfig
 from ..errors import ConfigError
-from ..hardware import GiB, gpu_profile, model_flops_utilization
+from ..hardware import KNOWN_FABRICS, GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
 from ..parallel.activation_checkpoint import ac_mode_run
 from ..parallel.pipeline import stage_layers
-from . import memory, moe, ring_pass, timing, tradeoffs
+from . import disk_cache, memory, moe, ring_pass, timing, tradeoffs
 from .eager import eager_memory
-from .trace import FAKE_WORLD, trace, trace_key
+from .trace import trace, trace_key
 
 # Caching-allocator reserve over the active peak: fitted, the one constant fitted to the
 # published runs (their reserved / our predicted active peak: 1.18 full AC, 1.22 no AC,
 # 1.24 and 1.14 selective eager / compiled; see README).
 ALLOC_OVERHEAD = 0.20
 CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserved figure
+# Eager memory is replayed at the planned shard count where the ranks it needs stay
+# within this many (shard-sized temporaries are then exact), else at the traced count.
+EXACT_EAGER_WORLD = 64
 
 
 @dataclass
@@ -88,8 +91,32 @@ def peak_extrapolation(one: dict, two: dict, n: int) -> dict:
     return out
 
 
+def _figures_key(cfg: JobConfig, role: str, dev, fabric, mb: int) -> dict:
+    """Everything ``_traced_figures`` reads: the configuration as planned (its parallel
+    section resolved), the role and microbatch, the device's speeds and links (not its
+    memory: the figures do not depend on it) and the fabric's node size."""
+    speeds = dataclasses.asdict(dataclasses.replace(dev, memory_bytes=0.0, note=""))
+    links = {name: dataclasses.asdict(KNOWN_FABRICS[name])
+             for name in (dev.intra_node, dev.inter_node)}
+    return {"config": disk_cache.planned_config(cfg), "role": role, "microbatch": mb,
+            "device": speeds, "links": links, "gpus_per_node": fabric.gpn,
+            "dims": dataclasses.asdict(fabric.dims)}
+
+
 def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
-    """Memory (bytes) and time (s) of one stage role at its real depth, per microbatch."""
+    """Memory (bytes) and time (s) of one stage role at its real depth, per microbatch:
+    from the disk cache (``plan.disk_cache``) when these inputs were planned before,
+    else from its traces (and then kept there)."""
+    path = disk_cache.entry_path("figures", _figures_key(cfg, role, dev, fabric, mb))
+    figures = disk_cache.load(path)
+    if figures is None:
+        figures = _traced_figures(cfg, role, p, dev, fabric, mb)
+        disk_cache.store(path, figures)
+    return figures
+
+
+def _traced_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
+    """``_role_figures`` from the role's 1- and 2-block traces."""
     args = cfg.model.model_args()
     blocks = list(range(args.n_layers)) if role == "full" else stage_layers(
         args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
@@ -106,6 +133,10 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
                                       ffn_tp)
                  for g, shard in zip((tr.forward, tr.backward), memory.trace_shards(tr),
                                      strict=True)]
+        # the graphs run before the forward (float8: the weights' amaxes and their
+        # all-reduce, which the forward waits for)
+        times += [timing.graph_seconds(g, dev, fabric, tr.groups, tr.key.compile, scale, set())
+                  for g in tr.prologue]
         # the ring pass's shifts, hidden behind each step's attention (``plan.ring_pass``)
         ring = sum(ring_pass.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
         fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
@@ -114,7 +145,7 @@ def _role_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
             fits = dataclasses.replace(tr.key.dims, dp_shard=p.dp_shard).world_size \
-                <= FAKE_WORLD
+                <= EXACT_EAGER_WORLD
             em = eager_memory(dataclasses.replace(
                 tr.key, dp_shard=p.dp_shard if fits else dp_shard_t), fits)
             fig.update(eager_peak=em.peak, eager_saved=em.saved)

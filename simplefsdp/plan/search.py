@@ -30,7 +30,7 @@ import copy
 from collections.abc import Iterator
 from typing import get_args, get_type_hints
 
-from ..config.job import AC_MODES, JobConfig, ParallelConfig
+from ..config.job import AC_MODES, DTYPES, JobConfig, ParallelConfig
 from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
@@ -125,12 +125,15 @@ def _lower_bound(c: JobConfig) -> float:
     return bound
 
 
-def speed_bound(c: JobConfig, gpus: int, dev) -> float:
+def speed_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int | None = None) -> float:
     """Tokens/s per GPU that ``predict`` cannot exceed for ``c``: its step time with each
     stage's simulated forward + backward replaced by the FLOP floors of its blocks and
     output projection and its exposed tensor-parallel communication
     (``timing.compute_floor_seconds``, ``head_floor_seconds``, ``tp_comm_floor_seconds``;
-    the loss, optimizer and pipeline schedule terms are predict's own)."""
+    the loss, optimizer and pipeline schedule terms are predict's own), or by its
+    data-parallel communication floor where that is longer (``gpus_per_node`` given and
+    ``_dp_floor_applies``: with many ranks over InfiniBand the gathers, not the FLOPs,
+    bound a step)."""
     args, t = c.model.model_args(), c.training
     p = c.parallel.resolve(gpus)
     dims = p.dims()  # the layout's one view
@@ -152,8 +155,14 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
             + timing.tp_comm_floor_seconds(args, tokens, n, role != "first"
                                            and not p.vocab_sharded_loss, elem, fabric)
         if role != "first":
-            step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev) \
-                + timing.head_floor_seconds(args, tokens, p.tp, dev)
+            step += timing.head_floor_seconds(args, tokens, p.tp, dev)
+        if gpus_per_node is not None and _dp_floor_applies(c, args):
+            step = max(step, timing.dp_comm_floor_seconds(
+                args, blocks, role, p.tp, DTYPES[t.mixed_precision_param].itemsize,
+                DTYPES[t.mixed_precision_reduce].itemsize, p.reshard is True,
+                timing.MeshLinks(dev, dims, gpus_per_node)))
+        if role != "first":  # the eager loss runs outside the graphs: after either floor
+            step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
         params = memory.rank_params(args, role, blocks, dims, p.dp_mode)
@@ -162,12 +171,24 @@ def speed_bound(c: JobConfig, gpus: int, dev) -> float:
     return t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp / seconds / gpus
 
 
+def _dp_floor_applies(c: JobConfig, args) -> bool:
+    """Whether ``timing.dp_comm_floor_seconds`` bounds ``c``'s graphs: sharded data
+    parallelism of a dense model whose parameters all train, gathered in the mixed
+    precision dtype (no float8 all-gather) and with none of issue 48's knobs (their terms
+    can take time off the graphs': ``tradeoffs.role_terms``)."""
+    return (c.parallel.dp_mode in ("fully_shard", "hybrid_shard")
+            and not any(args.routed_params(i) for i in range(args.n_layers))
+            and not c.float8.enable and not tradeoffs.knob_label(c))
+
+
 def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False,
-            ac_modes: tuple[str, ...] = AC_MODES, constrain=None) -> list[list[JobConfig]]:
+            ac_modes: tuple[str, ...] = AC_MODES, constrain=None,
+            tradeoffs_rows: bool = False) -> list[list[JobConfig]]:
     """``layouts`` grouped by parallel layout (each group in its batch, AC order), the
-    groups fastest bound first, so the layouts likely to win are traced first and set the
-    bar the others' bounds must reach. ``constrain(c)``: each layout as the caller allows
-    it (None: dropped; see ``search``)."""
+    groups fastest bound first (``_prune_bound``: with ``tradeoffs_rows``, their knob
+    rows' too), so the layouts likely to win are traced first and set the bar the others'
+    bounds must reach. ``constrain(c)``: each layout as the caller allows it (None:
+    dropped; see ``search``)."""
     groups: dict[tuple, list[JobConfig]] = {}
     for c in layouts(cfg, gpus, gpus_per_node, cp, ac_modes):
         if constrain is not None and (c := constrain(c)) is None:
@@ -177,7 +198,8 @@ def _groups(cfg: JobConfig, gpus: int, gpus_per_node: int, dev, cp: bool = False
 
     def best(group: list[JobConfig]) -> float:
         try:
-            return max(speed_bound(c, gpus, dev) for c in group)
+            return max(_prune_bound(c, gpus, dev, gpus_per_node, tradeoffs_rows)
+                       for c in group)
         except ConfigError:
             return 0.0
     return sorted(groups.values(), key=best, reverse=True)
@@ -262,7 +284,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         if _lower_bound(c) + CONTEXT_BYTES > dev.memory_bytes:
             stats["memory"] += 1
             continue
-        if bar.beaten(speed_bound(c, gpus, dev)):
+        if bar.beaten(_prune_bound(c, gpus, dev, gpus_per_node, tradeoffs_rows)):
             stats["bound"] += 1
             continue
         try:
@@ -275,8 +297,11 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         stats["predicted"] += 1
         if progress is not None:
             progress(r)
-        if tradeoffs_rows:
-            results += _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
+        if tradeoffs_rows:  # candidates too: a fitting one raises the bar as a layout does
+            knob_rows = _knob_rows(c, r, gpus, gpu, gpus_per_node, stats, progress)
+            results += knob_rows
+            for row in (row for row in knob_rows if row.fits):
+                bar.add(row.tokens_per_s_per_gpu)
         if not r.fits:
             too_big.append((p.tp, p.pp, ac, p.cp_rotate, batch, p.dims().dp_shard_cp,
                             p.dims().cp))
@@ -286,13 +311,29 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
     return results, failures, stats
 
 
+def _prune_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int,
+                 tradeoffs_rows: bool) -> float:
+    """The speed bound ``keep`` prunes ``c`` by: with its knob rows coming too, without
+    the data-parallel communication floor where a variant can take time off it (a
+    reshard to a node, gradient sync on the last micro-step: ``tradeoffs.role_terms``)."""
+    faster_variants = tradeoffs_rows and any(
+        not v.training.cpu_offload for v in tradeoffs.variants(c, True, gpus_per_node))
+    return speed_bound(c, gpus, dev, None if faster_variants else gpus_per_node)
+
+
 def _knob_rows(c: JobConfig, r: Prediction, gpus: int, gpu: str, gpus_per_node: int,
                stats: dict, progress) -> list[Prediction]:
     """Rows for ``c`` with one of issue 48's knobs turned (``tradeoffs.variants``: from the
-    traces ``c`` just made, no new one). They compete with the layouts' own rows but do
-    not move the ``keep`` bar or the too-big/fitted bookkeeping, which speak of layouts."""
+    traces ``c`` just made, no new one). They compete with the layouts' own rows, and a
+    fitting one raises the ``keep`` bar (``_prune_bound`` bounds a layout's knob rows
+    too), but not the too-big/fitted bookkeeping, which speaks of layouts."""
     rows = []
     for v in tradeoffs.variants(c, r.fits, gpus_per_node):
+        try:
+            v.validate()
+        except ConfigError:  # e.g. CPU offload of a job on the CPU
+            stats["invalid"] += 1
+            continue
         row = predict(v, gpus, gpu, gpus_per_node)
         rows.append(row)
         stats["knob_rows"] = stats.get("knob_rows", 0) + 1
@@ -351,15 +392,17 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
-    results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain), gpus, gpu,
+    results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain,
+                           tradeoffs_rows=tradeoffs_rows), gpus, gpu,
                    gpus_per_node, progress, failures, keep, stats, workers, (), tradeoffs_rows)
     # Context parallelism with less recomputation than any whole-sequence row that fits
     # (module doc), behind the bar those rows set
-    fitting = [r for r in results if r.fits]
+    fitting = [r for r in results if r.fits and not r.knobs]  # the layouts' own rows
     modes = AC_MODES[:min((AC_MODES.index(r.ac) for r in fitting), default=len(AC_MODES))]
     if modes:
         seed = tuple(r.tokens_per_s_per_gpu for r in fitting)
-        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain), gpus,
+        results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain,
+                                tradeoffs_rows), gpus,
                         gpu, gpus_per_node, progress, failures, keep, stats, workers, seed,
                         tradeoffs_rows)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))

@@ -307,3 +307,29 @@ def tp_comm_floor_seconds(args, tokens: int, blocks: int, head: bool, elem: int,
                      + fabric.seconds("reduce_scatter", "tp", act))
     logits = fabric.seconds("all_gather", "tp", tokens * args.vocab_size * elem)
     return blocks * per_block + (logits if head else 0.0)
+
+
+def dp_comm_floor_seconds(args, blocks: list[int], role: str, tp: int, param_elem: int,
+                          reduce_elem: int, regather: bool, fabric: MeshLinks) -> float:
+    """A lower bound on one micro-step's data-parallel communication stream (the
+    ``dp_shard`` group's, ``fully_shard`` / ``hybrid_shard``) of a dense stage role:
+    forward all-gathers every matrix of its blocks and its embedding / output
+    projection, backward gathers the blocks' matrices and the output projection again
+    when ``regather`` (resharded after forward; the embedding's backward needs no
+    weight) and reduce-scatters every gradient. Each term counts only the matrices,
+    split ``tp`` ways (the embedding and output projection too, whatever TP does to
+    them), and one collective's cost per kind (a sum of buckets costs at least that).
+    The simulation waits for every collective it issues, and one group's collectives
+    run one after another on its stream, so a graph takes at least this long.
+    """
+    matrices = sum(block_matmul_params(args, i) for i in blocks) / tp
+    table = args.vocab_size * args.dim / tp  # the embedding's or the output's matrix
+    embedding = table if role in ("full", "first") else 0.0
+    output = table if role in ("full", "last") else 0.0
+    # tied: one parameter, gathered and reduced once, needed again by the output's backward
+    distinct = matrices + embedding + output - (table if args.tie_embeddings
+                                                and role == "full" else 0.0)
+    gathered = (distinct + (matrices + output if regather else 0.0)) * param_elem
+    reduced = distinct * reduce_elem
+    return fabric.seconds(CollectiveKind.ALL_GATHER, "dp_shard", gathered) \
+        + fabric.seconds(CollectiveKind.REDUCE_SCATTER, "dp_shard", reduced)

@@ -29,13 +29,13 @@ from ..models.llama import ModelArgs, Transformer
 from ..models.mla import MultiHeadLatentAttention, fused_kernel_attention
 from ..models.parallelize import parallelize
 from ..parallel.pipeline import split_stage
-from .float8 import check_plannable
 from .moe import stand_in
 
 # One fake world for the whole process, never torn down: DTensor caches sharding
 # decisions by mesh *equality*, so a rebuilt equal mesh would get stale mesh objects
-# back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``).
-FAKE_WORLD = 64
+# back. Traced meshes are sub-meshes of it, built once per shape (``_mesh``): up to 2
+# replicas x 2 shards x CP x TP (``predict``), so TP 8 with CP 8 fits.
+FAKE_WORLD = 256
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class TraceKey:
     cp_ulysses: int
     cp_rotate: str  # parallel.cp_rotate: the ring's K/V all-gathered or passed around
     args_type: type = ModelArgs  # the args' class (MLAArgs: the attention is a choice)
+    # [float8]: (recipe, all_gather, exclude globs) when enabled, else None
+    float8: tuple | None = None
 
     @property
     def dims(self):
@@ -87,12 +89,15 @@ class Trace:
     n_forward_outputs: int  # user outputs of the forward graph; the rest are saved
     groups: dict[str, str]  # process group name -> mesh dim ("dp_shard", "tp", ...)
     shards: set  # (shape, dtype) of this rank's parameter shards
+    # graphs compiled apart from the autograd pair, without gradients: the float8
+    # scale agreement (``float8.install_float8_scales``' pre-hook on the root is its own
+    # frame to dynamo), run before the forward
+    prologue: tuple[fx.GraphModule, ...] = ()
 
 
 def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
               dp_replicate: int, dp_shard: int) -> TraceKey:
     """The key for ``cfg``'s layout traced with ``layers`` blocks at the given sizes."""
-    check_plannable(cfg)
     # a mixture of experts is traced as its dense stand-in (``plan.moe``)
     args = dataclasses.replace(stand_in(cfg.model.model_args()), n_layers=layers)
     p, t, c = cfg.parallel, cfg.training, cfg.compile
@@ -104,7 +109,12 @@ def trace_key(cfg: JobConfig, role: str, layers: int, batch: int,
                     dp_shard, p.tp, batch, t.seq_len, cfg.activation_checkpoint.mode,
                     c.enable, bucketing, c.reordering and c.enable, t.mixed_precision_param,
                     t.mixed_precision_reduce, p.reshard is not False, p.loss_parallel, p.cp_ring,
-                    p.cp_ulysses, p.cp_rotate, type(args))
+                    p.cp_ulysses, p.cp_rotate, type(args), _float8_key(cfg))
+
+
+def _float8_key(cfg: JobConfig) -> tuple | None:
+    f = cfg.float8
+    return (f.recipe, f.all_gather, tuple(f.exclude)) if f.enable else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -155,6 +165,10 @@ def _job(key: TraceKey) -> JobConfig:
     cfg.training = dataclasses.replace(cfg.training, seq_len=key.seq)
     cfg.activation_checkpoint.mode = key.ac
     cfg.compile.enable = False  # we compile below, with the capture-only compiler
+    if key.float8 is not None:
+        recipe, all_gather, exclude = key.float8
+        cfg.float8 = dataclasses.replace(cfg.float8, enable=True, recipe=recipe,
+                                         all_gather=all_gather, exclude=list(exclude))
     return cfg
 
 
@@ -222,6 +236,7 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
                                reordering=key.reordering)
     graphs: list[fx.GraphModule] = []
     counts: list[int] = []
+    prologue: list[fx.GraphModule] = []
 
     def capture(gm, example_inputs):
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -241,8 +256,13 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
             return min_cut_rematerialization_partition(
                 joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
-        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                            partition_fn=partition)(gm, example_inputs)
+        before, partitions = len(graphs), len(counts)
+        compiled_fn = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                                   partition_fn=partition)(gm, example_inputs)
+        if len(counts) == partitions:  # no joint graph: an inference graph, a prologue
+            prologue.extend(graphs[before:])
+            del graphs[before:]
+        return compiled_fn
 
     with fake_mode_cls(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
@@ -260,4 +280,4 @@ def _trace(key: TraceKey, fake_mode_cls) -> Trace:
                                                           "cp_ring", "cp_ulysses", "tp")}
     groups.update(data_parallel_groups(mesh, key))
     shards = {(tuple(p.to_local().shape), p.dtype) for p in model.parameters()}
-    return Trace(key, graphs[0], graphs[1], counts[0], groups, shards)
+    return Trace(key, graphs[0], graphs[1], counts[0], groups, shards, tuple(prologue))

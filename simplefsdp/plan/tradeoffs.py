@@ -190,12 +190,14 @@ def variants(c: JobConfig, fits: bool, gpus_per_node: int) -> list[JobConfig]:
     """The search's knob variants of a predicted layout ``c``, one knob each (their terms
     need no new trace, so each costs one cached prediction): resharding to a node where
     the shard group spans several (``fully_shard`` without TP, PP or CP: what it is built
-    for); gradient sync on the last micro-step with gradient accumulation (no PP); CPU
-    offload only when ``c`` does not fit (it trades speed for memory, never faster)."""
+    for; from ``True`` it is faster and holds more, from ``False`` it holds less);
+    gradient sync on the last micro-step with gradient accumulation (no PP); CPU offload
+    only when ``c`` does not fit (it trades speed for memory, never faster)."""
     p, t = c.parallel, c.training
     out = []
     dims = p.dims()
-    if (p.dp_mode == "fully_shard" and p.tp == p.pp == dims.cp == 1 and p.reshard is True
+    if (p.dp_mode == "fully_shard" and p.tp == p.pp == dims.cp == 1
+            and isinstance(p.reshard, bool)
             and p.dp_shard > gpus_per_node and p.dp_shard % gpus_per_node == 0):
         v = copy.deepcopy(c)
         v.parallel.reshard_after_forward = gpus_per_node
