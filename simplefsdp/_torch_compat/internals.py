@@ -71,15 +71,3 @@ def dump_memory_snapshot(path: str) -> None:
     """The allocator's recorded history as a pickle for pytorch.org/memory_viz.
     checked: 2.13."""
     torch.cuda.memory._dump_snapshot(path)
-
-
-def reduce_scatter_autograd(x: torch.Tensor, group) -> torch.Tensor:
-    """Reduce-scatter (sum) along dim 0 whose backward all-gathers the gradient, waited
-    for (expert tensor parallelism's partial outputs). checked: 2.13
-    (``_functional_collectives.reduce_scatter_single_autograd``, on gloo); version
-    fallback: ``reduce_scatter_tensor_autograd`` (its older name)."""
-    from torch.distributed import _functional_collectives as funcol
-
-    scatter = getattr(funcol, "reduce_scatter_single_autograd", None)
-    out = (scatter or funcol.reduce_scatter_tensor_autograd)(x, "sum", 0, group)
-    return funcol.wait_tensor(out)

@@ -195,8 +195,9 @@ class ParallelConfig:
     ep: int = 1
     # Expert tensor parallelism (MoE models): 1, or parallel.tp to split each routed
     # expert's width over the TP ranks (gate_up column-wise, down row-wise); each TP rank
-    # then computes its slice for the routed slots of its whole TP group. Needs
-    # parallel.ep = 1, pp = 1, no context parallelism, the exact dispatch, eager.
+    # then stores and computes its slice for the routed slots of its whole TP group, and
+    # parallel.ep divides dp_shard (TP peers hold the same experts). Needs pp = 1, no
+    # context parallelism, the exact dispatch, eager.
     etp: int = 1
     # How MoE layers send tokens to their experts (also with ep = 1). "exact": every routed
     # slot, uneven split sizes known at run time (unbacked sizes under torch.compile).
@@ -432,7 +433,7 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_expert_dispatch(p, family.name)
-        check_etp(self, family.name, dims.cp)
+        check_etp(self, family.name, dims)
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)

@@ -32,11 +32,12 @@ def check_expert_dispatch(p, family: str) -> None:
                           f"parallel.expert_dispatch = 'exact'")
 
 
-def check_etp(cfg, family: str, cp: int) -> None:
+def check_etp(cfg, family: str, dims) -> None:
     """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
-    TP ranks, ``parallel/expert.py``'s ``apply_etp``), and then only where it is built:
-    our MoE family, ``ep = 1``, ``pp = 1``, no context parallelism, the exact dispatch,
-    eager. ``cp``: the context-parallel degree (``ParallelDims.cp``)."""
+    TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
+    built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
+    that are not TP peers (:func:`_etp_expert_ranks`), ``pp = 1``, no context
+    parallelism, the exact dispatch, eager. ``dims``: the resolved ``ParallelDims``."""
     p = cfg.parallel
     if p.etp == 1:
         return
@@ -47,10 +48,9 @@ def check_etp(cfg, family: str, cp: int) -> None:
     refusals = [
         (family != "moe", f"model.family = {family!r}: expert tensor parallelism is built "
                           f"for our MoE presets"),
-        (p.ep > 1, f"parallel.ep = {p.ep}: the expert-parallel groups include the TP ranks, "
-                   f"which would then hold different experts"),
         (p.pp > 1, f"parallel.pp = {p.pp}: not built with pipeline stages"),
-        (cp > 1, "parallel.cp_ring / cp_ulysses > 1: not built with context parallelism"),
+        (dims.cp > 1, "parallel.cp_ring / cp_ulysses > 1: not built with context "
+                      "parallelism"),
         (p.expert_dispatch != "exact", "parallel.expert_dispatch = 'padded': the padded "
                                        "dispatch is not split over TP"),
         (cfg.compile.enable, "compile.enable = true: not yet traced into the compiled "
@@ -60,6 +60,28 @@ def check_etp(cfg, family: str, cp: int) -> None:
         if refused:
             raise ConfigError(f"parallel.etp = {p.etp} cannot be combined with {why}; set "
                               f"parallel.etp = 1")
+    width = cfg.model.model_args().moe_hidden_dim
+    if width % p.etp:
+        raise ConfigError(f"parallel.etp = {p.etp} does not divide the routed experts' width "
+                          f"model.moe_hidden_dim = {width}; pick a width it divides or set "
+                          f"parallel.etp = 1")
+    ranks, names = _etp_expert_ranks(dims, p.dp_mode)
+    if ranks % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} with parallel.etp = {p.etp}: TP peers hold "
+                          f"the same experts (each a slice of their width), so the "
+                          f"expert-parallel groups come out of {names} = {ranks}, which "
+                          f"{p.ep} does not divide; set parallel.ep to a divisor of {ranks} "
+                          f"or parallel.etp = 1")
+
+
+def _etp_expert_ranks(dims, mode: str) -> tuple[int, str]:
+    """The ranks the ``ep`` groups come out of under expert tensor parallelism
+    (``ParallelDims.expert_mesh`` with ``etp``), and their keys: ``dp_shard x cp``, or
+    with ``dp_replicate`` where the experts are replicated or those are 1."""
+    inner = dims.dp_shard * dims.cp
+    if mode == "replicate" or inner == 1:
+        return dims.dp_replicate * inner, "parallel.dp_replicate * parallel.dp_shard"
+    return inner, "parallel.dp_shard"
 
 
 def check_hf_balance(m) -> None:

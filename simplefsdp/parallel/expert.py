@@ -40,14 +40,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .._torch_compat import (
-    all_gather_autograd,
     all_to_all_single,
     all_to_all_single_autograd,
     check_size,
     check_that,
     flatten_mesh,
 )
-from .._torch_compat.internals import module_style, reduce_scatter_autograd
+from .._torch_compat.internals import module_style
 from ..mesh import CP_DIMS, local_shard
 from ..models.moe import MoE, expert_ffn, moe_layers, padded_experts
 from ..module_swap import derived_class
@@ -217,17 +216,24 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
     :func:`_dispatch` (exact) or ``models.moe.padded_experts`` (``capacity`` rows per expert)."""
     gate_up, down = local_shard(experts.gate_up_proj), local_shard(experts.down_proj)
     if capacity is not None:
+        if getattr(experts, "_sf_width_split", None) is not None:
+            raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
+                             "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
         group = experts._sf_ep_group
         return padded_experts(x, counts, gate_up, down, capacity, dist.get_world_size(group),
                               functools.partial(_exchange_even, group=group))
+    # expert tensor parallelism (parallel/expert_tensor.py): the local experts' width split
+    width_split = getattr(experts, "_sf_width_split", None)
     if _kept is not None:  # selective AC around compiled frames: the kept exchanges
-        return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group)
-    return _dispatch(x, counts, gate_up, down, experts._sf_ep_group)
+        return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group, width_split)
+    return _dispatch(x, counts, gate_up, down, experts._sf_ep_group, width_split)
 
 
 def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The exact exchange and the local experts (``gate_up``/``down``: this rank's experts).
+              down: torch.Tensor, group: dist.ProcessGroup, width_split=None) -> torch.Tensor:
+    """The exact exchange and the local experts (``gate_up``/``down``: this rank's experts;
+    ``width_split``: None, or ``expert_tensor.width_split_ffn`` bound to the TP group,
+    which runs them when their width is split over TP).
 
     Traceable: under ``torch.compile`` (with ``_torch_compat.data_dependent_shapes``, which
     our compile path sets) the split sizes read on the host become unbacked sizes, and both
@@ -248,83 +254,21 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     check_that(sum(per_expert) == tokens.shape[0])
     check_that(sum(recv) == tokens.shape[0])
     by_expert = _source_to_expert_order(received, tokens.shape[0])
-    out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
+    if width_split is None:
+        out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
+    else:
+        out = width_split(tokens[by_expert], received.sum(0), gate_up, down)
     return _exchange(out[by_expert.argsort()], send, recv, group)
 
 
 @torch.compiler.disable
 def _dispatch_kept(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+                   down: torch.Tensor, group: dist.ProcessGroup, width_split=None
+                   ) -> torch.Tensor:
     """:func:`_dispatch` while a checkpoint keeps the token exchanges
     (:func:`keep_exchanges`, selective AC of a compiled model's routed blocks): it reads
     and appends to Python state that a graph cannot replay, so it runs eagerly here."""
-    return _dispatch(x, counts, gate_up, down, group)
-
-
-def apply_etp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Expert tensor parallelism over ``tp_mesh`` (``parallel.etp = parallel.tp``) for
-    every MoE layer of ``model``, in place: each TP rank computes a ``1 / tp`` slice of the
-    width of every routed expert (``gate_up`` rows column-wise, ``down`` columns
-    row-wise, as a dense FFN) for the routed slots of all the ranks of its TP group
-    (:func:`etp_forward`). Apply it before ``data_parallel`` on the experts' mesh, whose
-    data-parallel dims hold the TP ranks (``ParallelDims.expert_mesh``): a rank's weight
-    gradient is zero outside its slice, and that reduction sums the slices. Expert
-    parallelism is not combined with it (the ``ep`` groups would have to leave TP out)."""
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no MoE layer: expert tensor "
-                         f"parallelism needs an MoE model")
-    tp = tp_mesh.size()
-    for layer in layers:
-        width = layer.experts._parameters["down_proj"].shape[-1]
-        if width % tp:
-            raise ValueError(f"parallel.etp = {tp} does not divide the routed experts' "
-                             f"width model.moe_hidden_dim = {width}; pick a divisor")
-        layer.experts._sf_etp_group = tp_mesh.get_group()
-        layer.experts.__class__ = derived_class(type(layer.experts), "ExpertTensorParallel",
-                                                ExpertTensorParallelExperts)
-
-
-class ExpertTensorParallelExperts(nn.Module):
-    """The experts' forward under expert tensor parallelism (mixed into their class)."""
-
-    _sf_etp_group: dist.ProcessGroup
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor,
-                capacity: int | None = None) -> torch.Tensor:
-        if capacity is not None:
-            raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
-                             "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
-        return etp_forward(self, x, counts)
-
-
-def etp_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``x`` (slots, dim) grouped by expert, ``counts`` (E,) -> the slots through their
-    experts, each TP rank computing its slice of the experts' width.
-
-    The TP group's slots (equal numbers: every TP rank routes as many tokens) are
-    all-gathered, regrouped by expert, run through this rank's width slice, and the
-    partial down-projections reduce-scattered (summed) back onto the ranks that routed
-    them. Backward: the gather's reduce-scatter sums each slot's input gradient over the
-    slices, the scatter's all-gather hands every slice its output gradient."""
-    group = experts._sf_etp_group
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    gate_up, down = local_shard(experts.gate_up_proj), local_shard(experts.down_proj)
-    num_experts, dim, width = down.shape
-    part = width // tp
-    cols = slice(rank * part, (rank + 1) * part)
-    # gate rows then up rows: this rank's columns of each ([E, 2, I, dim] view)
-    gate_up = gate_up.view(num_experts, 2, width, dim)[:, :, cols].reshape(
-        num_experts, 2 * part, dim)
-    down = down[..., cols]
-    slots = all_gather_autograd(x, group)
-    per_rank = all_gather_autograd(counts, group).view(tp, num_experts)
-    per_expert = per_rank.sum(0).tolist()
-    for size in per_expert:
-        check_size(size)
-    by_expert = _source_to_expert_order(per_rank, slots.shape[0])
-    out = expert_ffn(slots[by_expert], per_expert, gate_up, down)
-    return reduce_scatter_autograd(out[by_expert.argsort()], group)
+    return _dispatch(x, counts, gate_up, down, group, width_split)
 
 
 def _exchange_even(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -416,9 +360,8 @@ def _source_to_expert_order(received: torch.Tensor, rows: int | None = None
     return expert_of_row.argsort(stable=True)
 
 
-__all__ = ["ExpertParallelExperts", "ExpertTensorParallelExperts", "TensorParallelRouter",
-           "apply_ep", "apply_etp", "check_expert_split", "ep_forward", "etp_forward",
-           "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
+__all__ = ["ExpertParallelExperts", "TensorParallelRouter", "apply_ep", "check_expert_split",
+           "ep_forward", "holds_experts", "is_moe", "keep_exchanges", "moe_tp_plan",
            "set_expert_dispatch", "set_token_group", "shard_experts", "split_experts"]
 
 
