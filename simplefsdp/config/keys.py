@@ -37,7 +37,7 @@ def check_etp(cfg, family: str, dims) -> None:
     TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
     built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
     that are not TP peers (:func:`_etp_expert_ranks`), ``pp = 1``, no context
-    parallelism, the exact dispatch, eager. ``dims``: the resolved ``ParallelDims``."""
+    parallelism, the exact dispatch. ``dims``: the resolved ``ParallelDims``."""
     p = cfg.parallel
     if p.etp == 1:
         return
@@ -53,8 +53,6 @@ def check_etp(cfg, family: str, dims) -> None:
                       "parallelism"),
         (p.expert_dispatch != "exact", "parallel.expert_dispatch = 'padded': the padded "
                                        "dispatch is not split over TP"),
-        (cfg.compile.enable, "compile.enable = true: not yet traced into the compiled "
-                             "blocks"),
     ]
     for refused, why in refusals:
         if refused:
