@@ -34,6 +34,7 @@ TINY = ["--model.name", "debug_moe", "--model.dim", "32", "--model.n_layers", "2
 TP2 = ["--parallel.tp", "2"]
 DDP_TP2 = [*TP2, "--parallel.dp_mode", "replicate"]  # 2 ranks: DDP 1 x TP 2
 FSDP_TP2_EP2 = [*TP2, "--parallel.ep", "2"]  # 4 ranks: FSDP 2 x TP 2, EP 2
+PP2_TP2 = [*TP2, "--parallel.pp", "2"]  # 4 ranks: 2 stages of one block, TP 2
 COMPILED = ["--compile.enable", "true", "--compile.backend", "aot_eager"]
 # The routed experts' weights in TINY: 2 layers x (gate_up [4, 64, 32] + down [4, 32, 32]).
 EXPERT_ELEMENTS = 2 * (4 * 64 * 32 + 4 * 32 * 32)
@@ -86,39 +87,47 @@ def _run(flags: list[str], out: str, count: GatherCount) -> dict:
     return {"losses": losses, **count.take()}
 
 
-def _train(rank: int, world: int, out: str, layout: list[str], resume: bool,
-           compiled: bool) -> dict:
-    """``layout`` with ETP 1, then ETP 2, on these ranks, counting the experts' bytes;
-    with ``compiled``, ETP 2 compiled too (aot_eager: its graph breaks counted); with
+def _train(rank: int, world: int, out: str, runs: dict[str, tuple]) -> dict:
+    """Each of ``runs`` (``{name: (layout flags, resume, compiled)}``) with ETP 1, then
+    ETP 2, on these ranks, counting the experts' bytes (in ``{name: found}``); with
+    ``compiled``, ETP 2 compiled too (aot_eager: its graph breaks counted); with
     ``resume`` each eager run also checkpoints after step 2, and each checkpoint is
-    resumed by the other ``etp`` for step 3 (folders ``from1``: ETP 1's, run with ETP 2;
+    resumed by the other ``etp`` for step 3 (``from1``: ETP 1's, run with ETP 2;
     ``from2``: ETP 2's, run with ETP 1)."""
+    count = GatherCount()
+    try:
+        return {name: _layout(rank, f"{out}/{name}", *run, count)
+                for name, run in runs.items()}
+    finally:
+        count.close()
+
+
+def _layout(rank: int, out: str, layout: list[str], resume: bool, compiled: bool,
+            count: GatherCount) -> dict:
+    """One entry of :func:`_train`'s ``runs``."""
     import shutil
 
     import torch.distributed as dist
 
-    count, found = GatherCount(), {}
+    found = {}
     saving = ["--checkpoint.enable", "true", "--checkpoint.every", "2"] if resume else []
-    try:
-        for etp in (1, 2):
-            found[etp] = _run([*layout, *saving, "--parallel.etp", str(etp)],
-                              f"{out}/etp{etp}", count)
-        if compiled:
-            dynamo_counters().clear()
-            found["compiled"] = _run([*layout, "--parallel.etp", "2", *COMPILED],
-                                     f"{out}/compiled", count)
-            found["compiled"]["breaks"] = dict(dynamo_counters()["graph_break"])
-        if resume:
-            for etp, other in ((1, 2), (2, 1)):
-                if rank == 0:  # the other run's checkpoint at step 2 (step 3's is later)
-                    shutil.copytree(f"{out}/etp{etp}/checkpoints/step-2",
-                                    f"{out}/from{etp}/checkpoints/step-2")
-                dist.barrier()
-                found[f"from{etp}"] = _run(
-                    [*layout, *saving, "--checkpoint.resume", "true", "--parallel.etp",
-                     str(other)], f"{out}/from{etp}", count)
-    finally:
-        count.close()
+    for etp in (1, 2):
+        found[etp] = _run([*layout, *saving, "--parallel.etp", str(etp)],
+                          f"{out}/etp{etp}", count)
+    if compiled:
+        dynamo_counters().clear()
+        found["compiled"] = _run([*layout, "--parallel.etp", "2", *COMPILED],
+                                 f"{out}/compiled", count)
+        found["compiled"]["breaks"] = dict(dynamo_counters()["graph_break"])
+    if resume:
+        for etp, other in ((1, 2), (2, 1)):
+            if rank == 0:  # the other run's checkpoint at step 2 (step 3's is later)
+                shutil.copytree(f"{out}/etp{etp}/checkpoints/step-2",
+                                f"{out}/from{etp}/checkpoints/step-2")
+            dist.barrier()
+            found[f"from{etp}"] = _run(
+                [*layout, *saving, "--checkpoint.resume", "true", "--parallel.etp",
+                 str(other)], f"{out}/from{etp}", count)
     return found
 
 
@@ -173,22 +182,28 @@ def _assert_half_per_read(etp1: dict, etp2: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_tp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("etp_ddp")
-    return out, run_ranks(_train, 2, str(out), DDP_TP2, False, True)
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("etp2r")
+    return out, run_ranks(_train, 2, str(out), {"ddp": (DDP_TP2, False, True)})
 
 
 @pytest.fixture(scope="module")
-def fsdp_tp2_ep2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("etp_ep")
-    return out, run_ranks(_train, 4, str(out), FSDP_TP2_EP2, True, False)
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("etp4r")
+    return out, run_ranks(_train, 4, str(out), {"ep": (FSDP_TP2_EP2, True, False),
+                                                "pp": (PP2_TP2, False, False)})
 
 
-def test_ddp_tp2_etp2_matches_and_stores_half(ddp_tp2):
+def _layout_results(fixture, name: str):
+    out, ranks = fixture
+    return out / name, [found[name] for found in ranks]
+
+
+def test_ddp_tp2_etp2_matches_and_stores_half(two_ranks):
     """DDP x TP 2 (2 ranks): ETP 2 equals ETP 1, and each rank stores half the experts'
     bytes (ETP 1 replicates whole experts on the TP ranks, its experts' data-parallel
     ranks) and reads half as many bytes per read; no rank gathers anything (replicated)."""
-    out, results = ddp_tp2
+    out, results = _layout_results(two_ranks, "ddp")
     _assert_etp2_matches_etp1(results, out)
     for found in results:
         etp1, etp2 = found[1], found[2]
@@ -198,25 +213,25 @@ def test_ddp_tp2_etp2_matches_and_stores_half(ddp_tp2):
         assert etp1["moved"] == etp2["moved"] == 0
 
 
-def test_compiled_etp2_equals_eager(ddp_tp2):
+def test_compiled_etp2_equals_eager(two_ranks):
     """ETP 2 compiled (aot_eager, the trainer's MoE compile): no graph break (the TP
     group's exchanges are functional collectives, their split sizes unbacked), and the
     losses equal eager ETP 2's within 1e-6 relative (the same ops; traced, the experts
     run one ``F.linear`` per expert where eager may take the grouped matmul)."""
-    _, results = ddp_tp2
+    _, results = _layout_results(two_ranks, "ddp")
     for found in results:
         assert found["compiled"]["breaks"] == {}
         assert found["compiled"]["losses"] == pytest.approx(found[2]["losses"], rel=1e-6)
 
 
-def test_fsdp_tp2_ep2_etp2_matches_and_gathers_half(fsdp_tp2_ep2):
+def test_fsdp_tp2_ep2_etp2_matches_and_gathers_half(four_ranks):
     """FSDP 2 x TP 2 with EP 2 (4 ranks): ETP 2 equals ETP 1 on the same global batch.
     Bytes per rank: both store a quarter of the experts (ETP 1: each EP rank's experts
     sharded over 2 data-parallel ranks, the TP peers among them; ETP 2: split over TP, and
     the EP groups leave no data-parallel rank to shard over), but ETP 1 gathers its two
     whole local experts per read (moving half of them), ETP 2 reads its own half-width
     slice: half the gathered bytes, nothing moved."""
-    out, results = fsdp_tp2_ep2
+    out, results = _layout_results(four_ranks, "ep")
     _assert_etp2_matches_etp1(results, out)
     for found in results:
         etp1, etp2 = found[1], found[2]
@@ -226,7 +241,20 @@ def test_fsdp_tp2_ep2_etp2_matches_and_gathers_half(fsdp_tp2_ep2):
         assert etp2["moved"] == 0
 
 
-def test_checkpoint_resumes_across_etp(fsdp_tp2_ep2):
+def test_pp2_tp2_etp2_matches(four_ranks):
+    """PP 2 x TP 2 (4 ranks, a block per stage): ETP 2 equals ETP 1; each stage's ranks
+    store a quarter of the model's experts (their one block's, over the TP peers) in both,
+    and an ETP 2 read returns half the bytes (the slice, not the whole experts)."""
+    out, results = _layout_results(four_ranks, "pp")
+    _assert_etp2_matches_etp1(results, out)
+    for found in results:
+        etp1, etp2 = found[1], found[2]
+        assert etp1["stored"] == etp2["stored"] == EXPERT_ELEMENTS * 4 // 4
+        _assert_half_per_read(etp1, etp2)
+        assert etp2["moved"] == 0
+
+
+def test_checkpoint_resumes_across_etp(four_ranks):
     """The step-2 checkpoint of each run, resumed by the other ``etp`` for step 3 (DCP
     reshards the experts: ETP 2 saves ``gate_up``'s strided slices as ``Shard(1)``,
     ``simplefsdp.state_dict.checkpoint_placements``), ends where the uninterrupted run
@@ -234,7 +262,7 @@ def test_checkpoint_resumes_across_etp(fsdp_tp2_ep2):
     within :func:`_assert_same_model`'s tolerance (the two runs' states at step 2 differ
     by float32 reordering only). A slice loaded into the wrong place (gate for up, the
     wrong TP rank's columns) changes the loss by far more."""
-    out, results = fsdp_tp2_ep2
+    out, results = _layout_results(four_ranks, "ep")
     for source, resumed_as in ((1, 2), (2, 1)):
         for found in results:
             resumed = found[f"from{source}"]["losses"]
@@ -340,9 +368,8 @@ MOE = [*TINY, *TP2]
     (["--parallel.etp", "2", "--parallel.ep", "8"], "parallel.ep = 8 with parallel.etp = 2"),
     (["--parallel.etp", "2", "--model.moe_hidden_dim", "33"],
      "does not divide the routed experts' width model.moe_hidden_dim = 33"),
-    (["--parallel.etp", "2", "--parallel.pp", "2", "--model.n_layers", "2"],
-     "parallel.etp = 2 cannot be combined with parallel.pp = 2"),
-    (["--parallel.etp", "2", "--parallel.cp_ring", "2"], "cp_ring / cp_ulysses > 1"),
+    (["--parallel.etp", "2", "--parallel.cp_ring", "2", "--parallel.ep", "8"],
+     "come out of parallel.dp_shard * parallel.cp_ring = 4"),
     (["--parallel.etp", "2", "--parallel.expert_dispatch", "padded"],
      "expert_dispatch = 'padded'"),
 ])

@@ -196,8 +196,8 @@ class ParallelConfig:
     # Expert tensor parallelism (MoE models): 1, or parallel.tp to split each routed
     # expert's width over the TP ranks (gate_up column-wise, down row-wise); each TP rank
     # then stores and computes its slice for the routed slots of its whole TP group, and
-    # parallel.ep divides dp_shard (TP peers hold the same experts). Needs pp = 1, no
-    # context parallelism, the exact dispatch.
+    # parallel.ep divides dp_shard (TP peers hold the same experts). Needs the exact
+    # dispatch.
     etp: int = 1
     # How MoE layers send tokens to their experts (also with ep = 1). "exact": every routed
     # slot, uneven split sizes known at run time (unbacked sizes under torch.compile).

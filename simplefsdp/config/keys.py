@@ -36,8 +36,8 @@ def check_etp(cfg, family: str, dims) -> None:
     """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
     TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
     built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
-    that are not TP peers (:func:`_etp_expert_ranks`), ``pp = 1``, no context
-    parallelism, the exact dispatch. ``dims``: the resolved ``ParallelDims``."""
+    that are not TP peers (:func:`_etp_expert_ranks`), the exact dispatch. ``dims``: the
+    resolved ``ParallelDims``."""
     p = cfg.parallel
     if p.etp == 1:
         return
@@ -48,9 +48,6 @@ def check_etp(cfg, family: str, dims) -> None:
     refusals = [
         (family != "moe", f"model.family = {family!r}: expert tensor parallelism is built "
                           f"for our MoE presets"),
-        (p.pp > 1, f"parallel.pp = {p.pp}: not built with pipeline stages"),
-        (dims.cp > 1, "parallel.cp_ring / cp_ulysses > 1: not built with context "
-                      "parallelism"),
         (p.expert_dispatch != "exact", "parallel.expert_dispatch = 'padded': the padded "
                                        "dispatch is not split over TP"),
     ]
@@ -77,9 +74,10 @@ def _etp_expert_ranks(dims, mode: str) -> tuple[int, str]:
     (``ParallelDims.expert_mesh`` with ``etp``), and their keys: ``dp_shard x cp``, or
     with ``dp_replicate`` where the experts are replicated or those are 1."""
     inner = dims.dp_shard * dims.cp
+    names = ["dp_shard", *(d for d in ("cp_ring", "cp_ulysses") if getattr(dims, d) > 1)]
     if mode == "replicate" or inner == 1:
-        return dims.dp_replicate * inner, "parallel.dp_replicate * parallel.dp_shard"
-    return inner, "parallel.dp_shard"
+        inner, names = inner * dims.dp_replicate, ["dp_replicate", *names]
+    return inner, " * ".join(f"parallel.{d}" for d in names)
 
 
 def check_hf_balance(m) -> None:
