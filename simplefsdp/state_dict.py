@@ -178,12 +178,23 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     # keep_vars: the parameters themselves, so a tied weight is one object under two names.
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) not in gathered:
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            whole = _full_tensor(value) if isinstance(value, DTensor) else value
             # A copy: with one rank the full tensor can be the parameter's own storage.
             gathered[id(value)] = whole.detach().to("cpu", copy=True) if keep else None
         if keep:
             full[unwrapped_name(key)] = gathered[id(value)]
     return full
+
+
+def _full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, by way of :func:`checkpoint_placements` where it applies:
+    torch 2.13's gather of a strided shard on one dim next to a strided shard on another
+    (expert tensor parallelism's ``gate_up`` sharded over ``dp_shard`` and ``ep`` too)
+    fails to unpad, while the plain ``Shard`` layout gathers."""
+    placements = checkpoint_placements(value)
+    if placements is not None:
+        value = value.redistribute(value.device_mesh, placements)
+    return value.full_tensor()
 
 
 def _barrier() -> None:
