@@ -214,6 +214,17 @@ class ParallelDims:
             return 1
         return self.expert_ranks // self.ep
 
+    def etp_expert_ranks(self, mode: str = "fully_shard") -> tuple[int, str]:
+        """Under expert tensor parallelism (:meth:`expert_mesh` with ``etp``): the ranks the
+        ``ep`` groups come out of, ``dp_shard x cp`` (TP peers hold the same experts), or
+        with ``dp_replicate`` where the experts are replicated or those are 1; and their
+        keys as the caller spells them (``{prefix}dp_shard * ...``)."""
+        ranks = self._shard() * self.cp
+        names = ["dp_shard", *(d for d in CP_DIMS if getattr(self, d) > 1)]
+        if mode == "replicate" or ranks == 1:
+            ranks, names = ranks * self.dp_replicate, ["dp_replicate", *names]
+        return ranks, " * ".join(f"{self.prefix}{d}" for d in names)
+
     def _expert_names(self) -> str:
         """``expert_ranks``' factors as the caller spells them (the cp dims and tp when used)."""
         used = ["dp_shard"] + [d for d in (*CP_DIMS, "tp") if getattr(self, d) > 1]

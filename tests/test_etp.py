@@ -365,11 +365,12 @@ MOE = [*TINY, *TP2]
 @pytest.mark.parametrize("flags, message", [
     (["--parallel.etp", "4"], "parallel.etp = 4 must be 1 or parallel.tp = 2"),
     (["--parallel.etp", "0"], "parallel.etp = 0 must be 1 or parallel.tp = 2"),
-    (["--parallel.etp", "2", "--parallel.ep", "8"], "parallel.ep = 8 with parallel.etp = 2"),
+    (["--parallel.etp", "2", "--parallel.ep", "8"],
+     "parallel.ep = 8 must divide parallel.dp_shard = 4"),
     (["--parallel.etp", "2", "--model.moe_hidden_dim", "33"],
      "does not divide the routed experts' width model.moe_hidden_dim = 33"),
     (["--parallel.etp", "2", "--parallel.cp_ring", "2", "--parallel.ep", "8"],
-     "come out of parallel.dp_shard * parallel.cp_ring = 4"),
+     "parallel.ep = 8 must divide parallel.dp_shard * parallel.cp_ring = 4"),
     (["--parallel.etp", "2", "--parallel.expert_dispatch", "padded"],
      "expert_dispatch = 'padded'"),
 ])

@@ -36,7 +36,7 @@ def check_etp(cfg, family: str, dims) -> None:
     """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
     TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
     built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
-    that are not TP peers (:func:`_etp_expert_ranks`), the exact dispatch. ``dims``: the
+    that are not TP peers (``ParallelDims.etp_expert_ranks``), the exact dispatch. ``dims``: the
     resolved ``ParallelDims``."""
     p = cfg.parallel
     if p.etp == 1:
@@ -60,24 +60,13 @@ def check_etp(cfg, family: str, dims) -> None:
         raise ConfigError(f"parallel.etp = {p.etp} does not divide the routed experts' width "
                           f"model.moe_hidden_dim = {width}; pick a width it divides or set "
                           f"parallel.etp = 1")
-    ranks, names = _etp_expert_ranks(dims, p.dp_mode)
-    if ranks % p.ep:
-        raise ConfigError(f"parallel.ep = {p.ep} with parallel.etp = {p.etp}: TP peers hold "
-                          f"the same experts (each a slice of their width), so the "
-                          f"expert-parallel groups come out of {names} = {ranks}, which "
-                          f"{p.ep} does not divide; set parallel.ep to a divisor of {ranks} "
-                          f"or parallel.etp = 1")
-
-
-def _etp_expert_ranks(dims, mode: str) -> tuple[int, str]:
-    """The ranks the ``ep`` groups come out of under expert tensor parallelism
-    (``ParallelDims.expert_mesh`` with ``etp``), and their keys: ``dp_shard x cp``, or
-    with ``dp_replicate`` where the experts are replicated or those are 1."""
-    inner = dims.dp_shard * dims.cp
-    names = ["dp_shard", *(d for d in ("cp_ring", "cp_ulysses") if getattr(dims, d) > 1)]
-    if mode == "replicate" or inner == 1:
-        inner, names = inner * dims.dp_replicate, ["dp_replicate", *names]
-    return inner, " * ".join(f"parallel.{d}" for d in names)
+    ranks, names = dims.etp_expert_ranks(p.dp_mode)
+    try:
+        dims.check_ep(p.ep, ranks, names, f"with parallel.etp = {p.etp} the TP peers hold "
+                      f"the same experts, each a slice of their width", "parallel.")
+    except ValueError as error:
+        raise ConfigError(f"{error}; set parallel.ep to a divisor of {ranks} or "
+                          f"parallel.etp = 1") from None
 
 
 def check_hf_balance(m) -> None:
