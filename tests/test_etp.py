@@ -359,6 +359,45 @@ def test_etp_halves_the_width_per_rank():
             torch.testing.assert_close(got_down, down[..., rows], rtol=0, atol=tol)
 
 
+def _eight_ranks(rank: int, world: int) -> dict:
+    """One MoE layer's experts (4 of width 32) split as FSDP 4 x TP 2 x EP 2 lays them out
+    on 8 ranks (each EP rank's 2 experts sharded over 2 data-parallel ranks, each a TP
+    slice): the whole weights gathered back (``full_state_dict``, the export's path)
+    against the weights before the split."""
+    import simplefsdp as sf
+    from simplefsdp.mesh import ParallelDims
+    from simplefsdp.models.moe import MoE, MoEArgs
+    from simplefsdp.parallel.expert import shard_experts
+    from simplefsdp.parallel.expert_tensor import apply_etp
+    from simplefsdp.state_dict import full_state_dict
+
+    args = MoEArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32, num_experts=4, top_k=2,
+                   moe_hidden_dim=32)
+    torch.manual_seed(0)
+    layer = MoE(args)
+    layer.init_weights(0.02)
+    want = {name: p.detach().clone() for name, p in layer.experts.named_parameters()}
+    experts_mesh = ParallelDims.expert_mesh(sf.make_mesh(dp_shard=4, tp=2), 2, etp=2)
+    apply_etp(layer, experts_mesh)
+    shard_experts(layer, experts_mesh, mode="fully_shard")
+    local = {name: p.to_local().shape for name, p in layer.experts.named_parameters()}
+    return {"got": full_state_dict(layer.experts, rank0_only=False), "want": want,
+            "local": local}
+
+
+def test_fsdp_ep_etp_layout_on_eight_ranks():
+    """Each rank holds one expert's TP slice (gate_up [1, 32, 16], down [1, 16, 16]), and
+    the whole weights come back exactly (bitwise: copies only): the data-parallel shard
+    of dim 0 is strided by the ``ep`` split alone (not by ``ep x tp``), and the gather
+    goes by way of the checkpoint layout (torch's gather of ETP's two strided shards
+    fails)."""
+    for found in run_ranks(_eight_ranks, 8):
+        assert found["local"] == {"gate_up_proj": (1, 32, 16), "down_proj": (1, 16, 16)}
+        assert set(found["got"]) == set(found["want"])
+        for name, value in found["want"].items():
+            assert torch.equal(found["got"][name], value), name
+
+
 MOE = [*TINY, *TP2]
 
 
