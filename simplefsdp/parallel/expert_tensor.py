@@ -24,7 +24,7 @@ its TP group.
 
 Checkpoints: DCP writes one contiguous box per rank and DTensor, which ``gate_up``'s
 strided placement is not; ``simplefsdp.state_dict`` saves such tensors in the equivalent
-``Shard(1)`` layout (:func:`simplefsdp.state_dict.checkpoint_layout`), so an ``etp = 2``
+``Shard(1)`` layout (:func:`simplefsdp.state_dict.checkpoint_placements`), so an ``etp = 2``
 checkpoint loads into an ``etp = 1`` run and back.
 """
 
@@ -42,6 +42,7 @@ from .._torch_compat import StridedShard, all_gather_autograd, check_size, check
 from ..mesh import local_shard
 from ..models.moe import expert_ffn, moe_layers
 from ..module_swap import derived_class
+from . import expert as expert_module
 from .expert import ExpertParallelExperts, _exchange, _source_to_expert_order, check_expert_split
 
 # The TP placement of each expert weight: the hidden width's dim (see the module docstring).
@@ -96,7 +97,18 @@ class ExpertTensorParallelExperts(nn.Module):
             raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
                              "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
         gate_up, down = local_shard(self.gate_up_proj), local_shard(self.down_proj)
+        if expert_module._kept is not None:  # selective AC keeps the exchanges' outputs
+            return _width_split_kept(self._sf_width_split, x, counts, gate_up, down)
         return self._sf_width_split(x, counts, gate_up, down)
+
+
+@torch.compiler.disable
+def _width_split_kept(width_split, x: torch.Tensor, counts: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``width_split`` while a checkpoint keeps the exchanges (``expert.keep_exchanges``):
+    eagerly, as ``expert._dispatch_kept`` (it reads and appends to Python state that a
+    graph cannot replay)."""
+    return width_split(x, counts, gate_up, down)
 
 
 def width_split_ffn(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
