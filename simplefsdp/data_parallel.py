@@ -348,10 +348,13 @@ def _add_dp_dims(param: DTensor, fqn: str, mesh: DeviceMesh, placements: tuple[P
     for dim, placement in enumerate(placements):
         if isinstance(placement, Shard):  # shard the TP shard again, on dim 0
             local = dim0_chunk(local, mesh.size(dim), ParallelDims.local_rank(mesh, dim))
-            tp_on_dim0 = any(isinstance(p, Shard) and p.dim == 0 for p in tp_placements)
-            # DP slices *within* the TP shard: DTensor calls that a strided shard.
-            placement = StridedShard(0, split_factor=tp_mesh.size()) if tp_on_dim0 \
-                else Shard(0)
+            # DP slices *within* the pieces the param's own mesh cuts dim 0 into: DTensor
+            # calls that a strided shard, its factor the number of those pieces.
+            pieces = 1
+            for i, p in enumerate(tp_placements):
+                if isinstance(p, Shard) and p.dim == 0:
+                    pieces *= tp_mesh.size(i)
+            placement = StridedShard(0, split_factor=pieces) if pieces > 1 else Shard(0)
         dp_placements.append(placement)
     new = DTensor.from_local(local.contiguous(), full_mesh, tuple(dp_placements) + tp_placements,
                              run_check=False, shape=param.shape, stride=param.stride())

@@ -214,6 +214,17 @@ class ParallelDims:
             return 1
         return self.expert_ranks // self.ep
 
+    def etp_expert_ranks(self, mode: str = "fully_shard") -> tuple[int, str]:
+        """Under expert tensor parallelism (:meth:`expert_mesh` with ``etp``): the ranks the
+        ``ep`` groups come out of, ``dp_shard x cp`` (TP peers hold the same experts), or
+        with ``dp_replicate`` where the experts are replicated or those are 1; and their
+        keys as the caller spells them (``{prefix}dp_shard * ...``)."""
+        ranks = self._shard() * self.cp
+        names = ["dp_shard", *(d for d in CP_DIMS if getattr(self, d) > 1)]
+        if mode == "replicate" or ranks == 1:
+            ranks, names = ranks * self.dp_replicate, ["dp_replicate", *names]
+        return ranks, " * ".join(f"{self.prefix}{d}" for d in names)
+
     def _expert_names(self) -> str:
         """``expert_ranks``' factors as the caller spells them (the cp dims and tp when used)."""
         used = ["dp_shard"] + [d for d in (*CP_DIMS, "tp") if getattr(self, d) > 1]
@@ -312,7 +323,8 @@ class ParallelDims:
         return flat
 
     @staticmethod
-    def expert_mesh(mesh: DeviceMesh, ep: int, mode: str = "fully_shard") -> DeviceMesh:
+    def expert_mesh(mesh: DeviceMesh, ep: int, mode: str = "fully_shard",
+                    etp: int = 1) -> DeviceMesh:
         """The experts' mesh over the job ``mesh``'s ranks (dims ``MESH_DIMS``, as
         :meth:`build_mesh` makes them), dims ``EXPERT_MESH_DIMS``: ``dp_shard x cp_ring x
         cp_ulysses x tp`` (:attr:`expert_ranks`: one replica's ranks that feed the experts
@@ -325,12 +337,17 @@ class ParallelDims:
         (the experts are neither context- nor tensor-parallel). ``mode = "replicate"`` (the
         experts replicated, reduced over ``dp_replicate``), or ``expert_ranks = 1``: the
         groups come out of all of a stage's ranks, the experts' ``dp_replicate`` holding the
-        rest."""
+        rest. ``etp`` (expert tensor parallelism, ``parallel/expert_tensor.py``): above 1,
+        ``tp`` is left out of the flattened ranks and stays the experts' ``tp`` dim (each
+        expert's width is split over it), so the ``ep`` groups and the experts' data
+        parallel come out of ``dp_shard x cp`` (or with ``dp_replicate``, as above)."""
         names = tuple(mesh.mesh_dim_names or ())
         if names != MESH_DIMS:
             raise ValueError(f"expert_mesh needs the job mesh (dims {', '.join(MESH_DIMS)}, "
                              f"as simplefsdp.make_mesh builds it), got dims {names}")
         inner = MESH_DIMS[MESH_DIMS.index("dp_shard"):]  # dp_shard, cp_ring, cp_ulysses, tp
+        if etp > 1:  # the experts keep their own tp dim
+            inner = inner[:-1]
         used = [d for d in inner if d == "dp_shard" or mesh[d].size() > 1]
         shard = 1
         for d in inner:
@@ -341,10 +358,13 @@ class ParallelDims:
                 used = ["dp_replicate"]
         else:  # (pp, R, S, CR, CU, T) -> (pp, R, S * CR * CU * T / ep, ep, 1, 1, 1)
             at = MESH_DIMS.index("dp_shard")
-        ranks = mesh.mesh.flatten(at)
+        last = MESH_DIMS.index(inner[-1])
+        ranks = mesh.mesh.flatten(at, last)
         ParallelDims.check_ep(ep, ranks.shape[at], " * ".join(used),
                               "the expert-parallel groups are carved out of those ranks")
         tail = (1, ep, 1, 1, 1) if at == MESH_DIMS.index("dp_replicate") else (ep, 1, 1, 1)
+        if etp > 1:  # the job's tp dim follows, unflattened
+            tail = tail[:-1]
         ranks = ranks.unflatten(at, (ranks.shape[at] // ep, *tail))
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 

@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from ._torch_compat import StridedShard
 
 _COMPLETE_MARK = ".complete"
 
@@ -35,12 +37,65 @@ class ModelAndOptimizer(Stateful):
     def state_dict(self) -> dict[str, Any]:
         optimizers = [self.optimizer] if self.optimizer is not None else []
         model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        return {"model": model_sd, "optimizer": optim_sd} if optimizers else {"model": model_sd}
+        state = {"model": model_sd, "optimizer": optim_sd} if optimizers else {"model": model_sd}
+        # what load_state_dict must turn back: {path: placements as trained}
+        self._relaid = _relayout_for_checkpoint(state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         optimizers = [self.optimizer] if self.optimizer is not None else []
+        for path, placements in getattr(self, "_relaid", {}).items():
+            container, key = _container(state_dict, path)
+            value = container[key]
+            container[key] = value.redistribute(value.device_mesh, placements)
         set_state_dict(self.model, optimizers, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict.get("optimizer", {}))
+
+
+def checkpoint_placements(value: DTensor) -> tuple | None:
+    """Placements DCP can save ``value`` in, or None when its own can be: DCP writes each
+    rank's piece as one box of the global tensor, and a ``StridedShard`` that no later
+    mesh dim completes (the count of pieces later dims cut its tensor dim into is not its
+    split factor) leaves several boxes per rank, e.g. expert tensor parallelism's
+    ``gate_up_proj`` (``parallel/expert_tensor.py``: a gate slice and an up slice). Such
+    a placement becomes a plain ``Shard`` of the same dim (same bytes per rank)."""
+    placements, changed = list(value.placements), False
+    for i, placement in enumerate(placements):
+        if not isinstance(placement, StridedShard):
+            continue
+        later = 1
+        for j in range(i + 1, len(placements)):
+            other = placements[j]
+            if isinstance(other, (Shard, StridedShard)) and other.dim == placement.dim:
+                later *= value.device_mesh.size(j)
+        if later != placement.split_factor:
+            placements[i], changed = Shard(placement.dim), True
+    return tuple(placements) if changed else None
+
+
+def _relayout_for_checkpoint(state: Any, path: tuple = ()) -> dict[tuple, tuple]:
+    """Every DTensor in the nested ``state`` that DCP cannot save as it is laid out
+    (:func:`checkpoint_placements`) replaced, in place, by a copy it can (a
+    redistribution, one tensor at a time); returns ``{path: original placements}``."""
+    relaid = {}
+    items = state.items() if isinstance(state, dict) else \
+        enumerate(state) if isinstance(state, list) else ()
+    for key, value in list(items):
+        if isinstance(value, DTensor):
+            placements = checkpoint_placements(value)
+            if placements is not None:
+                relaid[(*path, key)] = value.placements
+                state[key] = value.redistribute(value.device_mesh, placements)
+        else:
+            relaid.update(_relayout_for_checkpoint(value, (*path, key)))
+    return relaid
+
+
+def _container(state: Any, path: tuple) -> tuple[Any, Any]:
+    """The container holding ``path``'s value in the nested ``state``, and its key."""
+    for key in path[:-1]:
+        state = state[key]
+    return state, path[-1]
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
@@ -123,12 +178,23 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     # keep_vars: the parameters themselves, so a tied weight is one object under two names.
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) not in gathered:
-            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            whole = _full_tensor(value) if isinstance(value, DTensor) else value
             # A copy: with one rank the full tensor can be the parameter's own storage.
             gathered[id(value)] = whole.detach().to("cpu", copy=True) if keep else None
         if keep:
             full[unwrapped_name(key)] = gathered[id(value)]
     return full
+
+
+def _full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, by way of :func:`checkpoint_placements` where it applies:
+    torch 2.13's gather of a strided shard on one dim next to a strided shard on another
+    (expert tensor parallelism's ``gate_up`` sharded over ``dp_shard`` and ``ep`` too)
+    fails to unpad, while the plain ``Shard`` layout gathers."""
+    placements = checkpoint_placements(value)
+    if placements is not None:
+        value = value.redistribute(value.device_mesh, placements)
+    return value.full_tensor()
 
 
 def _barrier() -> None:

@@ -31,7 +31,13 @@ from ..models.moe import MOE_PRESETS
 from ..models.registry import ModelFamily
 from ..reshard_group import check_config as check_reshard_config
 from .float8 import Float8Config, check_float8
-from .keys import check_data, check_expert_dispatch, check_hf_balance, check_layout_keys
+from .keys import (
+    check_data,
+    check_etp,
+    check_expert_dispatch,
+    check_hf_balance,
+    check_layout_keys,
+)
 from .lora import LoraConfig, check_lora
 from .reader import config_help as help_text
 from .reader import read_config, split_argv
@@ -187,6 +193,12 @@ class ParallelConfig:
     # expert-parallel ranks (MoE models), dividing model.num_experts and the ranks their
     # groups come out of: dp_shard x cp x tp (dp_replicate where those are 1)
     ep: int = 1
+    # Expert tensor parallelism (MoE models): 1, or parallel.tp to split each routed
+    # expert's width over the TP ranks (gate_up column-wise, down row-wise); each TP rank
+    # then stores and computes its slice for the routed slots of its whole TP group, and
+    # parallel.ep divides dp_shard (TP peers hold the same experts). Needs the exact
+    # dispatch.
+    etp: int = 1
     # How MoE layers send tokens to their experts (also with ep = 1). "exact": every routed
     # slot, uneven split sizes known at run time (unbacked sizes under torch.compile).
     # "padded": each rank sends every expert exactly C rows, C = ceil(expert_capacity_factor
@@ -421,6 +433,7 @@ class JobConfig:
                               f"{self.model.name!r}) has no routed experts; pick an MoE preset "
                               f"({choices(MOE_PRESETS)}) or set parallel.ep = 1")
         check_expert_dispatch(p, family.name)
+        check_etp(self, family.name, dims)
         check_lora(self)
         check_float8(self)
         family.validate(self, dims)

@@ -32,6 +32,43 @@ def check_expert_dispatch(p, family: str) -> None:
                           f"parallel.expert_dispatch = 'exact'")
 
 
+def check_etp(cfg, family: str, dims) -> None:
+    """``parallel.etp``: 1, or ``parallel.tp`` (each routed expert's width split over the
+    TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
+    built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
+    that are not TP peers (``ParallelDims.etp_expert_ranks``), the exact dispatch. ``dims``: the
+    resolved ``ParallelDims``."""
+    p = cfg.parallel
+    if p.etp == 1:
+        return
+    if p.etp != p.tp:
+        raise ConfigError(f"parallel.etp = {p.etp!r} must be 1 or parallel.tp = {p.tp} (the "
+                          f"routed experts are split over the whole TP group or not at all); "
+                          f"set parallel.etp = {p.tp} or 1")
+    refusals = [
+        (family != "moe", f"model.family = {family!r}: expert tensor parallelism is built "
+                          f"for our MoE presets"),
+        (p.expert_dispatch != "exact", "parallel.expert_dispatch = 'padded': the padded "
+                                       "dispatch is not split over TP"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"parallel.etp = {p.etp} cannot be combined with {why}; set "
+                              f"parallel.etp = 1")
+    width = cfg.model.model_args().moe_hidden_dim
+    if width % p.etp:
+        raise ConfigError(f"parallel.etp = {p.etp} does not divide the routed experts' width "
+                          f"model.moe_hidden_dim = {width}; pick a width it divides or set "
+                          f"parallel.etp = 1")
+    ranks, names = dims.etp_expert_ranks(p.dp_mode)
+    try:
+        dims.check_ep(p.ep, ranks, names, f"with parallel.etp = {p.etp} the TP peers hold "
+                      f"the same experts, each a slice of their width", "parallel.")
+    except ValueError as error:
+        raise ConfigError(f"{error}; set parallel.ep to a divisor of {ranks} or "
+                          f"parallel.etp = 1") from None
+
+
 def check_hf_balance(m) -> None:
     """``model.router_aux_loss_coef`` is a Hugging Face folder's key (our MoE has
     ``aux_loss_coef``) and a weight: >= 0. Whether the folder is an MoE with a balance loss

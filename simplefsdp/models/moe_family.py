@@ -50,6 +50,7 @@ from ..parallel.expert import (
     set_token_group,
     shard_experts,
 )
+from ..parallel.expert_tensor import apply_etp
 from .llama_family import build_model
 from .parallelize import dp_options, parallelize, with_fp32_modules
 
@@ -122,8 +123,10 @@ def _shard_experts(model, mesh, cfg: JobConfig) -> None:
     set_expert_dispatch(model, p.expert_dispatch, p.expert_capacity_factor)
     if p.ep == 1 and p.tp == 1:
         return
-    experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode)
-    if p.ep > 1:
+    experts_mesh = ParallelDims.expert_mesh(mesh, p.ep, p.dp_mode, p.etp)
+    if p.etp > 1:  # the experts' width split over TP (and their ep split)
+        apply_etp(model, experts_mesh)
+    elif p.ep > 1:
         apply_ep(model, experts_mesh)
     shard_experts(model, experts_mesh, **dp_options(cfg))
 

@@ -216,17 +216,24 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
     :func:`_dispatch` (exact) or ``models.moe.padded_experts`` (``capacity`` rows per expert)."""
     gate_up, down = local_shard(experts.gate_up_proj), local_shard(experts.down_proj)
     if capacity is not None:
+        if getattr(experts, "_sf_width_split", None) is not None:
+            raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
+                             "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
         group = experts._sf_ep_group
         return padded_experts(x, counts, gate_up, down, capacity, dist.get_world_size(group),
                               functools.partial(_exchange_even, group=group))
+    # expert tensor parallelism (parallel/expert_tensor.py): the local experts' width split
+    width_split = getattr(experts, "_sf_width_split", None)
     if _kept is not None:  # eager selective AC: the kept exchanges
-        return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group)
-    return _dispatch(x, counts, gate_up, down, experts._sf_ep_group)
+        return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group, width_split)
+    return _dispatch(x, counts, gate_up, down, experts._sf_ep_group, width_split)
 
 
 def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The exact exchange and the local experts (``gate_up``/``down``: this rank's experts).
+              down: torch.Tensor, group: dist.ProcessGroup, width_split=None) -> torch.Tensor:
+    """The exact exchange and the local experts (``gate_up``/``down``: this rank's experts;
+    ``width_split``: None, or ``expert_tensor.width_split_ffn`` bound to the TP group,
+    which runs them when their width is split over TP).
 
     Traceable: under ``torch.compile`` (with ``_torch_compat.data_dependent_shapes``, which
     our compile path sets) the split sizes read on the host become unbacked sizes, and both
@@ -247,18 +254,22 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
     check_that(sum(per_expert) == tokens.shape[0])
     check_that(sum(recv) == tokens.shape[0])
     by_expert = _source_to_expert_order(received, tokens.shape[0])
-    out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
+    if width_split is None:
+        out = expert_ffn(tokens[by_expert], per_expert, gate_up, down)
+    else:
+        out = width_split(tokens[by_expert], received.sum(0), gate_up, down)
     return _exchange(out[by_expert.argsort()], send, recv, group)
 
 
 @torch.compiler.disable
 def _dispatch_kept(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+                   down: torch.Tensor, group: dist.ProcessGroup, width_split=None
+                   ) -> torch.Tensor:
     """:func:`_dispatch` while an eager checkpoint keeps the token exchanges
     (:func:`keep_exchanges`, eager selective AC): it reads and appends to Python state
     that a graph cannot replay, so it is never traced (a compiled routed block's policy
     keeps the exchanges in the graph: ``activation_checkpoint.compile_checkpointed_blocks``)."""
-    return _dispatch(x, counts, gate_up, down, group)
+    return _dispatch(x, counts, gate_up, down, group, width_split)
 
 
 def _exchange_even(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
