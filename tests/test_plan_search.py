@@ -253,6 +253,48 @@ def test_activation_floor_never_exceeds_a_prediction(searches):
     assert max(floor / active for floor, active in pairs) > 0.5, pairs
 
 
+def test_activation_floor_scales_by_hand():
+    """The floor's rule on one recorded block of B = 1 GiB (8B's width, 4 blocks, 8,192
+    tokens a rank, tp 1, selective): a layout with twice the tokens and tp 2 keeps at
+    least B x 1 x 1/2; with half the tokens (the sequence split over 2 ranks of a ring)
+    B / 2; another AC mode nothing known (0). A split-sequence source bounds no
+    whole-sequence layout (its gathered K/V are not sized by a rank's tokens). A stage
+    holds the floor for its blocks but one, on its model states without gradients
+    (12 B a parameter), or less the gradients where the states may leave the device."""
+    from simplefsdp.plan import memory
+    from simplefsdp.plan.predict import Prediction
+    from simplefsdp.plan.search import _ActivationFloor
+
+    def config(*extra):
+        cfg = load_config("configs/llama3_8b.toml", [
+            "--model.n_layers", "4", "--training.batch_size", "1", "--parallel.dp_shard", "8",
+            "--activation_checkpoint.mode", "selective", *extra])
+        return cfg
+
+    def row(c, block):
+        p = c.parallel
+        return Prediction(p.dp_replicate, p.dp_shard, p.tp, p.pp, "selective", 1, 8192, True,
+                          1, 1, 1, 1, 0.1, True, detail={"full": {
+                              "block_saved_floor_bytes": block}})
+
+    source = config()
+    floor = _ActivationFloor()
+    floor.record(source, row(source, 2**30))
+    wider = config("--training.batch_size", "2", "--parallel.tp", "2", "--parallel.dp_shard", "4")
+    ring = config("--parallel.cp_ring", "2", "--parallel.dp_shard", "4")
+    assert floor.block_bytes(wider) == 2**30 / 2
+    assert floor.block_bytes(ring) == 2**30 / 2
+    assert floor.block_bytes(config("--activation_checkpoint.mode", "full")) == 0
+    split = _ActivationFloor()
+    split.record(ring, row(ring, 2**30))
+    assert split.block_bytes(source) == 0 and split.block_bytes(ring) == 2**30
+    args = source.model.model_args()
+    params = memory.rank_params(args, "full", list(range(4)), source.parallel.dims(),
+                                "fully_shard")
+    assert floor.active_bytes(source, False) == pytest.approx(12 * params + 3 * 2**30)
+    assert floor.active_bytes(source, True) == pytest.approx(-4 * params + 3 * 2**30)
+
+
 def test_keep_bar_is_the_kth_best_fitting_speed():
     """The bar ``--keep K`` prunes by: the K-th best tokens/s added so far (0 until K
     rows fit), so a layout whose bound beats the K-th best is still predicted."""
