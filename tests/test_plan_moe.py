@@ -127,7 +127,8 @@ def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
     ep innermost), so they ride NVLink while the dp_shard group spans both nodes (ranks
     0 and 2); ep 4 spans the nodes too. Each TP rank routes its own 128 / 2 = 64 tokens:
     64 x top-2 x dim 128 x 4 B = 65,536 B per all-to-all, 15 us + 1 step x 1 us + 1/2 of
-    the bytes at 360 GB/s each, 4 per routed block without AC, 4 blocks; saved for
+    the bytes at 360 GB/s each, 4 per routed block without AC, 4 blocks (and once a block
+    the 8 experts' counts, 64 B, before the tokens); saved for
     backward without AC 4 blocks x 2 x 65,536 = 524,288 B (the gathered tokens and the
     expert outputs), the same under selective (the two exchanges' outputs), none without
     EP under selective (it recomputes the routed experts) nor under full AC."""
@@ -138,8 +139,9 @@ def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
     tokens = moe.routed_tokens(memory.rank_tokens(2, 64, links.dims), links.dims)
     assert tokens == 64
     one = 15e-6 + 1e-6 + 65_536 / 2 / 360e9
+    counts = 15e-6 + 1e-6 + 8 * 8 / 2 / 360e9  # the 8 experts' int64 counts, once a block
     assert moe.exchange_seconds(args, layers, tokens, 4, "none", links) \
-        == pytest.approx(16 * one, rel=1e-12)
+        == pytest.approx(16 * one + 4 * counts, rel=1e-12)
     assert moe.saved_bytes(args, layers, tokens, 4, "none", 2) == 524_288
     assert moe.saved_bytes(args, layers, tokens, 4, "selective", 2) == 524_288
     assert moe.saved_bytes(args, layers, tokens, 4, "selective", 1) == 0
@@ -150,7 +152,8 @@ def test_prediction_holds_the_tp_ep_layout(planner):
     """The whole prediction (eager, the cheaper to plan) of the layout above carries
     those figures: model states 16 B x 477,760 parameters per rank
     (test_rank_params_split_experts_over_the_experts_mesh_under_tp) and the all-to-alls
-    16 x 16.091 us and the routed copies kept for backward, 4 x 2 x 65,536 B
+    16 x 16.091 us (+ 4 counts exchanges of 16.0 us) and the routed copies kept for
+    backward, 4 x 2 x 65,536 B
     (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
     selective AC)."""
     from simplefsdp.config.job import load_config
@@ -162,7 +165,8 @@ def test_prediction_holds_the_tp_ep_layout(planner):
         "--training.seq_len", "64", "--activation_checkpoint.mode", "none"])
     row = planner(predict, cfg, 4, "h100-sxm", 2).detail["full"]
     assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
-    assert row["all_to_all_s"] == pytest.approx(16 * (16e-6 + 65_536 / 2 / 360e9), rel=1e-12)
+    assert row["all_to_all_s"] == pytest.approx(16 * (16e-6 + 65_536 / 2 / 360e9)
+                                                + 4 * (16e-6 + 64 / 2 / 360e9), rel=1e-12)
     assert row["routed_saved_gib"] * GiB == 524_288
 
 
