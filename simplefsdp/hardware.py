@@ -182,6 +182,16 @@ class GpuProfile:
     # AdamW makes several passes over each tensor, so an order of magnitude less (calibrate).
     pcie_Bps: float = 50e9
     host_optimizer_Bps: float = 10e9
+    # Eager MoE steps wait for the host: each routed block reads its split sizes on the
+    # host, so the device drains there and then waits for the next launches. Host seconds
+    # per routed block and pass (a forward run or a backward; ``plan.moe.host_seconds``),
+    # with the expert-parallel exchange's own work on top, and selective AC's dispatch
+    # mode per forward run. Fitted to our eager DeepSeek-V3 16B steps on an H200 (torch
+    # 2.11, docs/performance.md "Measured on an H200"): the host's CPU and torch decide
+    # them, so they are the order of magnitude for another host.
+    moe_block_host_s: float = 11.1e-3
+    moe_exchange_host_s: float = 7.6e-3
+    moe_selective_host_s: float = 9.3e-3
 
 
 GPU_PROFILES: dict[str, GpuProfile] = {

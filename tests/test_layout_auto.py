@@ -23,7 +23,10 @@ from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
 WORLD = 4
-MODEL = ["--model.n_layers", "2", "--model.n_kv_heads", "1", "--training.seq_len", "64"]
+# two micro-steps a step: the search's gradient-sync row (sync on the last micro-step,
+# one reduction a step instead of two) is a candidate, and the fastest that fits
+MODEL = ["--model.n_layers", "2", "--model.n_kv_heads", "1", "--training.seq_len", "64",
+         "--training.grad_accum_steps", "2"]
 # the device the searches plan for: 4 ranks of the cpu profile on one host, 2 GB each
 PLAN = ["--parallel.hardware", "cpu", "--parallel.memory_limit_gb", "2"]
 PROFILE = "cpu@2GB"  # the same description for the planner's command line
@@ -36,10 +39,25 @@ def _argv(out: Path, *extra: str) -> list[str]:
 
 
 def _train(rank: int, world: int, argv: list[str]) -> dict:
+    """A run's losses and gradient norms, and the gradient-sync settings its parameters
+    were given (``GradientSyncControl.set_sync``: False while a micro-step accumulates
+    without reducing, issue 48's knob at work)."""
+    from simplefsdp.gradient_sync import GradientSyncControl
     from simplefsdp.train.__main__ import main
 
-    result = main(argv)
-    return {"losses": result.losses, "grad_norms": result.grad_norms}
+    settings, set_sync = set(), GradientSyncControl.set_sync
+
+    def recorded(self, sharded, gradient_sync, all_reduce):
+        settings.add(gradient_sync)
+        return set_sync(self, sharded, gradient_sync, all_reduce)
+
+    GradientSyncControl.set_sync = recorded
+    try:
+        result = main(argv)
+    finally:
+        GradientSyncControl.set_sync = set_sync
+    return {"losses": result.losses, "grad_norms": result.grad_norms,
+            "sync_settings": sorted(settings)}
 
 
 def _cli_search(out: str, cache: str) -> dict:
@@ -82,7 +100,7 @@ def auto_run(tmp_path_factory, cache_dir):
 
 @pytest.mark.quick
 def test_auto_trains_what_the_search_ranks_first(auto_run, planner, tmp_path, cache_dir):
-    out, _ = auto_run
+    out, result = auto_run
     top = planner(_cli_search, str(tmp_path), str(cache_dir))
     assert top["fits"]
     chosen = load_config(out / "layout.toml", [])
@@ -94,13 +112,18 @@ def test_auto_trains_what_the_search_ranks_first(auto_run, planner, tmp_path, ca
     from simplefsdp.plan.tradeoffs import knob_label
 
     assert knob_label(chosen) == top["knobs"]  # the search's knob rows are candidates too
+    # here the gradient-sync row wins (one reduction of two saved, room for the full-size
+    # accumulator), and the ranks trained with it: their first micro-step did not reduce
+    assert top["knobs"] == "sync=last", top
+    assert chosen.training.gradient_sync == "last_microstep"
+    assert result["sync_settings"] == [False, True], result
     # the start line (the file's header) names the layout and its prediction
     header = (out / "layout.toml").read_text().splitlines()[0]
     assert f"tokens/s ({top['tokens_per_s_per_gpu']:.0f} per rank)" in header, header
     assert f"predicted step {top['step_time_s']:.3g} s" in header, header
     # everything else is the command line's: the model, steps, device profile
-    assert (chosen.model.n_layers, chosen.training.steps, chosen.parallel.hardware) == \
-        (2, 2, "cpu")
+    assert (chosen.model.n_layers, chosen.training.steps, chosen.parallel.hardware,
+            chosen.training.grad_accum_steps) == (2, 2, "cpu", 2)
 
 
 def test_layout_toml_repeats_the_run_bitwise(auto_run, tmp_path):

@@ -117,7 +117,27 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
             {"pruned": pruned_stats, "full": full_stats, "keep3": keep3_stats,
              "workers": workers_stats}, bounds, traces,
             _comm_bound(cfg, dev, next(r for r in full if r.tp == r.pp == 1)),
-            _knob_rows_keep(cfg, gpus, per_node))
+            _knob_rows_keep(cfg, gpus, per_node),
+            _floor_against_predictions(full, configs))
+
+
+def _floor_against_predictions(rows, configs) -> list[tuple[float, float]]:
+    """For every pair of the exhaustive search's rows (source, layout): the activation
+    floor the search would derive for the layout from the source alone
+    (``search._ActivationFloor``), next to the layout's predicted active bytes."""
+    from simplefsdp.hardware import GiB
+    from simplefsdp.plan.search import _ActivationFloor
+
+    def config(r):
+        return configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac, r.batch_size)]
+
+    pairs = []
+    for source in rows:
+        floor = _ActivationFloor()
+        floor.record(config(source), source)
+        pairs += [(floor.active_bytes(config(r), False), r.peak_memory_gib * GiB)
+                  for r in rows if r.ac == source.ac]
+    return pairs
 
 
 def _knob_rows_keep(cfg, gpus, per_node) -> dict:
@@ -175,7 +195,7 @@ def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
     (the CLI's default) gives its first 3 rows; the bound holds for every layout
     predicted; layouts sharing graphs (data-parallel sizes, pipeline depth, batch sizes
     under PP) trace them once."""
-    rows, stats, bounds, traces, _, _ = searches
+    rows, stats, bounds, traces = searches[:4]
     pruned, full, keep3 = rows["pruned"], rows["full"], rows["keep3"]
     pruned_stats, full_stats, keep3_stats = stats["pruned"], stats["full"], stats["keep3"]
     # whole rows (layout, memory, speed) equal; 3 fitting rows to compare
@@ -219,6 +239,62 @@ def test_knob_rows_keep_the_best_row_exact(searches):
     assert len(pruned) < len(full) and got["stats"]["pruned"]["bound"] > 0
 
 
+def test_activation_floor_never_exceeds_a_prediction(searches):
+    """The memory floor the search skips untraced layouts by (a traced layout's saved
+    bytes per block, scaled down to another layout's tokens and TP ranks, on its gradless
+    model states) stays under every prediction of the exhaustive search (tp 1-2, pp 1-2,
+    batch 1-2, each AC mode: every source and layout of one mode), and is not empty:
+    some floors reach most of the layout's prediction. Exact arithmetic on the same
+    figures, so no tolerance."""
+    pairs = searches[6]
+    assert len(pairs) > 20, pairs
+    assert all(floor <= active for floor, active in pairs), \
+        [p for p in pairs if p[0] > p[1]]
+    assert max(floor / active for floor, active in pairs) > 0.5, pairs
+
+
+def test_activation_floor_scales_by_hand():
+    """The floor's rule on one recorded block of B = 1 GiB (8B's width, 4 blocks, 8,192
+    tokens a rank, tp 1, selective): a layout with twice the tokens and tp 2 keeps at
+    least B x 1 x 1/2; with half the tokens (the sequence split over 2 ranks of a ring)
+    B / 2; another AC mode nothing known (0). A split-sequence source bounds no
+    whole-sequence layout (its gathered K/V are not sized by a rank's tokens). A stage
+    holds the floor for its blocks but one, on its model states without gradients
+    (12 B a parameter), or less the gradients where the states may leave the device."""
+    from simplefsdp.plan import memory
+    from simplefsdp.plan.predict import Prediction
+    from simplefsdp.plan.search import _ActivationFloor
+
+    def config(*extra):
+        cfg = load_config("configs/llama3_8b.toml", [
+            "--model.n_layers", "4", "--training.batch_size", "1", "--parallel.dp_shard", "8",
+            "--activation_checkpoint.mode", "selective", *extra])
+        return cfg
+
+    def row(c, block):
+        p = c.parallel
+        return Prediction(p.dp_replicate, p.dp_shard, p.tp, p.pp, "selective", 1, 8192, True,
+                          1, 1, 1, 1, 0.1, True, detail={"full": {
+                              "block_saved_floor_bytes": block}})
+
+    source = config()
+    floor = _ActivationFloor()
+    floor.record(source, row(source, 2**30))
+    wider = config("--training.batch_size", "2", "--parallel.tp", "2", "--parallel.dp_shard", "4")
+    ring = config("--parallel.cp_ring", "2", "--parallel.dp_shard", "4")
+    assert floor.block_bytes(wider) == 2**30 / 2
+    assert floor.block_bytes(ring) == 2**30 / 2
+    assert floor.block_bytes(config("--activation_checkpoint.mode", "full")) == 0
+    split = _ActivationFloor()
+    split.record(ring, row(ring, 2**30))
+    assert split.block_bytes(source) == 0 and split.block_bytes(ring) == 2**30
+    args = source.model.model_args()
+    params = memory.rank_params(args, "full", list(range(4)), source.parallel.dims(),
+                                "fully_shard")
+    assert floor.active_bytes(source, False) == pytest.approx(12 * params + 3 * 2**30)
+    assert floor.active_bytes(source, True) == pytest.approx(-4 * params + 3 * 2**30)
+
+
 def test_keep_bar_is_the_kth_best_fitting_speed():
     """The bar ``--keep K`` prunes by: the K-th best tokens/s added so far (0 until K
     rows fit), so a layout whose bound beats the K-th best is still predicted."""
@@ -239,10 +315,50 @@ def test_keep_bar_is_the_kth_best_fitting_speed():
     assert (seeded.beaten(4.9), seeded.beaten(5.0)) == (True, False)
 
 
+def test_fitting_knob_row_raises_the_bar(monkeypatch):
+    """The bar ``keep = 1`` prunes by counts a fitting knob row like a layout's row: of two
+    layouts (8B's width, 2 blocks, 2 GPUs a node, 2 micro-steps, a GPU job), the first
+    one's own row is slower than the second's speed bound, its gradient-sync row faster;
+    so the second is pruned, untraced. Without the knob row in the bar it would be
+    predicted. The search's bookkeeping alone: real layouts, bounds and knob variants;
+    the rows' speeds are set here (no trace), each at most its layout's bound."""
+    from simplefsdp.hardware import gpu_profile
+    from simplefsdp.plan import search as search_module
+    from simplefsdp.plan import tradeoffs
+    from simplefsdp.plan.predict import Prediction
+
+    cfg = load_config(SMALL[0], [*SMALL[1], "--training.grad_accum_steps", "2",
+                                 "--job.device", "cuda"])
+    dev = gpu_profile("h100-sxm")
+    pair = [c for c in search_module.layouts(cfg, 2, 2) if c.training.batch_size == 1
+            and c.activation_checkpoint.mode == "none" and c.parallel.pp == 1
+            and c.parallel.dp_replicate == 1]
+    bounds = [search_module._prune_bound(c, 2, dev, 2, True) for c in pair]
+    first, second = sorted(zip(bounds, pair, strict=True), key=lambda x: -x[0])
+    assert first[0] > second[0], bounds  # tp 1 and tp 2: the second's bound is lower
+    speeds = {"": 0.9 * second[0], "sync=last": (first[0] + second[0]) / 2}
+
+    def predicted(c, gpus, gpu, gpus_per_node):
+        p, knobs = c.parallel, tradeoffs.knob_label(c)
+        return Prediction(p.dp_replicate, p.dp_shard, p.tp, p.pp,
+                          c.activation_checkpoint.mode, c.training.batch_size,
+                          c.training.seq_len, True, 1.0, 1.2, 1.0, speeds[knobs], 0.5, True,
+                          knobs=knobs)
+
+    monkeypatch.setattr(search_module, "predict", predicted)
+    rows, failures, stats = search_module._search_groups(
+        [[first[1]], [second[1]]], 2, "h100-sxm", 2, search_module._Bar(1),
+        tradeoffs_rows=True)
+    assert not failures
+    assert [(r.tp, r.knobs) for r in rows] == [(first[1].parallel.tp, ""),
+                                               (first[1].parallel.tp, "sync=last")], rows
+    assert stats["bound"] == 1 and stats["predicted"] == 1, stats
+
+
 def test_search_workers_split_by_tp(searches):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
     best row as one process, and report their traces."""
-    rows, stats, _, _, _, _ = searches
+    rows, stats = searches[:2]
     assert rows["pruned"][0] == rows["workers"][0]
     assert stats["pruned"]["traces"] > 0 and stats["workers"]["traces"] > 0
     for name in ("pruned", "workers"):

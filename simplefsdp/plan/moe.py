@@ -20,6 +20,15 @@ added per routed block of the stage:
   the gathered tokens the experts multiply and the expert outputs the routing weights
   multiply without AC, the two exchanges' outputs under selective AC (none under full).
 
+Each routed block's dispatch (``parallel.expert_dispatch``, ``Dispatch``): ``exact``
+moves every routed slot and first exchanges the per-expert counts (a few bytes, read on
+the host); ``padded`` moves ``E x capacity`` rows each way (``models.moe.expert_capacity``)
+and its experts compute all of them (``padded_seconds``: the matmul rows beyond the
+stand-in's slots), its own copies to and from the padded layout (``PADDED_PASSES``), and
+keeps no exchange for a recomputation (only the exact dispatch's are kept). Eager steps
+also pay the host's time per routed block (``host_seconds``): the dispatch reads split
+sizes on the host every block, so the device waits for the host's launches there.
+
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
 the experts' (with ``ep`` = ``dp_shard`` each rank gathers nothing for its experts, the
@@ -37,6 +46,7 @@ import dataclasses
 from ..compiler.cost.compute import roofline_seconds
 from ..models.llama import ModelArgs, ffn_hidden_dim
 from ..models.mla import MLAArgs
+from ..models.moe import expert_capacity
 
 # Times a step runs a routed block's routed experts (their permutations and grouped
 # matmuls): AC runs them again in backward, selective too (its policy keeps no output of
@@ -50,10 +60,39 @@ FORWARDS = {"none": 1, "selective": 2, "full": 2}
 EXCHANGE_FORWARDS = {"none": 1, "selective": 1, "full": 2}
 
 
-def exchanges(ac: str) -> int:
-    """All-to-alls of one routed block per step: dispatch and combine in each forward run
-    (``EXCHANGE_FORWARDS``) and in backward."""
-    return 2 * (EXCHANGE_FORWARDS[ac] + 1)
+COUNT_BYTES = 8  # one int64 count per expert: the exact dispatch's first exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """How the routed blocks send their slots (``parallel.expert_dispatch`` and
+    ``parallel.expert_capacity_factor``)."""
+
+    padded: bool = False
+    capacity_factor: float = 1.25
+
+    @classmethod
+    def of(cls, parallel) -> Dispatch:
+        return cls(parallel.expert_dispatch == "padded", parallel.expert_capacity_factor)
+
+    def rows(self, args: ModelArgs, tokens: int) -> int:
+        """Rows one rank sends each way per routed block for its ``tokens``: its slots
+        (``tokens x top_k``), or padded every expert's capacity (``E x C``)."""
+        slots = tokens * getattr(args, "top_k", 0)
+        if not self.padded or not slots:
+            return slots
+        return args.num_experts * expert_capacity(slots, args.num_experts, self.capacity_factor)
+
+
+EXACT = Dispatch()
+
+
+def exchanges(ac: str, dispatch: Dispatch = EXACT) -> int:
+    """Token all-to-alls of one routed block per step: dispatch and combine in each forward
+    run and in backward. The exact dispatch's are kept for a recomputation under
+    selective AC (``EXCHANGE_FORWARDS``); the padded one's are not (``FORWARDS``)."""
+    forwards = FORWARDS[ac] if dispatch.padded else EXCHANGE_FORWARDS[ac]
+    return 2 * (forwards + 1)
 
 
 def stand_in(args: ModelArgs) -> ModelArgs:
@@ -96,21 +135,25 @@ def routed_tokens(tokens: int, dims) -> int:
     return tokens // dims.tp
 
 
-def dispatch_bytes(args: ModelArgs, tokens: int, elem: int) -> int:
+def dispatch_bytes(args: ModelArgs, tokens: int, elem: int,
+                   dispatch: Dispatch = EXACT) -> int:
     """Bytes of one routed block's dispatched activations on one rank: each of its
-    ``tokens`` goes to ``top_k`` experts."""
-    return tokens * getattr(args, "top_k", 0) * args.dim * elem
+    ``tokens`` goes to ``top_k`` experts (padded: ``Dispatch.rows``)."""
+    return dispatch.rows(args, tokens) * args.dim * elem
 
 
 def exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                     fabric) -> float:
+                     fabric, dispatch: Dispatch = EXACT) -> float:
     """Exposed all-to-all seconds of the stage's routed blocks per microbatch, on the EP
     group of ``fabric`` (``timing.MeshLinks``), ``tokens`` the rank's routed ones
-    (``routed_tokens``); 0 without expert parallelism."""
+    (``routed_tokens``); 0 without expert parallelism. The exact dispatch first exchanges
+    the counts in each forward run (a recomputation too: only the tokens are kept)."""
     if fabric.size("ep") <= 1:
         return 0.0
-    one = fabric.seconds("all_to_all", "ep", dispatch_bytes(args, tokens, elem))
-    return routed_blocks(args, layers) * exchanges(ac) * one
+    one = fabric.seconds("all_to_all", "ep", dispatch_bytes(args, tokens, elem, dispatch))
+    counts = 0.0 if dispatch.padded else FORWARDS[ac] * fabric.seconds(
+        "all_to_all", "ep", args.num_experts * COUNT_BYTES)
+    return routed_blocks(args, layers) * (exchanges(ac, dispatch) * one + counts)
 
 
 # Memory passes over one routed block's dispatched activations (``dispatch_bytes``, D) that
@@ -121,36 +164,85 @@ def exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int,
 # gradients (the routed rows' a copy, 2; the weights' a product read twice and reduced, 2)
 # and the gather's index_add (1).
 GRAPH_PASSES = {"forward": 5, "backward": 7}
-# Outside any graph (``parallel.expert._dispatch``, expert parallelism only): forward the
-# regrouping by local expert and back (2 + 2), backward their index backwards (3 + 3).
-EAGER_PASSES = {"forward": 4, "backward": 6}
+# The exact dispatch's regrouping (``parallel.expert._dispatch``, expert parallelism
+# only): forward by local expert and back (2 + 2), backward their index backwards (3 + 3).
+EXACT_PASSES = {"forward": 4, "backward": 6}
+# The padded dispatch (``models.moe.padded_experts``), as (passes over the padded rows P,
+# passes over the slots D). Forward: zeros P (1), the out-of-place index_add that fills
+# them (a copy 2 P, the slots read 1 D), the cat of a zero row (2 P), the gather back
+# (2 D). Backward: the gather's index_add into zeros (1 P + 1 D), the slice's padding
+# (zeros and a copy: 3 P), the index_add's gather of the slots (2 D).
+PADDED_PASSES = {"forward": (5, 3), "backward": (4, 3)}
+# With expert parallelism and more than one local expert, two regroupings of the P rows
+# (source-major to expert-major and back: a copy each, 2 P) in forward and in backward.
+PADDED_REGROUP_PASSES = {"forward": 4, "backward": 4}
 
 
 def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                    dev, compiled: bool, ep: int) -> float:
+                    dev, compiled: bool, ep: int, dispatch: Dispatch = EXACT) -> float:
     """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
-    above over D, the forward's counted again when AC recomputes it (``FORWARDS``), at
-    the bandwidth these gathers and scatters reach (``hardware.Efficiency``'s
-    ``permute_memory``, measured; compiled or not: Inductor keeps them as index kernels)."""
+    above over D (and P), the forward's counted again when AC recomputes it
+    (``FORWARDS``), at the bandwidth these gathers and scatters reach
+    (``hardware.Efficiency``'s ``permute_memory``, measured; compiled or not: Inductor
+    keeps them as index kernels)."""
     forwards = FORWARDS[ac]
     eff = dev.efficiency
-    passes = forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]
-    if ep > 1:
-        passes += forwards * EAGER_PASSES["forward"] + EAGER_PASSES["backward"]
-    nbytes = routed_blocks(args, layers) * passes * dispatch_bytes(args, tokens, elem)
+    d = dispatch_bytes(args, tokens, elem)
+    nbytes = (forwards * GRAPH_PASSES["forward"] + GRAPH_PASSES["backward"]) * d
+    if dispatch.padded:
+        p = dispatch_bytes(args, tokens, elem, dispatch)
+        (pf, df), (pb, db) = PADDED_PASSES["forward"], PADDED_PASSES["backward"]
+        nbytes += forwards * (pf * p + df * d) + pb * p + db * d
+        if ep > 1 and args.num_experts // ep > 1:
+            nbytes += (forwards * PADDED_REGROUP_PASSES["forward"]
+                       + PADDED_REGROUP_PASSES["backward"]) * p
+    elif ep > 1:
+        nbytes += (forwards * EXACT_PASSES["forward"] + EXACT_PASSES["backward"]) * d
+    nbytes *= routed_blocks(args, layers)
     rate = eff.permute_memory_compiled if compiled else eff.permute_memory
     return roofline_seconds(0.0, nbytes, dev.spec.bf16_flops, dev.spec.mem_bandwidth_Bps,
                             mem_efficiency=rate)
 
 
+def host_seconds(args: ModelArgs, layers: list[int], ac: str, ep: int, dev) -> float:
+    """Host seconds of the stage's routed blocks per microbatch in an eager step: each
+    pass (every forward run, ``FORWARDS``, and the backward) costs the profile's
+    ``moe_block_host_s``, plus ``moe_exchange_host_s`` with expert parallelism; under
+    selective AC each forward run also goes through the checkpoint's dispatch mode
+    (``moe_selective_host_s``). The step waits for the longer of this and the device."""
+    forwards = FORWARDS[ac]
+    per_pass = dev.moe_block_host_s + (dev.moe_exchange_host_s if ep > 1 else 0.0)
+    selective = forwards * dev.moe_selective_host_s if ac == "selective" else 0.0
+    return routed_blocks(args, layers) * ((forwards + 1) * per_pass + selective)
+
+
+def padded_seconds(args: ModelArgs, layers: list[int], tokens: int, ac: str, dev,
+                   dispatch: Dispatch) -> float:
+    """Seconds the padded dispatch's experts compute beyond the stand-in's (which computes
+    the rank's slots): ``P - D`` more rows (fewer with a capacity factor under 1) through
+    each routed expert's three matrices (2 FLOPs a weight), in each forward run and twice
+    in backward, at the matmul rate; 0 for the exact dispatch."""
+    if not dispatch.padded:
+        return 0.0
+    slots = tokens * args.top_k
+    extra = dispatch.rows(args, tokens) - slots
+    flops = extra * 2 * 3 * args.dim * args.moe_hidden_dim * (FORWARDS[ac] + 2)
+    return routed_blocks(args, layers) * flops / (dev.spec.bf16_flops * dev.efficiency.matmul)
+
+
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                ep: int) -> int:
+                ep: int, dispatch: Dispatch = EXACT) -> int:
     """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
     the rank's routed ones, ``routed_tokens``), two copies of the dispatched activations
     each: without AC, the gathered tokens the experts multiply and the expert outputs the
-    routing weights multiply; under selective with expert parallelism, the two exchanges'
-    outputs (``EXCHANGE_FORWARDS``: the tokens received and the expert outputs sent
-    back); nothing under full AC, or selective without exchanges."""
-    if FORWARDS[ac] == 1 or (EXCHANGE_FORWARDS[ac] == 1 and ep > 1):
-        return routed_blocks(args, layers) * 2 * dispatch_bytes(args, tokens, elem)
+    routing weights multiply (padded: the experts multiply the P padded rows); under
+    selective with the exact dispatch's exchanges (expert parallelism), the two
+    exchanges' outputs (``EXCHANGE_FORWARDS``: the tokens received and the expert outputs
+    sent back); nothing under full AC, or selective otherwise (the padded exchanges are
+    recomputed)."""
+    d = dispatch_bytes(args, tokens, elem)
+    if FORWARDS[ac] == 1:
+        return routed_blocks(args, layers) * (dispatch_bytes(args, tokens, elem, dispatch) + d)
+    if EXCHANGE_FORWARDS[ac] == 1 and ep > 1 and not dispatch.padded:
+        return routed_blocks(args, layers) * 2 * d
     return 0

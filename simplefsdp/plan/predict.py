@@ -34,6 +34,9 @@ CONTEXT_BYTES = 1.0 * GiB  # CUDA context + NCCL buffers: outside torch's reserv
 # Eager memory is replayed at the planned shard count where the ranks it needs stay
 # within this many (shard-sized temporaries are then exact), else at the traced count.
 EXACT_EAGER_WORLD = 64
+# A shard count so large that shard-sized tensors count as nothing: the saved bytes left
+# are the activations, which no data-parallel size shrinks (``block_saved_floor``).
+SHARDLESS = 1 << 50
 
 
 @dataclass
@@ -141,6 +144,8 @@ def _traced_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         ring = sum(ring_pass.ring_pass_seconds(tr, dev, fabric, tr.key.ac == "full"))
         fig = {**vars(gm), "seconds": sum(t for t, _ in times) + ring,
                "exposed": sum(e for _, e in times) + ring, "ring_exposed": ring}
+        if cfg.compile.enable:  # the saved bytes that do not shrink with more shards
+            fig["saved_floor"] = memory.graph_memory(tr, SHARDLESS).saved
         if not cfg.compile.enable:  # eager memory is what eager autograd keeps
             # at the planned shard size where the fake world holds it (shard-sized
             # temporaries, e.g. the bf16 casts of the shards, are then exact)
@@ -152,6 +157,10 @@ def _traced_figures(cfg: JobConfig, role: str, p, dev, fabric, mb: int) -> dict:
         figures.append(fig)
     out = peak_extrapolation(figures[0], figures[1], n)
     out["layers"] = blocks
+    if "saved_floor" in out:  # one block's, for the search's memory floor
+        del out["saved_floor"]
+        out["block_saved_floor"] = max(0, figures[1]["saved_floor"]
+                                       - figures[0]["saved_floor"])
     return out
 
 
@@ -226,10 +235,16 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
         tokens = memory.rank_tokens(mb, t.seq_len, dims)
         routed, elem = moe.routed_tokens(tokens, dims), memory.activation_elem_bytes(t)
-        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric)
+        dispatch = moe.Dispatch.of(p)
+        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, dispatch)
         step = f["seconds"] + a2a + moe.permute_seconds(
-            args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep)
-        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep)
+            args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
+            + moe.padded_seconds(args, f["layers"], routed, moe_ac, dev, dispatch)
+        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep, dispatch)
+        # eager: the device waits for the host at each routed block (``moe.host_seconds``)
+        host = 0.0 if cfg.compile.enable else moe.host_seconds(args, f["layers"], moe_ac,
+                                                                p.ep, dev)
+        step = max(step, host)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         before, after, saved = _role_memory(cfg, role, f, mb, micro, kept)
@@ -259,8 +274,12 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "gradients_at_peak": total > gradless + acts,
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
+                        "host_s": host * micro * t.grad_accum_steps,
                         "routed_saved_gib": kept / GiB,
                         "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps,
+                        # compiled: one block's saved bytes less its shard-sized ones
+                        # (``plan.search``'s memory floor for layouts not yet traced)
+                        "block_saved_floor_bytes": f.get("block_saved_floor"),
                         "tradeoffs": knobs.detail}
     reserved = active * (1 + ALLOC_OVERHEAD)
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp

@@ -35,7 +35,9 @@ def search_note(stats: dict, keep: int, workers: int) -> str:
     return (f"search: {stats.get('predicted', 0)} layouts predicted ({stats.get('traces', 0)}"
             f" traces, {stats.get('eager_replays', 0)} eager replays, {workers} "
             f"process{'es' if workers > 1 else ''}); skipped untraced: "
-            f"{stats.get('memory', 0)} cannot fit, {stats.get('fits_with_less_ac', 0)} fit "
+            f"{stats.get('memory', 0)} cannot fit, {stats.get('activations', 0)} cannot "
+            f"hold the activations of a smaller traced layout, "
+            f"{stats.get('fits_with_less_ac', 0)} fit "
             f"with less recomputation, {stats.get('invalid', 0)} invalid{bound}"
             + (f"; {stats['knob_rows']} rows with a knob turned (--tradeoffs)"
                if stats.get("knob_rows") else ""))

@@ -35,8 +35,8 @@ from ..errors import ConfigError
 from ..hardware import gpu_profile
 from ..mesh import ParallelDims
 from ..parallel.pipeline import stage_layers
-from . import memory, timing, tradeoffs
-from .predict import CONTEXT_BYTES, Prediction, predict
+from . import memory, moe, timing, tradeoffs
+from .predict import ALLOC_OVERHEAD, CONTEXT_BYTES, Prediction, predict
 
 # parallel.cp_rotate's values: with a ring (cp_ring > 1) the search tries each, since
 # neither wins everywhere: the ring pass hides its shifts behind attention and, eager,
@@ -125,6 +125,78 @@ def _lower_bound(c: JobConfig) -> float:
     return bound
 
 
+class _ActivationFloor:
+    """A memory floor for untraced compiled layouts, from the ones predicted so far: a
+    block's saved activations (``block_saved_floor_bytes``: its saved bytes less those the
+    data-parallel shards size, which more shards would shrink) are a sum of tensors each
+    sized by the rank's tokens (``memory.rank_tokens``), split by TP or not, or by
+    neither (a gathered sequence, a gathered weight). So a layout with the same AC mode
+    and way of moving K/V, no more tokens a rank and no fewer TP ranks than a predicted
+    one keeps at least the predicted block's bytes scaled by both ratios
+    (``min(1, tokens / tokens') x min(1, tp' / tp)``). Each stage role then holds at least
+    that for all its blocks but the first (in flight under 1F1B: as many microbatches as
+    ``predict`` counts) on top of its gradless model states. Only skips layouts the
+    prediction would find too big, so the search's rows are unchanged."""
+
+    def __init__(self):
+        self.blocks: dict[tuple, list[tuple[int, int, float]]] = {}
+
+    @staticmethod
+    def _kind(c: JobConfig) -> tuple:
+        """Sources bound layouts of their kind: the AC mode, and a split sequence's way
+        (cp sizes, K/V rotation: a gathered sequence is not sized by a rank's tokens)."""
+        p = c.parallel
+        cp = (p.cp_ring, p.cp_ulysses, p.cp_rotate if p.cp_ring > 1 else "")
+        return (c.activation_checkpoint.mode, *cp)
+
+    @staticmethod
+    def _tokens(c: JobConfig) -> int:
+        p, t = c.parallel, c.training
+        return memory.rank_tokens(t.batch_size // p.microbatches, t.seq_len, p.dims())
+
+    def record(self, c: JobConfig, r: Prediction) -> None:
+        """Keep ``r``'s block floor (``c`` its configuration; compiled rows only)."""
+        floors = [d.get("block_saved_floor_bytes") for d in r.detail.values()]
+        if c.compile.enable and floors and all(f is not None for f in floors):
+            self.blocks.setdefault(self._kind(c), []).append(
+                (self._tokens(c), c.parallel.tp, max(floors)))
+
+    def block_bytes(self, c: JobConfig) -> float:
+        """The largest saved bytes a block of ``c`` holds at least (0: nothing known)."""
+        tokens, tp, kind = self._tokens(c), c.parallel.tp, self._kind(c)
+        # whole-sequence sources bound split sequences too: each keeps at least a whole
+        # sequence's tensors for its own tokens (gathered K/V only add to them)
+        sources = {kind, (kind[0], 1, 1, "")}
+        return max((saved * min(1.0, tokens / k) * min(1.0, t / tp)
+                    for s in sources for k, t, saved in self.blocks.get(s, [])), default=0.0)
+
+    def active_bytes(self, c: JobConfig, states_may_leave: bool) -> float:
+        """The least active bytes a rank of ``c`` is predicted to hold (0: nothing known).
+        ``states_may_leave``: a knob may take the model states off the device (CPU
+        offload, a frozen base: at most all of them), so only the activations less the
+        gradients count."""
+        block = self.block_bytes(c)
+        if not block or not c.compile.enable:
+            return 0.0
+        args, p = c.model.model_args(), c.parallel
+        dims = p.dims()
+        need = 0.0
+        for role in ["full"] if p.pp == 1 else ["first", "last"]:
+            layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
+            params = memory.rank_params(args, role, layers, dims, p.dp_mode)
+            base = -memory.gradient_bytes(params) if states_may_leave else \
+                memory.states_bytes(params) - memory.gradient_bytes(params)
+            in_flight = min(p.microbatches, p.pp) if role == "first" else 1
+            need = max(need, base + in_flight * (len(layers) - 1) * block)
+        return need
+
+    def exceeds(self, c: JobConfig, limit: float, states_may_leave: bool) -> bool:
+        """Whether ``c``'s predicted reserved memory (with the device context) is sure to
+        exceed ``limit`` (``active_bytes``)."""
+        need = self.active_bytes(c, states_may_leave)
+        return need > 0 and need * (1 + ALLOC_OVERHEAD) + CONTEXT_BYTES > limit
+
+
 def speed_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int | None = None) -> float:
     """Tokens/s per GPU that ``predict`` cannot exceed for ``c``: its step time with each
     stage's simulated forward + backward replaced by the FLOP floors of its blocks and
@@ -156,6 +228,10 @@ def speed_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int | None = None) 
                                            and not p.vocab_sharded_loss, elem, fabric)
         if role != "first":
             step += timing.head_floor_seconds(args, tokens, p.tp, dev)
+        # the padded dispatch's experts compute more rows than the stand-in (fewer under
+        # a capacity factor below 1): as ``predict`` adds them
+        step += moe.padded_seconds(args, blocks, moe.routed_tokens(tokens, dims),
+                                   c.activation_checkpoint.mode, dev, moe.Dispatch.of(p))
         if gpus_per_node is not None and _dp_floor_applies(c, args):
             step = max(step, timing.dp_comm_floor_seconds(
                 args, blocks, role, p.tp, DTYPES[t.mixed_precision_param].itemsize,
@@ -242,14 +318,17 @@ class _Bar:
             self.values[i] = v
 
 
-STATS = ("predicted", "bound", "memory", "fits_with_less_ac", "invalid", "broken_tp")
+STATS = ("predicted", "bound", "memory", "activations", "fits_with_less_ac", "invalid",
+         "broken_tp")
 
 
 def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
-                   bar: _Bar, progress=None, tradeoffs_rows: bool = False
+                   bar: _Bar, progress=None, tradeoffs_rows: bool = False,
+                   floor: _ActivationFloor | None = None
                    ) -> tuple[list[Prediction], list[str], dict]:
     """The search over ``groups`` (layouts, see ``_groups``): (rows, failures, stats);
-    ``tradeoffs_rows``: each predicted layout's rows with a knob turned too (``_knob_rows``)."""
+    ``tradeoffs_rows``: each predicted layout's rows with a knob turned too (``_knob_rows``);
+    ``floor``: the activation floors known so far (added to)."""
     dev = gpu_profile(gpu)
     stats = dict.fromkeys(STATS, 0)
     failures: list[str] = []
@@ -258,6 +337,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
     too_big: list[tuple] = []
     fitted: set[tuple] = set()  # (layout, batch): fits with less recompute already
     broken_tp: set[int] = set()  # tensor-parallel sizes whose trace failed
+    floor = _ActivationFloor() if floor is None else floor
     for c in (c for group in groups for c in group):
         p = c.parallel
         layout = _layout(p)
@@ -284,6 +364,10 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
         if _lower_bound(c) + CONTEXT_BYTES > dev.memory_bytes:
             stats["memory"] += 1
             continue
+        if floor.exceeds(c, dev.memory_bytes, bool(tradeoffs.knob_label(c)) or (
+                tradeoffs_rows and c.job.device == "cuda")):
+            stats["activations"] += 1
+            continue
         if bar.beaten(_prune_bound(c, gpus, dev, gpus_per_node, tradeoffs_rows)):
             stats["bound"] += 1
             continue
@@ -294,6 +378,7 @@ def _search_groups(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_
             broken_tp.add(p.tp)  # the failures seen are TP-wide: skip its other layouts
             continue
         results.append(r)
+        floor.record(c, r)
         stats["predicted"] += 1
         if progress is not None:
             progress(r)
@@ -392,9 +477,11 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
     failures = [] if failures is None else failures
     stats = {} if stats is None else stats
     dev = gpu_profile(gpu)
+    floor = _ActivationFloor()  # shared by both passes (in this process)
     results = _run(_groups(cfg, gpus, gpus_per_node, dev, constrain=constrain,
                            tradeoffs_rows=tradeoffs_rows), gpus, gpu,
-                   gpus_per_node, progress, failures, keep, stats, workers, (), tradeoffs_rows)
+                   gpus_per_node, progress, failures, keep, stats, workers, (), tradeoffs_rows,
+                   floor)
     # Context parallelism with less recomputation than any whole-sequence row that fits
     # (module doc), behind the bar those rows set
     fitting = [r for r in results if r.fits and not r.knobs]  # the layouts' own rows
@@ -404,15 +491,17 @@ def search(cfg: JobConfig, gpus: int, gpu: str, gpus_per_node: int = 8,
         results += _run(_groups(cfg, gpus, gpus_per_node, dev, True, modes, constrain,
                                 tradeoffs_rows), gpus,
                         gpu, gpus_per_node, progress, failures, keep, stats, workers, seed,
-                        tradeoffs_rows)
+                        tradeoffs_rows, floor)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s_per_gpu))
 
 
 def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int, progress,
          failures: list[str], keep: int, stats: dict, workers: int,
-         seed: tuple[float, ...] = (), tradeoffs_rows: bool = False) -> list[Prediction]:
+         seed: tuple[float, ...] = (), tradeoffs_rows: bool = False,
+         floor: _ActivationFloor | None = None) -> list[Prediction]:
     """``search``'s predictions of ``groups`` (``failures`` and ``stats`` added to), the
-    ``keep`` bar starting from the tokens/s of ``seed``."""
+    ``keep`` bar starting from the tokens/s of ``seed``; ``floor``: see ``_search_groups``
+    (one process only: workers keep their own)."""
     # a worker's task: the layouts of one tp, with or without PP (they trace disjoint
     # roles: "full" vs "first"/"last"), so no graph is traced by two workers
     by_task: dict[tuple, list[list[JobConfig]]] = {}
@@ -421,7 +510,8 @@ def _run(groups: list[list[JobConfig]], gpus: int, gpu: str, gpus_per_node: int,
     if workers <= 1 or len(by_task) <= 1:
         before = _cache_counts()
         results, fails, st = _search_groups(groups, gpus, gpu, gpus_per_node,
-                                            _Bar(keep, seed=seed), progress, tradeoffs_rows)
+                                            _Bar(keep, seed=seed), progress, tradeoffs_rows,
+                                            floor)
         after = _cache_counts()
         parts = [(results, fails, {**st, **{k: after[k] - before[k] for k in after}})]
     else:
