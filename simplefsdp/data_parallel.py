@@ -53,7 +53,7 @@ from ._torch_compat import (
     slice_flattened,
 )
 from .checks import check_ignored, check_model
-from .float8 import float8_gather_for, float8_weight, install_float8_scales
+from .float8_gather import float8_gather_for, float8_weight, install_float8_scales
 from .gloo_kernel import install_gloo_collectives, uses_gloo
 from .gradient_sync import (
     GradientSyncControl,

@@ -1,4 +1,4 @@
-"""The float8 all-gather (``simplefsdp/float8.py``) with tensor parallelism, and on Inductor.
+"""The float8 all-gather (``simplefsdp/float8_gather.py``) with tensor parallelism, and on Inductor.
 
 * FSDP 2 x TP 2 (4 gloo ranks): a column-wise then a row-wise float8 linear, and a last
   one TP leaves whole, their weights gathered in float8 over the data-parallel dim. Each

@@ -124,16 +124,16 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
 def _floor_against_predictions(rows, configs) -> list[tuple[float, float]]:
     """For every pair of the exhaustive search's rows (source, layout): the activation
     floor the search would derive for the layout from the source alone
-    (``search._ActivationFloor``), next to the layout's predicted active bytes."""
+    (``floors.ActivationFloor``), next to the layout's predicted active bytes."""
     from simplefsdp.hardware import GiB
-    from simplefsdp.plan.search import _ActivationFloor
+    from simplefsdp.plan.floors import ActivationFloor
 
     def config(r):
         return configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac, r.batch_size)]
 
     pairs = []
     for source in rows:
-        floor = _ActivationFloor()
+        floor = ActivationFloor()
         floor.record(config(source), source)
         pairs += [(floor.active_bytes(config(r), False), r.peak_memory_gib * GiB)
                   for r in rows if r.ac == source.ac]
@@ -262,8 +262,8 @@ def test_activation_floor_scales_by_hand():
     holds the floor for its blocks but one, on its model states without gradients
     (12 B a parameter), or less the gradients where the states may leave the device."""
     from simplefsdp.plan import memory
+    from simplefsdp.plan.floors import ActivationFloor
     from simplefsdp.plan.predict import Prediction
-    from simplefsdp.plan.search import _ActivationFloor
 
     def config(*extra):
         cfg = load_config("configs/llama3_8b.toml", [
@@ -278,14 +278,14 @@ def test_activation_floor_scales_by_hand():
                               "block_saved_floor_bytes": block}})
 
     source = config()
-    floor = _ActivationFloor()
+    floor = ActivationFloor()
     floor.record(source, row(source, 2**30))
     wider = config("--training.batch_size", "2", "--parallel.tp", "2", "--parallel.dp_shard", "4")
     ring = config("--parallel.cp_ring", "2", "--parallel.dp_shard", "4")
     assert floor.block_bytes(wider) == 2**30 / 2
     assert floor.block_bytes(ring) == 2**30 / 2
     assert floor.block_bytes(config("--activation_checkpoint.mode", "full")) == 0
-    split = _ActivationFloor()
+    split = ActivationFloor()
     split.record(ring, row(ring, 2**30))
     assert split.block_bytes(source) == 0 and split.block_bytes(ring) == 2**30
     args = source.model.model_args()

@@ -105,15 +105,16 @@ def _search_rows_with_knobs() -> tuple[dict, list, dict]:
     through the search's loop with ``--tradeoffs`` on a device profile just too small
     for it; rows as dicts by knob."""
     from simplefsdp.config.job import load_config
+    from simplefsdp.plan.floors import lower_bound
     from simplefsdp.plan.predict import CONTEXT_BYTES, predict
-    from simplefsdp.plan.search import _Bar, _lower_bound, _search_groups
+    from simplefsdp.plan.search import _Bar, _search_groups
 
     cfg = load_config("configs/debug.toml", ["--job.device", "cuda", "--training.batch_size",
                                              "1", "--training.grad_accum_steps", "2",
                                              "--parallel.dp_shard", "16"], world_size=GPUS)
     base = predict(cfg, GPUS, "h100-sxm", PER_NODE)
     # between the search's untraced lower bound and the layout's reserved memory
-    lower = _lower_bound(cfg) + CONTEXT_BYTES
+    lower = lower_bound(cfg) + CONTEXT_BYTES
     GPU_PROFILES["tight"] = dataclasses.replace(
         DEV, memory_bytes=(lower + base.reserved_memory_gib * 2**30 + CONTEXT_BYTES) / 2)
     try:

@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .attention import attention_with_lse, attention_with_lse_backward, cudnn_attention
 from .teardown import destroy_library, release_mesh_groups
 from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 
@@ -433,25 +434,6 @@ def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return (gather or funcol.all_gather_tensor_autograd)(x, 0, group)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp) of softmax attention, ``(batch, heads, seq, head_dim)`` in,
-    the log-sum-exp ``(batch, heads, seq)`` float32; ``causal`` masks top-left aligned.
-    CPU: the flash kernel for CPU (checked: 2.13). CUDA: the flash kernel (fp16/bf16
-    only; 2.11 (CUDA))."""
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        return tuple(aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal))
-    return tuple(aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2])
-
-
-def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """cuDNN's fused attention by name, ``(batch, heads, seq, head_dim)``; query/key and value
-    head sizes may differ (MLA; flash refuses). checked: 2.13 (meta), 2.11 (CUDA, H200)."""
-    op = torch.ops.aten._scaled_dot_product_cudnn_attention
-    return op(q, k, v, None, True, 0.0, causal)[0]  # the log-sum-exp kept for backward
-
-
 def cudnn_attention_runs(device: torch.device, dtype: torch.dtype, qk_dim: int,
                          v_dim: int) -> bool:
     """Whether :func:`cudnn_attention` runs on ``device`` for these head sizes and ``dtype``
@@ -466,22 +448,6 @@ def cudnn_attention_runs(device: torch.device, dtype: torch.dtype, qk_dim: int,
                    for d in (qk_dim, qk_dim, v_dim))
         cudnn_attention(q, k, v, True).sum().backward()
     return kernel_runs(key, probe)
-
-
-def attention_with_lse_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                                causal: bool) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of :func:`attention_with_lse` for the given ``out`` and ``lse``:
-    passing the merged output and log-sum-exp of several key blocks gives each block's
-    exact share of the gradient (the kernels recompute the probabilities from ``lse``).
-    CPU checked: 2.13. CUDA (2.11): no sequence offsets (None; defined ones mean
-    variable-length batches, int32) and no dropout state."""
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal)
-    return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, None, None)
 
 
 def around_sharding_propagation(ctx) -> Callable[[], None]:

@@ -184,7 +184,7 @@ def set_token_group(model: nn.Module, mesh: DeviceMesh) -> None:
     route parts of the same sequences: ``cp_ring x cp_ulysses x tp`` of the job ``mesh``
     (their dims above 1, flattened; replaces ``apply_cp``'s cp-only group), so the loss is
     the whole sequences' on each; ``loss_copies = tp`` (each TP rank adds the loss with
-    its slice's whole weight: ``models.moe.switch_aux_loss``). Collective (every rank
+    its slice's whole weight: ``models.balance_loss.switch_aux_loss``). Collective (every rank
     flattens the same dims). Nothing to do without TP."""
     if mesh["tp"].size() == 1:
         return

@@ -151,9 +151,9 @@ def _nothing_fits(rows: list[Prediction], candidates: list[JobConfig], gpus: int
                  f"{CONTEXT_BYTES / GB:.2f} GB of device context), over "
                  f"{len(rows)} layout(s) predicted")
     else:  # none predicted: each one's floor (model states and the loss's logits) is
-        from .search import _lower_bound  # over the limit, or their traces failed
+        from .floors import lower_bound  # over the limit, or their traces failed
 
-        floor = min((_lower_bound(c) for c in candidates), default=0.0) + CONTEXT_BYTES
+        floor = min((lower_bound(c) for c in candidates), default=0.0) + CONTEXT_BYTES
         if floor <= limit and failures:
             fixed_keys = ", ".join(f"{k} = {v!r}" for k, v in fixed.items()) or "none"
             return ConfigError(

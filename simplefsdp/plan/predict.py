@@ -207,6 +207,25 @@ def _as_run(cfg: JobConfig) -> JobConfig:
         cfg.activation_checkpoint, mode=mode))
 
 
+def _routed_terms(cfg: JobConfig, f: dict, tokens: int, moe_ac: str, dev,
+                  fabric) -> tuple[float, float, float, float]:
+    """A role's step with its MoE terms (``plan.moe``), and those terms: (step seconds,
+    all-to-all seconds, bytes kept for a recomputation, host seconds). The expert
+    exchanges are exposed whole; eager, the device waits for the host at each routed
+    block (``moe.host_seconds``). ``f``: the role's figures; ``tokens``: a rank's."""
+    p, args, layers = cfg.parallel, cfg.model.model_args(), f["layers"]
+    routed, elem = moe.routed_tokens(tokens, p.dims()), \
+        memory.activation_elem_bytes(cfg.training)
+    dispatch = moe.Dispatch.of(p)
+    a2a = moe.exchange_seconds(args, layers, routed, elem, moe_ac, fabric, dispatch)
+    step = f["seconds"] + a2a + moe.permute_seconds(
+        args, layers, routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
+        + moe.padded_seconds(args, layers, routed, moe_ac, dev, dispatch)
+    kept = moe.saved_bytes(args, layers, routed, elem, moe_ac, p.ep, dispatch)
+    host = 0.0 if cfg.compile.enable else moe.host_seconds(args, layers, moe_ac, p.ep, dev)
+    return max(step, host), a2a, kept, host
+
+
 def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
             gpus_per_node: int = 8) -> Prediction:
     """Predicted per-GPU memory and speed of ``cfg`` on ``gpus`` GPUs of kind ``gpu``."""
@@ -232,19 +251,8 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         f = _role_figures(cfg, role, p, dev, fabric, mb)
         params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode)
         states = memory.states_bytes(params)
-        # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
         tokens = memory.rank_tokens(mb, t.seq_len, dims)
-        routed, elem = moe.routed_tokens(tokens, dims), memory.activation_elem_bytes(t)
-        dispatch = moe.Dispatch.of(p)
-        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, dispatch)
-        step = f["seconds"] + a2a + moe.permute_seconds(
-            args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
-            + moe.padded_seconds(args, f["layers"], routed, moe_ac, dev, dispatch)
-        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep, dispatch)
-        # eager: the device waits for the host at each routed block (``moe.host_seconds``)
-        host = 0.0 if cfg.compile.enable else moe.host_seconds(args, f["layers"], moe_ac,
-                                                                p.ep, dev)
-        step = max(step, host)
+        step, a2a, kept, host = _routed_terms(cfg, f, tokens, moe_ac, dev, fabric)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         before, after, saved = _role_memory(cfg, role, f, mb, micro, kept)

@@ -90,7 +90,7 @@ class Trace:
     groups: dict[str, str]  # process group name -> mesh dim ("dp_shard", "tp", ...)
     shards: set  # (shape, dtype) of this rank's parameter shards
     # graphs compiled apart from the autograd pair, without gradients: the float8
-    # scale agreement (``float8.install_float8_scales``' pre-hook on the root is its own
+    # scale agreement (``float8_gather.install_float8_scales``' pre-hook on the root is its own
     # frame to dynamo), run before the forward
     prologue: tuple[fx.GraphModule, ...] = ()
 
