@@ -254,9 +254,10 @@ def _uneven_answers(rank: int, world: int) -> list[bool]:
 
 
 def test_uneven_shards_are_compiled_without_the_caches():
-    """Inductor's and AOTAutograd's caches key a DTensor input by its global shape: with
-    uneven shards (the toy's 7-row weights on 2 ranks) the ranks' graphs share a key,
-    and with a warm cache a rank ran another's graph (``test_inductor_...`` failed on
-    its second run: "expected size 3==4"). Such graphs compile without the caches; which
-    ones, by the global shapes (the same answer on every rank)."""
+    """AOTAutograd's cache keys a DTensor input by its global shape: with uneven shards
+    (the toy's 7-row weights on 2 ranks) the ranks' graphs share a key, and with a warm
+    cache a rank ran another's graph (``test_inductor_...`` failed on its second run on
+    one cache: "expected size 3==4"). Such graphs compile with that cache off (Inductor's
+    FX graph cache, keyed by the local tensors, stays on: test_auto_wrap's warm
+    compiles); which ones, by the global shapes (the same answer on every rank)."""
     assert run_ranks(_uneven_answers, 4)[0] == [True, False, True, False]

@@ -224,11 +224,11 @@ class SimpleFSDPBackend:
         if self.bucketing in PLANNED and cached[1] is None:
             patches["fx_graph_cache"] = False  # the pass talks: every rank must run it
         if uneven_dtensor_inputs(example_inputs):
-            # The compile caches key a DTensor input by its global shape and placements,
+            # AOTAutograd's cache keys a DTensor input by its global shape and placements,
             # not this rank's local shape: with uneven shards the ranks compile different
             # graphs under one key, and a rank on the same host may load another's (its
-            # size check then fails at run time). Compiled cold instead.
-            patches["fx_graph_cache"] = False
+            # size check then fails at run time). Inductor's FX graph cache keys the
+            # graph AOTAutograd made, whose inputs are the local tensors: it stays on.
             with compile_caches_off():
                 return compile_fx(gm, example_inputs, config_patches=patches)
         return compile_fx(gm, example_inputs, config_patches=patches)
