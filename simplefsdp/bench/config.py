@@ -38,12 +38,11 @@ class BenchTraining:
     seq_len: int = 128  # tokens per sequence
     lr: float = 1e-3  # AdamW learning rate, constant
     seed: int = 0  # initialization and data
-    # Mixed precision of the sharded variants, as the trainer's keys: the dtype weights
-    # are gathered and computed in, and the dtype gradients are reduced in (FSDP2's
+    # Mixed precision of the sharded variants, as the trainer's keys (FSDP2's
     # MixedPrecisionPolicy on the fsdp2 variants, simplefsdp's on ours). The weights the
     # optimizer updates stay float32.
-    mixed_precision_param: DType = "float32"
-    mixed_precision_reduce: DType = "float32"
+    mixed_precision_param: DType = "float32"  # dtype weights are gathered and computed in
+    mixed_precision_reduce: DType = "float32"  # dtype gradients are reduced in
 
 
 @dataclass
