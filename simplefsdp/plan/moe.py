@@ -230,8 +230,31 @@ def padded_seconds(args: ModelArgs, layers: list[int], tokens: int, ac: str, dev
     return routed_blocks(args, layers) * flops / (dev.spec.bf16_flops * dev.efficiency.matmul)
 
 
+def etp_exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int,
+                         ac: str, fabric, etp: int) -> float:
+    """Exposed seconds of the stage's routed blocks' expert-tensor-parallel exchanges per
+    microbatch on the TP group of ``fabric`` (``expert_tensor.width_split_ffn``; 0 for
+    ``etp = 1``), ``tokens`` the rank's routed ones (``routed_tokens``). Each run of a
+    block's experts sends the rank's ``tokens x top_k`` rows (its slots: after the EP
+    exchange a rank receives as many as it sends, on balance) to every TP peer (an
+    all-to-all of ``etp`` copies: ``etp x D`` bytes, ``(etp - 1) / etp`` of them leave)
+    and the partial outputs of the TP group's ``etp x D`` rows back (the same size), and
+    backward the converse pair: ``exchanges`` of them (exact dispatch only; selective AC
+    keeps their outputs, ``EXCHANGE_FORWARDS``). Each forward run first all-gathers the
+    local experts' int64 counts over TP (``E / ep`` of them a rank). Exposed whole, as
+    the EP exchange: the experts wait for their rows, and the split sizes are read on
+    the host. The experts' FLOPs need no term: a rank computes ``etp`` times the rows at
+    ``1 / etp`` of the width, as the traced stand-in's sequence-parallel FFN does."""
+    if etp <= 1:
+        return 0.0
+    one = fabric.seconds("all_to_all", "tp", etp * dispatch_bytes(args, tokens, elem))
+    local_experts = args.num_experts // fabric.size("ep")
+    counts = fabric.seconds("all_gather", "tp", etp * local_experts * COUNT_BYTES)
+    return routed_blocks(args, layers) * (exchanges(ac) * one + FORWARDS[ac] * counts)
+
+
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                ep: int, dispatch: Dispatch = EXACT) -> int:
+                ep: int, dispatch: Dispatch = EXACT, etp: int = 1) -> int:
     """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
     the rank's routed ones, ``routed_tokens``), two copies of the dispatched activations
     each: without AC, the gathered tokens the experts multiply and the expert outputs the
@@ -239,10 +262,15 @@ def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: 
     selective with the exact dispatch's exchanges (expert parallelism), the two
     exchanges' outputs (``EXCHANGE_FORWARDS``: the tokens received and the expert outputs
     sent back); nothing under full AC, or selective otherwise (the padded exchanges are
-    recomputed)."""
+    recomputed). Under expert tensor parallelism (``etp > 1``, exact dispatch) the
+    experts multiply the TP group's ``etp x D`` gathered rows (without AC: ``etp x D +
+    D``), and selective AC also keeps its two exchanges' outputs, ``etp x D`` each
+    (``etp_exchange_seconds``)."""
     d = dispatch_bytes(args, tokens, elem)
     if FORWARDS[ac] == 1:
-        return routed_blocks(args, layers) * (dispatch_bytes(args, tokens, elem, dispatch) + d)
-    if EXCHANGE_FORWARDS[ac] == 1 and ep > 1 and not dispatch.padded:
-        return routed_blocks(args, layers) * 2 * d
+        experts_in = etp * d if etp > 1 else dispatch_bytes(args, tokens, elem, dispatch)
+        return routed_blocks(args, layers) * (experts_in + d)
+    if EXCHANGE_FORWARDS[ac] == 1 and not dispatch.padded:
+        kept = (2 * d if ep > 1 else 0) + (2 * etp * d if etp > 1 else 0)
+        return routed_blocks(args, layers) * kept
     return 0

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..config.job import JobConfig
+from ..config.keys import check_etp
 from ..errors import ConfigError
 from ..hardware import KNOWN_FABRICS, GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
@@ -222,25 +223,28 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
     moe_ac = cfg.activation_checkpoint.mode
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
     dims = p.dims()  # the layout's one view
+    # expert tensor parallelism's ep rule needs the world's dp_shard (``check_etp``)
+    check_etp(cfg, cfg.model.family_entry().name, dims)
     t, args = cfg.training, cfg.model.model_args()
     micro = p.microbatches
     mb = t.batch_size // micro
-    fabric = timing.MeshLinks(dev, dims, gpus_per_node)
+    fabric = timing.MeshLinks(dev, dims, gpus_per_node, p.etp)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode)
+        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode, p.etp)
         states = memory.states_bytes(params)
         # expert parallelism's all-to-alls: exposed whole (``plan.moe``)
         tokens = memory.rank_tokens(mb, t.seq_len, dims)
         routed, elem = moe.routed_tokens(tokens, dims), memory.activation_elem_bytes(t)
         dispatch = moe.Dispatch.of(p)
-        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, dispatch)
+        a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, dispatch) \
+            + moe.etp_exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, p.etp)
         step = f["seconds"] + a2a + moe.permute_seconds(
             args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
             + moe.padded_seconds(args, f["layers"], routed, moe_ac, dev, dispatch)
-        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep, dispatch)
+        kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep, dispatch, p.etp)
         # eager: the device waits for the host at each routed block (``moe.host_seconds``)
         host = 0.0 if cfg.compile.enable else moe.host_seconds(args, f["layers"], moe_ac,
                                                                 p.ep, dev)
@@ -276,6 +280,10 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
                         "host_s": host * micro * t.grad_accum_steps,
                         "routed_saved_gib": kept / GiB,
+                        # the routed experts' data-parallel gathers per read: (returned,
+                        # received) bytes; their time is the stand-in's gathers' (``plan.moe``)
+                        "expert_gather_bytes": memory.expert_gather_bytes(
+                            args, f["layers"], dims, p.dp_mode, elem, p.etp),
                         "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps,
                         # compiled: one block's saved bytes less its shard-sized ones
                         # (``plan.search``'s memory floor for layouts not yet traced)
