@@ -257,7 +257,8 @@ def test_prediction_holds_the_etp_layout(planner):
     + 4 us + 65,536 / 2 / 40 GB/s) and its 4 counts exchanges (64 B) on IB, plus the ETP
     exchanges of test_etp_exchanges_by_hand; the routed copies (2 + 1) x 65,536 B a
     block; the experts' gathers per read 1,572,864 / (2 x 2) x 4 B returned, none moved
-    (the experts' data-parallel dim is 1). Refused before any trace: ep 4 with etp 2 on
+    (the experts' data-parallel dim is 1). DDP x TP 2 with etp 2 stores half the experts.
+    Refused before any trace: ep 4 with etp 2 on
     these 4 GPUs (the EP groups must come out of dp_shard 2), naming the key."""
     from simplefsdp.config.job import load_config
     from simplefsdp.errors import ConfigError
@@ -274,6 +275,12 @@ def test_prediction_holds_the_etp_layout(planner):
     assert row["all_to_all_s"] == pytest.approx(ep_ib + etp, rel=1e-12)
     assert row["routed_saved_gib"] * GiB == 4 * 3 * 65_536
     assert tuple(row["expert_gather_bytes"]) == (1_572_864, 0)
+    # DDP x TP 2 on 2 GPUs stores half the experts with ETP 2: 169,088 non-expert
+    # parameters per TP rank (test_rank_params_split_experts_over_the_experts_mesh_under_tp)
+    # + 1,572,864 / 2, where ETP 1 holds all 1,572,864
+    ddp = load_config("configs/debug_moe.toml", [*layout, "--parallel.dp_mode", "replicate"])
+    row = planner(predict, ddp, 2, "h100-sxm", 2).detail["full"]
+    assert row["states_gib"] * GiB == pytest.approx(16 * (169_088 + 786_432), rel=1e-12)
     bad = load_config("configs/debug_moe.toml", [*layout, "--parallel.ep", "4"])
     with pytest.raises(ConfigError, match=r"parallel\.etp = 2"):
         predict(bad, 4, "h100-sxm", 2)
