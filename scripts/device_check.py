@@ -21,7 +21,9 @@ short still returns what it measured):
 6. ``mla``: MLA's attention shapes (16 heads, q/k 192, v 128, 4 x 4096, causal) on the
    kernels SDPA has for them.
 7. ``step``: rank 0's whole training step (eager) under a fake process group of 8:
-   DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC).
+   DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC). The MoE
+   sections (``MOE``): DeepSeek-V3 16B per EP and AC mode, eager and compiled, the
+   compiled padded dispatch, and ETP 1 / 2 (Qwen3-30B-A3B at TP 2: ``_etp_section``).
 8. ``float8``: ``torch._scaled_mm`` against a bf16 matmul at a Llama 3 8B projection's
    shape (the planner's float8 rate), then rank 0's Llama 3 8B FSDP 8 step in bf16 and
    with ``[float8]`` (tensorwise, float8 all-gather), eager, under the fake process group

@@ -29,6 +29,14 @@ keeps no exchange for a recomputation (only the exact dispatch's are kept). Eage
 also pay the host's time per routed block (``host_seconds``): the dispatch reads split
 sizes on the host every block, so the device waits for the host's launches there.
 
+Expert tensor parallelism (``parallel.etp = tp``, ``parallel/expert_tensor.py``) adds
+the TP group's two exchanges per run of a routed block's experts and their converse in
+backward (``etp_exchange_seconds``), and the rows they keep (``saved_bytes``); its
+states and gathers are ``memory.rank_expert_params`` and ``memory.expert_gather_bytes``,
+its EP groups' links ``timing.MeshLinks``' (ranks ``tp`` apart). The gathers' time stays
+the stand-in's (the same for either ``etp``), and ETP's own copies (the rows repeated
+for the TP peers, regrouped, the partial outputs summed) are not counted.
+
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
 the experts' (with ``ep`` = ``dp_shard`` each rank gathers nothing for its experts, the
