@@ -116,7 +116,7 @@ def _lower_bound(c: JobConfig) -> float:
     for role in roles:
         layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
         need = memory.states_bytes(memory.rank_params(args, role, layers, dims,
-                                                      p.dp_mode))
+                                                      p.dp_mode, p.etp))
         if role != "first":
             need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, dims),
                                       memory.loss_vocab(args, p), elem,
@@ -183,7 +183,7 @@ class _ActivationFloor:
         need = 0.0
         for role in ["full"] if p.pp == 1 else ["first", "last"]:
             layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
-            params = memory.rank_params(args, role, layers, dims, p.dp_mode)
+            params = memory.rank_params(args, role, layers, dims, p.dp_mode, p.etp)
             base = -memory.gradient_bytes(params) if states_may_leave else \
                 memory.states_bytes(params) - memory.gradient_bytes(params)
             in_flight = min(p.microbatches, p.pp) if role == "first" else 1
@@ -241,7 +241,7 @@ def speed_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int | None = None) 
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.rank_params(args, role, blocks, dims, p.dp_mode)
+        params = memory.rank_params(args, role, blocks, dims, p.dp_mode, p.etp)
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
     return t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp / seconds / gpus
