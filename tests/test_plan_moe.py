@@ -249,6 +249,24 @@ def test_etp_exchanges_by_hand():
     assert moe.saved_bytes(args, layers, 64, 4, "full", 2, etp=2) == 0
 
 
+def test_etp_permutations_by_hand():
+    """ETP's copies around the width slices (plan/moe.py's ``ETP_PASSES``, counted from
+    ``expert_tensor.width_split_ffn``) in the layout above (D = 65,536 B, T = 2 D the TP
+    pair's rows): forward 6 T + 2 D, backward 8 T + 2 D, the forward's twice under AC.
+    Compiled selective with EP 2: the exact dispatch's 2 x 5 + 7 graph passes and 2 x 4 +
+    6 regroupings, 31 D, plus ETP's 2 x (12 + 2) + 16 + 2 = 46 D: 77 D a block; eager
+    without AC or EP: 12 D + ETP's 14 + 18 = 32 D, 44 D. 4 blocks at 26% (compiled) and
+    40% (eager) of the H100 SXM's 3.35 TB/s."""
+    args, layers, dev = MOE_PRESETS["debug_moe"], list(range(4)), gpu_profile("h100-sxm")
+    d = 65_536
+    for ac, compiled, ep, passes, rate in [("selective", True, 2, 77, 0.26),
+                                           ("none", False, 1, 44, 0.40)]:
+        got = moe.permute_seconds(args, layers, 64, 4, ac, dev, compiled, ep, etp=2)
+        assert got == pytest.approx(4 * passes * d / (3.35e12 * rate), rel=1e-12), ac
+    assert moe.permute_seconds(args, layers, 64, 4, "none", dev, False, 1) \
+        == pytest.approx(4 * 12 * d / (3.35e12 * 0.40), rel=1e-12)
+
+
 def test_prediction_holds_the_etp_layout(planner):
     """The whole prediction (eager) of the layout above with etp 2 (the planner takes an
     ETP config and traces its dense stand-in): model states 16 B x 477,760 parameters per
@@ -257,7 +275,7 @@ def test_prediction_holds_the_etp_layout(planner):
     + 4 us + 65,536 / 2 / 40 GB/s) and its 4 counts exchanges (64 B) on IB, plus the ETP
     exchanges of test_etp_exchanges_by_hand; the routed copies (2 + 1) x 65,536 B a
     block; the experts' gathers per read 1,572,864 / (2 x 2) x 4 B returned, none moved
-    (the experts' data-parallel dim is 1). DDP x TP 2 with etp 2 stores half the experts.
+    (the experts' data-parallel dim is 1); the permutations with ETP's copies. DDP x TP 2 with etp 2 stores half the experts.
     Refused before any trace: ep 4 with etp 2 on
     these 4 GPUs (the EP groups must come out of dp_shard 2), naming the key."""
     from simplefsdp.config.job import load_config
@@ -275,6 +293,9 @@ def test_prediction_holds_the_etp_layout(planner):
     assert row["all_to_all_s"] == pytest.approx(ep_ib + etp, rel=1e-12)
     assert row["routed_saved_gib"] * GiB == 4 * 3 * 65_536
     assert tuple(row["expert_gather_bytes"]) == (1_572_864, 0)
+    # eager, no AC, EP 2: the graph's 12 D, the exact dispatch's 4 + 6 D and ETP's 32 D
+    # (test_etp_permutations_by_hand) a block, at 40% of 3.35 TB/s
+    assert row["permute_s"] == pytest.approx(4 * 54 * 65_536 / (3.35e12 * 0.40), rel=1e-12)
     # DDP x TP 2 on 2 GPUs stores half the experts with ETP 2: 169,088 non-expert
     # parameters per TP rank (test_rank_params_split_experts_over_the_experts_mesh_under_tp)
     # + 1,572,864 / 2, where ETP 1 holds all 1,572,864

@@ -34,8 +34,9 @@ the TP group's two exchanges per run of a routed block's experts and their conve
 backward (``etp_exchange_seconds``), and the rows they keep (``saved_bytes``); its
 states and gathers are ``memory.rank_expert_params`` and ``memory.expert_gather_bytes``,
 its EP groups' links ``timing.MeshLinks``' (ranks ``tp`` apart). The gathers' time stays
-the stand-in's (the same for either ``etp``), and ETP's own copies (the rows repeated
-for the TP peers, regrouped, the partial outputs summed) are not counted.
+the stand-in's (the same for either ``etp``). ETP's own copies (the rows repeated for
+the TP peers, regrouped, the partial outputs summed) are ``ETP_PASSES`` in
+``permute_seconds``.
 
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
@@ -184,12 +185,20 @@ PADDED_PASSES = {"forward": (5, 3), "backward": (4, 3)}
 # With expert parallelism and more than one local expert, two regroupings of the P rows
 # (source-major to expert-major and back: a copy each, 2 P) in forward and in backward.
 PADDED_REGROUP_PASSES = {"forward": 4, "backward": 4}
+# Expert tensor parallelism's copies (``expert_tensor.width_split_ffn``), as (passes over
+# the TP group's rows T = etp x D, passes over the rank's slots D). Forward: the rows
+# repeated for the peers (reads D, writes T), the regrouping by expert and back (2 T
+# each), the partial outputs summed (reads T, writes D). Backward: the sum's gradient
+# made contiguous for the exchange (D + T), the two regroupings' index backwards (3 T
+# each), the repeat's gradient summed (T + D).
+ETP_PASSES = {"forward": (6, 2), "backward": (8, 2)}
 
 
 def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                    dev, compiled: bool, ep: int, dispatch: Dispatch = EXACT) -> float:
+                    dev, compiled: bool, ep: int, dispatch: Dispatch = EXACT,
+                    etp: int = 1) -> float:
     """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
-    above over D (and P), the forward's counted again when AC recomputes it
+    above over D (and P, or ETP's T), the forward's counted again when AC recomputes it
     (``FORWARDS``), at the bandwidth these gathers and scatters reach
     (``hardware.Efficiency``'s ``permute_memory``, measured; compiled or not: Inductor
     keeps them as index kernels)."""
@@ -206,6 +215,9 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
                        + PADDED_REGROUP_PASSES["backward"]) * p
     elif ep > 1:
         nbytes += (forwards * EXACT_PASSES["forward"] + EXACT_PASSES["backward"]) * d
+    if etp > 1:
+        (tf, df), (tb, db) = ETP_PASSES["forward"], ETP_PASSES["backward"]
+        nbytes += forwards * (tf * etp * d + df * d) + tb * etp * d + db * d
     nbytes *= routed_blocks(args, layers)
     rate = eff.permute_memory_compiled if compiled else eff.permute_memory
     return roofline_seconds(0.0, nbytes, dev.spec.bf16_flops, dev.spec.mem_bandwidth_Bps,

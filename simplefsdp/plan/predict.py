@@ -241,8 +241,9 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         dispatch = moe.Dispatch.of(p)
         a2a = moe.exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, dispatch) \
             + moe.etp_exchange_seconds(args, f["layers"], routed, elem, moe_ac, fabric, p.etp)
-        step = f["seconds"] + a2a + moe.permute_seconds(
-            args, f["layers"], routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
+        permute = moe.permute_seconds(args, f["layers"], routed, elem, moe_ac, dev,
+                                      cfg.compile.enable, p.ep, dispatch, p.etp)
+        step = f["seconds"] + a2a + permute \
             + moe.padded_seconds(args, f["layers"], routed, moe_ac, dev, dispatch)
         kept = moe.saved_bytes(args, f["layers"], routed, elem, moe_ac, p.ep, dispatch, p.etp)
         # eager: the device waits for the host at each routed block (``moe.host_seconds``)
@@ -280,6 +281,7 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
                         "all_to_all_s": a2a * micro * t.grad_accum_steps,
                         "host_s": host * micro * t.grad_accum_steps,
                         "routed_saved_gib": kept / GiB,
+                        "permute_s": permute * micro * t.grad_accum_steps,
                         # the routed experts' data-parallel gathers per read: (returned,
                         # received) bytes; their time is the stand-in's gathers' (``plan.moe``)
                         "expert_gather_bytes": memory.expert_gather_bytes(
