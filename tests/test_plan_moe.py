@@ -275,8 +275,8 @@ def test_prediction_holds_the_etp_layout(planner):
     + 4 us + 65,536 / 2 / 40 GB/s) and its 4 counts exchanges (64 B) on IB, plus the ETP
     exchanges of test_etp_exchanges_by_hand; the routed copies (2 + 1) x 65,536 B a
     block; the experts' gathers per read 1,572,864 / (2 x 2) x 4 B returned, none moved
-    (the experts' data-parallel dim is 1); the permutations with ETP's copies. DDP x TP 2 with etp 2 stores half the experts.
-    Refused before any trace: ep 4 with etp 2 on
+    (the experts' data-parallel dim is 1); the permutations with ETP's copies. DDP x TP
+    2 with etp 2 stores half the experts. Refused before any trace: ep 4 with etp 2 on
     these 4 GPUs (the EP groups must come out of dp_shard 2), naming the key."""
     from simplefsdp.config.job import load_config
     from simplefsdp.errors import ConfigError
