@@ -21,7 +21,9 @@ short still returns what it measured):
 6. ``mla``: MLA's attention shapes (16 heads, q/k 192, v 128, 4 x 4096, causal) on the
    kernels SDPA has for them.
 7. ``step``: rank 0's whole training step (eager) under a fake process group of 8:
-   DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC).
+   DeepSeek-V3 16B FSDP 8, then Llama 3 8B CP 8 at 262,144 tokens (full AC). The MoE
+   sections (``MOE``): DeepSeek-V3 16B per EP and AC mode, eager and compiled, the
+   compiled padded dispatch, and ETP 1 / 2 (Qwen3-30B-A3B at TP 2: ``_etp_section``).
 8. ``float8``: ``torch._scaled_mm`` against a bf16 matmul at a Llama 3 8B projection's
    shape (the planner's float8 rate), then rank 0's Llama 3 8B FSDP 8 step in bf16 and
    with ``[float8]`` (tensorwise, float8 all-gather), eager, under the fake process group
@@ -496,19 +498,37 @@ def _mla_accuracy(backends):
 
 
 def _identity_all_to_all(dist):
-    """Under the fake process group ``all_to_all_single`` leaves its output unwritten, so
-    the expert dispatch's exchanged counts would be garbage: here each rank receives what
-    it sends (every one of its routed slots lands on its own local experts: an EP rank's
+    """Under the fake process group the exchanges leave their outputs unwritten, so the
+    expert dispatch's exchanged counts would be garbage: here each rank receives what it
+    sends (every one of its routed slots lands on its own local experts: an EP rank's
     balanced share of rows, so the grouped matmuls and permutations have their real
-    sizes; the exchange itself costs nothing)."""
-    original = dist.all_to_all_single
+    sizes; the exchange itself costs nothing). The dispatch's functional collectives
+    (``parallel.expert``'s, traced into compiled graphs) are replaced by a copy, and
+    expert tensor parallelism's count gather (``parallel.expert_tensor``) by this rank's
+    counts repeated: every TP peer routed as many rows per expert as this rank, so the
+    exchanges around the width slices are identities of the right sizes too. Returns
+    the function that puts the originals back."""
+    from simplefsdp.parallel import expert, expert_tensor
 
     def identity(output, input, *args, **kwargs):
         if output.shape == input.shape:
             output.copy_(input)
         return None
-    dist.all_to_all_single = identity
-    return original
+
+    patches = [(dist, "all_to_all_single", identity),
+               (expert, "all_to_all_single", lambda x, group: x.clone()),
+               (expert, "all_to_all_single_autograd",
+                lambda x, output_splits, input_splits, group, wait=False: x.clone()),
+               (expert_tensor, "all_gather_autograd",
+                lambda x, group: x.repeat(dist.get_world_size(group)))]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, fn in patches:
+        setattr(module, name, fn)
+
+    def restore():
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+    return restore
 
 
 def _profile(step):
@@ -554,7 +574,7 @@ def _step(config, overrides, gpus, steps, profiled=False):
         torch.cuda.reset_peak_memory_stats()
     torch._dynamo.reset()  # an earlier section's compiles count against the limits
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=gpus)
-    original_all_to_all = _identity_all_to_all(dist)
+    restore_exchanges = _identity_all_to_all(dist)
     try:
         p = cfg.parallel.resolve(gpus)
         cfg = dataclasses.replace(cfg, parallel=p)
@@ -604,7 +624,7 @@ def _step(config, overrides, gpus, steps, profiled=False):
             out["rows_per_local_expert_max_mean"] = float(local.max() / local.mean())
         return out
     finally:
-        dist.all_to_all_single = original_all_to_all
+        restore_exchanges()
         dist.destroy_process_group()
 
 
@@ -616,10 +636,10 @@ def step_deepseek():
                  ["--parallel.ep", "1", "--training.batch_size", "4"], 8, 2)
 
 
-def _moe_case(ep, ac, compiled=False, layers=None):
+def _moe_case(ep, ac, compiled=False, layers=None, extra=()):
     depth = ["--model.n_layers", str(layers)] if layers else []
     flags = ["--parallel.ep", str(ep), "--activation_checkpoint.mode", ac,
-             "--compile.enable", str(compiled).lower(), *depth]
+             "--compile.enable", str(compiled).lower(), *depth, *extra]
     if ARGS.tiny:
         return _step("configs/debug_moe.toml", ["--parallel.dp_shard", "-1", *flags], 8, 1,
                      profiled=True)
@@ -627,22 +647,52 @@ def _moe_case(ep, ac, compiled=False, layers=None):
                  2, profiled=True)
 
 
-def _moe_section(name, ep, ac, compiled=False, layers=None):
+def _moe_section(name, ep, ac, compiled=False, layers=None, extra=()):
     """A section running :func:`_moe_case`; ``layers = 6``: DeepSeek-V3 16B's widths at 6
-    blocks (1 dense + 5 routed), compiled (Inductor) against eager, for the planner."""
+    blocks (1 dense + 5 routed), compiled (Inductor) against eager, for the planner;
+    ``extra``: more trainer flags (the padded dispatch)."""
     @section(name)
     def run():
-        return _moe_case(ep, ac, compiled, layers)
+        return _moe_case(ep, ac, compiled, layers, extra)
     run.__name__ = name
     return run
 
 
+def _etp_section(etp):
+    """Expert tensor parallelism (``parallel.etp``) against ETP 1 on the same layout: rank
+    0's eager step of Qwen3-30B-A3B (its config: full AC, 1 x 4096 tokens; DeepSeek-V3
+    16B's MLA has no TP) as FSDP 4 x TP 2 x EP 4 under the fake process group of 8. TP 2
+    is expressible there: the mesh has a tp dim of 2, the dense TP collectives keep their
+    sizes, and :func:`_identity_all_to_all` makes ETP's count gather and row exchanges
+    identities of the sizes a balanced TP group gives (rank 0 computes twice its rows at
+    half the width). Its step seconds and peak memory go with the planner's ETP terms
+    (``plan.moe.etp_exchange_seconds``, whose exchanges cost nothing here)."""
+    name = f"moe_etp{etp}"
+
+    @section(name)
+    def run():
+        flags = ["--parallel.tp", "2", "--parallel.ep", "4", "--parallel.etp", str(etp)]
+        if ARGS.tiny:
+            return _step("configs/debug_moe.toml", ["--parallel.dp_shard", "-1", *flags], 8,
+                         1, profiled=True)
+        return _step("configs/qwen3_30b_a3b.toml", flags, 8, 2, profiled=True)
+    run.__name__ = name
+    return run
+
+
+PADDED = ["--parallel.expert_dispatch", "padded"]
+# moe_ep8_selective_compiled runs the compiled blocks' op-level selective AC
+# (``activation_checkpoint.compile_checkpointed_blocks``); the padded sections run the same
+# case with the static-shape dispatch (capacity factor 1.25), under both AC modes.
 MOE = [_moe_section("moe_ep1_selective", 1, "selective"),
        *[_moe_section(f"moe_ep8_{ac}", 8, ac) for ac in ("selective", "full", "none")],
        *[_moe_section(f"moe_ep8_{ac}_compiled", 8, ac, compiled=True)
          for ac in ("selective", "full")],
+       *[_moe_section(f"moe_ep8_{ac}_padded_compiled", 8, ac, compiled=True, extra=PADDED)
+         for ac in ("selective", "full")],
        *[_moe_section(f"moe6_{ac}_{'compiled' if c else 'eager'}", 8, ac, c, layers=6)
-         for ac in ("selective", "full") for c in (False, True)]]
+         for ac in ("selective", "full") for c in (False, True)],
+       *[_etp_section(etp) for etp in (1, 2)]]
 
 
 @section("step_262k")

@@ -205,14 +205,16 @@ class ParallelDims:
         context-parallel part, sequence-sharded over TP (TP + SP)."""
         return seq_len // (self.cp * self.tp)
 
-    def expert_shard(self, mode: str = "fully_shard") -> int:
+    def expert_shard(self, mode: str = "fully_shard", etp: int = 1) -> int:
         """Ranks one expert-parallel rank's experts are sharded over (the experts' mesh's
         ``dp_shard``, :meth:`expert_mesh`): ``expert_ranks / ep``, or 1 where the experts
         are replicated (``mode = "replicate"``, or ``expert_ranks = 1``: the ``ep`` groups
-        come out of ``dp_replicate``)."""
-        if mode == "replicate" or self.expert_ranks == 1:
+        come out of ``dp_replicate``). ``etp > 1``: the TP ranks are the experts' own
+        ``tp`` dim, so the ranks are ``dp_shard x cp`` (:meth:`etp_expert_ranks`)."""
+        ranks = self.expert_ranks if etp == 1 else self._shard() * self.cp
+        if mode == "replicate" or ranks == 1:
             return 1
-        return self.expert_ranks // self.ep
+        return ranks // self.ep
 
     def etp_expert_ranks(self, mode: str = "fully_shard") -> tuple[int, str]:
         """Under expert tensor parallelism (:meth:`expert_mesh` with ``etp``): the ranks the

@@ -170,6 +170,162 @@ def test_prediction_holds_the_tp_ep_layout(planner):
     assert row["routed_saved_gib"] * GiB == 524_288
 
 
+# test_etp's TINY debug_moe (2 blocks, 4 experts of width 32, dim 32): 2 x (4 x 64 x 32 +
+# 4 x 32 x 32) = 24,576 routed-expert parameters (test_etp.EXPERT_ELEMENTS).
+TINY_EXPERTS = 24_576
+
+
+def _tiny_moe_args():
+    from simplefsdp.config.job import load_config
+
+    return load_config(None, [
+        "--model.name", "debug_moe", "--model.dim", "32", "--model.n_layers", "2",
+        "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.num_experts", "4",
+        "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "32"]).model.model_args()
+
+
+def test_etp_expert_states_and_gathers_by_hand():
+    """Expert tensor parallelism's placements (``parallel/expert_tensor.py``) on test_etp's
+    TINY model, whose trainer runs count the same figures (float32, 4 B an element): FSDP
+    2 x TP 2 x EP 2 stores 24,576 / 4 = 6,144 expert parameters a rank with ETP 1 (/ ep 2,
+    sharded over dp_shard x tp / ep = 2) and with ETP 2 (/ etp 2 / ep 2, the experts'
+    dp_shard x cp / ep = 1); a read returns 24,576 / 2 x 4 B = 49,152 B, half of which
+    arrives from the other shard (ETP 1), or 24,576 / 4 x 4 = 24,576 B, none of it moved
+    (ETP 2: nothing sharded). DDP 1 x TP 2: ETP 1 stores all 24,576, ETP 2 half; reads
+    98,304 and 49,152 B, nothing moved. FSDP 4 x TP 2 without EP: 24,576 / 8 = 3,072 a
+    rank either way; reads 98,304 B (7/8 arriving: 86,016) and 49,152 B (sharded over 4:
+    3/4, 36,864)."""
+    args, layers = _tiny_moe_args(), [0, 1]
+    assert sum(args.expert_params(i) for i in layers) == TINY_EXPERTS
+    fsdp = ParallelDims(dp_shard=2, tp=2, ep=2)
+    ddp = ParallelDims(dp_replicate=1, dp_shard=1, tp=2)
+    wide = ParallelDims(dp_shard=4, tp=2)
+    for dims, mode, etp, stored, read, moved in [
+            (fsdp, "fully_shard", 1, 6_144, 49_152, 24_576),
+            (fsdp, "fully_shard", 2, 6_144, 24_576, 0),
+            (ddp, "replicate", 1, 24_576, 98_304, 0),
+            (ddp, "replicate", 2, 12_288, 49_152, 0),
+            (wide, "fully_shard", 1, 3_072, 98_304, 86_016),
+            (wide, "fully_shard", 2, 3_072, 49_152, 36_864)]:
+        case = (dims, mode, etp)
+        assert memory.rank_expert_params(args, layers, dims, mode, etp) == stored, case
+        assert memory.expert_gather_bytes(args, layers, dims, mode, 4, etp) \
+            == (read, moved), case
+    # the whole rank's parameters carry the experts' share (DDP: 12,288 fewer with ETP 2)
+    assert memory.rank_params(args, "full", layers, ddp, "replicate", 1) \
+        - memory.rank_params(args, "full", layers, ddp, "replicate", 2) == 12_288
+
+
+@pytest.mark.quick
+def test_etp_exchanges_by_hand():
+    """debug_moe as tp 2 x dp_shard 2 with ep 2 and etp 2 on 2 nodes of 2 H100 SXM (batch
+    2 x seq 64, float32), by hand (``expert_tensor.width_split_ffn``): each rank routes 64
+    tokens, 64 x top-2 = 128 slots of dim 128 x 4 B: D = 65,536 B. A block's experts send
+    those rows to both TP ranks (an all-to-all of 2 copies, 131,072 B, half leaving) and
+    the partial outputs back (the same), the converse pair in backward: 4 exchanges a
+    block, on the TP pair's NVLink: 15 us + 1 x 1 us + 131,072 / 2 / 360 GB/s each; 6
+    under full AC, 4 under selective (it keeps their outputs). Each forward run first
+    all-gathers the 4 local experts' int64 counts (2 x 32 B): 15 + 1 us + 32 B / 360
+    GB/s, twice a block under AC. 4 blocks. The EP groups are no longer the TP pairs
+    (ETP keeps tp as the experts' own dim): ranks 2 apart, across the 2 nodes, on IB.
+    Kept for backward: without AC the experts' 2 D gathered input and the D outputs,
+    (2 + 1) x D a block; selective the EP exchanges' 2 D and the ETP ones' 2 x 2 D (4 D
+    without EP); none under full AC."""
+    args, layers = MOE_PRESETS["debug_moe"], list(range(4))
+    dims, dev = ParallelDims(dp_shard=2, tp=2, ep=2), gpu_profile("h100-sxm")
+    links = timing.MeshLinks(dev, dims, 2, etp=2)
+    assert (links.link("tp"), links.link("ep")) == ("nvlink", "ib")
+    assert timing.MeshLinks(dev, dims, 2).link("ep") == "nvlink"  # etp 1: the TP pairs
+    d = 64 * 2 * 128 * 4
+    one = 15e-6 + 1e-6 + 2 * d / 2 / 360e9
+    counts = 15e-6 + 1e-6 + 2 * 4 * 8 / 2 / 360e9
+    for ac, n, c in [("none", 4, 1), ("selective", 4, 2), ("full", 6, 2)]:
+        got = moe.etp_exchange_seconds(args, layers, 64, 4, ac, links, 2)
+        assert got == pytest.approx(4 * (n * one + c * counts), rel=1e-12), ac
+    assert moe.etp_exchange_seconds(args, layers, 64, 4, "none", links, 1) == 0
+    assert moe.saved_bytes(args, layers, 64, 4, "none", 2, etp=2) == 4 * 3 * d
+    assert moe.saved_bytes(args, layers, 64, 4, "selective", 2, etp=2) == 4 * 6 * d
+    assert moe.saved_bytes(args, layers, 64, 4, "selective", 1, etp=2) == 4 * 4 * d
+    assert moe.saved_bytes(args, layers, 64, 4, "full", 2, etp=2) == 0
+
+
+def test_etp_permutations_by_hand():
+    """ETP's copies around the width slices (plan/moe.py's ``ETP_PASSES``, counted from
+    ``expert_tensor.width_split_ffn``) in the layout above (D = 65,536 B, T = 2 D the TP
+    pair's rows): forward 6 T + 2 D, backward 8 T + 2 D, the forward's twice under AC.
+    Compiled selective with EP 2: the exact dispatch's 2 x 5 + 7 graph passes and 2 x 4 +
+    6 regroupings, 31 D, plus ETP's 2 x (12 + 2) + 16 + 2 = 46 D: 77 D a block; eager
+    without AC or EP: 12 D + ETP's 14 + 18 = 32 D, 44 D. 4 blocks at 26% (compiled) and
+    40% (eager) of the H100 SXM's 3.35 TB/s."""
+    args, layers, dev = MOE_PRESETS["debug_moe"], list(range(4)), gpu_profile("h100-sxm")
+    d = 65_536
+    for ac, compiled, ep, passes, rate in [("selective", True, 2, 77, 0.26),
+                                           ("none", False, 1, 44, 0.40)]:
+        got = moe.permute_seconds(args, layers, 64, 4, ac, dev, compiled, ep, etp=2)
+        assert got == pytest.approx(4 * passes * d / (3.35e12 * rate), rel=1e-12), ac
+    assert moe.permute_seconds(args, layers, 64, 4, "none", dev, False, 1) \
+        == pytest.approx(4 * 12 * d / (3.35e12 * 0.40), rel=1e-12)
+
+
+def test_prediction_holds_the_etp_layout(planner):
+    """The whole prediction (eager) of the layout above with etp 2 (the planner takes an
+    ETP config and traces its dense stand-in): model states 16 B x 477,760 parameters per
+    rank, ETP 1's (test_rank_params_split_experts_over_the_experts_mesh_under_tp: the
+    experts' share is the same under FSDP); the all-to-alls: the EP exchange's 16 x (50 us
+    + 4 us + 65,536 / 2 / 40 GB/s) and its 4 counts exchanges (64 B) on IB, plus the ETP
+    exchanges of test_etp_exchanges_by_hand; the routed copies (2 + 1) x 65,536 B a
+    block; the experts' gathers per read 1,572,864 / (2 x 2) x 4 B returned, none moved
+    (the experts' data-parallel dim is 1); the permutations with ETP's copies. DDP x TP
+    2 with etp 2 stores half the experts. Refused before any trace: ep 4 with etp 2 on
+    these 4 GPUs (the EP groups must come out of dp_shard 2), naming the key."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.errors import ConfigError
+    from simplefsdp.hardware import GiB
+    from simplefsdp.plan import predict
+
+    layout = ["--parallel.tp", "2", "--parallel.etp", "2", "--training.batch_size", "2",
+              "--training.seq_len", "64", "--activation_checkpoint.mode", "none"]
+    cfg = load_config("configs/debug_moe.toml", [*layout, "--parallel.ep", "2"])
+    row = planner(predict, cfg, 4, "h100-sxm", 2).detail["full"]
+    assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
+    ep_ib = 16 * (54e-6 + 65_536 / 2 / 40e9) + 4 * (54e-6 + 64 / 2 / 40e9)
+    etp = 4 * (4 * (16e-6 + 131_072 / 2 / 360e9) + (16e-6 + 64 / 2 / 360e9))
+    assert row["all_to_all_s"] == pytest.approx(ep_ib + etp, rel=1e-12)
+    assert row["routed_saved_gib"] * GiB == 4 * 3 * 65_536
+    assert tuple(row["expert_gather_bytes"]) == (1_572_864, 0)
+    # eager, no AC, EP 2: the graph's 12 D, the exact dispatch's 4 + 6 D and ETP's 32 D
+    # (test_etp_permutations_by_hand) a block, at 40% of 3.35 TB/s
+    assert row["permute_s"] == pytest.approx(4 * 54 * 65_536 / (3.35e12 * 0.40), rel=1e-12)
+    # DDP x TP 2 on 2 GPUs stores half the experts with ETP 2: 169,088 non-expert
+    # parameters per TP rank (test_rank_params_split_experts_over_the_experts_mesh_under_tp)
+    # + 1,572,864 / 2, where ETP 1 holds all 1,572,864
+    ddp = load_config("configs/debug_moe.toml", [*layout, "--parallel.dp_mode", "replicate"])
+    row = planner(predict, ddp, 2, "h100-sxm", 2).detail["full"]
+    assert row["states_gib"] * GiB == pytest.approx(16 * (169_088 + 786_432), rel=1e-12)
+    bad = load_config("configs/debug_moe.toml", [*layout, "--parallel.ep", "4"])
+    with pytest.raises(ConfigError, match=r"parallel\.etp = 2"):
+        predict(bad, 4, "h100-sxm", 2)
+
+
+def test_search_memory_bound_holds_etp_states():
+    """The search's memory bound (``search._lower_bound``: model states and the loss's
+    logits, no trace) takes ETP's expert states: DDP x TP 2 of debug_moe on 2 GPUs stores
+    1,572,864 / 2 = 786,432 fewer expert parameters a rank with etp 2, 16 B each
+    (test_etp_expert_states_and_gathers_by_hand's rule on debug_moe's 4 x 8 experts)."""
+    import dataclasses
+
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan import search
+
+    bounds = []
+    for etp in ("1", "2"):
+        cfg = load_config("configs/debug_moe.toml", [
+            "--parallel.tp", "2", "--parallel.etp", etp, "--parallel.dp_mode", "replicate"])
+        bounds.append(search._lower_bound(dataclasses.replace(
+            cfg, parallel=cfg.parallel.resolve(2))))
+    assert bounds[0] - bounds[1] == 16 * 786_432
+
+
 def _attention_node(qk_dim: int, v_dim: int,
                     op=torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
     """An attention node (by default SDPA's, the CPU trace's op) on bf16 (1, 16, 4096,

@@ -37,7 +37,7 @@ def check_etp(cfg, family: str, dims) -> None:
     TP ranks and stored split, ``parallel/expert_tensor.py``), and then only where it is
     built: our MoE family, a width ``tp`` divides, ``ep`` groups carved out of the ranks
     that are not TP peers (``ParallelDims.etp_expert_ranks``), the exact dispatch. ``dims``: the
-    resolved ``ParallelDims``."""
+    ``ParallelDims`` (the ``ep`` rule only once resolved: ``dp_shard = -1`` has no size yet)."""
     p = cfg.parallel
     if p.etp == 1:
         return
@@ -60,6 +60,8 @@ def check_etp(cfg, family: str, dims) -> None:
         raise ConfigError(f"parallel.etp = {p.etp} does not divide the routed experts' width "
                           f"model.moe_hidden_dim = {width}; pick a width it divides or set "
                           f"parallel.etp = 1")
+    if not dims.resolved:  # dp_shard = -1: checked once the world is known (the
+        return  # trainer's resolved config, the planner's ``predict``)
     ranks, names = dims.etp_expert_ranks(p.dp_mode)
     try:
         dims.check_ep(p.ep, ranks, names, f"with parallel.etp = {p.etp} the TP peers hold "

@@ -24,7 +24,7 @@ def lower_bound(c: JobConfig) -> float:
     for role in roles:
         layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
         need = memory.states_bytes(memory.rank_params(args, role, layers, dims,
-                                                      p.dp_mode))
+                                                     p.dp_mode, p.etp))
         if role != "first":
             need += memory.loss_peaks(memory.rank_tokens(mb, t.seq_len, dims),
                                       memory.loss_vocab(args, p), elem,
@@ -91,7 +91,7 @@ class ActivationFloor:
         need = 0.0
         for role in ["full"] if p.pp == 1 else ["first", "last"]:
             layers = stage_layers(args.n_layers, p.pp, 0 if role == "first" else p.pp - 1)
-            params = memory.rank_params(args, role, layers, dims, p.dp_mode)
+            params = memory.rank_params(args, role, layers, dims, p.dp_mode, p.etp)
             base = -memory.gradient_bytes(params) if states_may_leave else \
                 memory.states_bytes(params) - memory.gradient_bytes(params)
             in_flight = min(p.microbatches, p.pp) if role == "first" else 1

@@ -212,16 +212,37 @@ def stage_params(args, role: str, layers: list[int], tp: int) -> float:
     return total
 
 
-def rank_params(args, role: str, layers: list[int], dims, mode: str) -> float:
+def rank_params(args, role: str, layers: list[int], dims, mode: str, etp: int = 1) -> float:
     """Parameters one rank of a stage holds (``dims``: resolved ``ParallelDims``, ``mode``:
     the data-parallel mode): :func:`stage_params` sharded over ``dp_shard x cp``, plus the
-    routed experts (``expert_params``: not split by TP) split ``ep`` ways and each part
-    sharded over the ranks holding the same experts (``ParallelDims.expert_shard``: the
-    experts' mesh puts TP ranks among them, so in ``fully_shard`` a rank holds
-    ``1 / (dp_shard x cp x tp)`` of them)."""
-    experts = sum(args.expert_params(i) for i in layers)
+    routed experts (:func:`rank_expert_params`)."""
     return stage_params(args, role, layers, dims.tp) / dims.dp_shard_cp \
-        + experts / (dims.ep * dims.expert_shard(mode))
+        + rank_expert_params(args, layers, dims, mode, etp)
+
+
+def rank_expert_params(args, layers: list[int], dims, mode: str, etp: int = 1) -> float:
+    """Routed-expert parameters of ``layers`` one rank stores: split ``ep`` ways and each
+    part sharded over the ranks holding the same experts (``ParallelDims.expert_shard``).
+    ``etp = 1``: not split by TP, the experts' mesh puts TP ranks among those, so in
+    ``fully_shard`` a rank holds ``1 / (dp_shard x cp x tp)`` of them. ``etp = tp``
+    (``parallel/expert_tensor.py``): each expert's width split ``etp`` ways, the rest
+    sharded over ``dp_shard x cp / ep``: the same ``fully_shard`` share, ``1 / etp`` of
+    the ``etp = 1`` share where the experts are not sharded (``replicate``)."""
+    experts = sum(args.expert_params(i) for i in layers)
+    return experts / (etp * dims.ep * dims.expert_shard(mode, etp))
+
+
+def expert_gather_bytes(args, layers: list[int], dims, mode: str, elem: int,
+                        etp: int = 1) -> tuple[float, float]:
+    """(bytes a read returns, bytes that reach the rank) of one rank's data-parallel
+    all-gathers of ``layers``' routed experts per read (a forward, or a backward
+    re-gather; ``elem``: bytes per gathered element, the mixed-precision dtype's). A read
+    returns the rank's experts whole, ``1 / ep`` of them, under ETP only its ``1 / etp``
+    width slice; of that the ``S - 1`` other shards of its ``S =
+    ParallelDims.expert_shard`` arrive (none where the experts are not sharded)."""
+    read = sum(args.expert_params(i) for i in layers) / (dims.ep * etp) * elem
+    shard = dims.expert_shard(mode, etp)
+    return read, read * (shard - 1) / shard
 
 
 def rank_tokens(batch: int, seq_len: int, dims) -> int:

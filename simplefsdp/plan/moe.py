@@ -29,6 +29,15 @@ keeps no exchange for a recomputation (only the exact dispatch's are kept). Eage
 also pay the host's time per routed block (``host_seconds``): the dispatch reads split
 sizes on the host every block, so the device waits for the host's launches there.
 
+Expert tensor parallelism (``parallel.etp = tp``, ``parallel/expert_tensor.py``) adds
+the TP group's two exchanges per run of a routed block's experts and their converse in
+backward (``etp_exchange_seconds``), and the rows they keep (``saved_bytes``); its
+states and gathers are ``memory.rank_expert_params`` and ``memory.expert_gather_bytes``,
+its EP groups' links ``timing.MeshLinks``' (ranks ``tp`` apart). The gathers' time stays
+the stand-in's (the same for either ``etp``). ETP's own copies (the rows repeated for
+the TP peers, regrouped, the partial outputs summed) are ``ETP_PASSES`` in
+``permute_seconds``.
+
 Model states come from the real shapes (``memory.rank_params``: the experts split by
 ``ep`` and sharded over the experts' mesh), and the stand-in's FSDP collectives stand for
 the experts' (with ``ep`` = ``dp_shard`` each rank gathers nothing for its experts, the
@@ -176,12 +185,20 @@ PADDED_PASSES = {"forward": (5, 3), "backward": (4, 3)}
 # With expert parallelism and more than one local expert, two regroupings of the P rows
 # (source-major to expert-major and back: a copy each, 2 P) in forward and in backward.
 PADDED_REGROUP_PASSES = {"forward": 4, "backward": 4}
+# Expert tensor parallelism's copies (``expert_tensor.width_split_ffn``), as (passes over
+# the TP group's rows T = etp x D, passes over the rank's slots D). Forward: the rows
+# repeated for the peers (reads D, writes T), the regrouping by expert and back (2 T
+# each), the partial outputs summed (reads T, writes D). Backward: the sum's gradient
+# made contiguous for the exchange (D + T), the two regroupings' index backwards (3 T
+# each), the repeat's gradient summed (T + D).
+ETP_PASSES = {"forward": (6, 2), "backward": (8, 2)}
 
 
 def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                    dev, compiled: bool, ep: int, dispatch: Dispatch = EXACT) -> float:
+                    dev, compiled: bool, ep: int, dispatch: Dispatch = EXACT,
+                    etp: int = 1) -> float:
     """Seconds of the stage's routed blocks' token permutations per microbatch: the passes
-    above over D (and P), the forward's counted again when AC recomputes it
+    above over D (and P, or ETP's T), the forward's counted again when AC recomputes it
     (``FORWARDS``), at the bandwidth these gathers and scatters reach
     (``hardware.Efficiency``'s ``permute_memory``, measured; compiled or not: Inductor
     keeps them as index kernels)."""
@@ -198,6 +215,9 @@ def permute_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int, 
                        + PADDED_REGROUP_PASSES["backward"]) * p
     elif ep > 1:
         nbytes += (forwards * EXACT_PASSES["forward"] + EXACT_PASSES["backward"]) * d
+    if etp > 1:
+        (tf, df), (tb, db) = ETP_PASSES["forward"], ETP_PASSES["backward"]
+        nbytes += forwards * (tf * etp * d + df * d) + tb * etp * d + db * d
     nbytes *= routed_blocks(args, layers)
     rate = eff.permute_memory_compiled if compiled else eff.permute_memory
     return roofline_seconds(0.0, nbytes, dev.spec.bf16_flops, dev.spec.mem_bandwidth_Bps,
@@ -230,8 +250,31 @@ def padded_seconds(args: ModelArgs, layers: list[int], tokens: int, ac: str, dev
     return routed_blocks(args, layers) * flops / (dev.spec.bf16_flops * dev.efficiency.matmul)
 
 
+def etp_exchange_seconds(args: ModelArgs, layers: list[int], tokens: int, elem: int,
+                         ac: str, fabric, etp: int) -> float:
+    """Exposed seconds of the stage's routed blocks' expert-tensor-parallel exchanges per
+    microbatch on the TP group of ``fabric`` (``expert_tensor.width_split_ffn``; 0 for
+    ``etp = 1``), ``tokens`` the rank's routed ones (``routed_tokens``). Each run of a
+    block's experts sends the rank's ``tokens x top_k`` rows (its slots: after the EP
+    exchange a rank receives as many as it sends, on balance) to every TP peer (an
+    all-to-all of ``etp`` copies: ``etp x D`` bytes, ``(etp - 1) / etp`` of them leave)
+    and the partial outputs of the TP group's ``etp x D`` rows back (the same size), and
+    backward the converse pair: ``exchanges`` of them (exact dispatch only; selective AC
+    keeps their outputs, ``EXCHANGE_FORWARDS``). Each forward run first all-gathers the
+    local experts' int64 counts over TP (``E / ep`` of them a rank). Exposed whole, as
+    the EP exchange: the experts wait for their rows, and the split sizes are read on
+    the host. The experts' FLOPs need no term: a rank computes ``etp`` times the rows at
+    ``1 / etp`` of the width, as the traced stand-in's sequence-parallel FFN does."""
+    if etp <= 1:
+        return 0.0
+    one = fabric.seconds("all_to_all", "tp", etp * dispatch_bytes(args, tokens, elem))
+    local_experts = args.num_experts // fabric.size("ep")
+    counts = fabric.seconds("all_gather", "tp", etp * local_experts * COUNT_BYTES)
+    return routed_blocks(args, layers) * (exchanges(ac) * one + FORWARDS[ac] * counts)
+
+
 def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: str,
-                ep: int, dispatch: Dispatch = EXACT) -> int:
+                ep: int, dispatch: Dispatch = EXACT, etp: int = 1) -> int:
     """Bytes the stage's routed blocks keep for backward beyond the stand-in's (``tokens``:
     the rank's routed ones, ``routed_tokens``), two copies of the dispatched activations
     each: without AC, the gathered tokens the experts multiply and the expert outputs the
@@ -239,10 +282,15 @@ def saved_bytes(args: ModelArgs, layers: list[int], tokens: int, elem: int, ac: 
     selective with the exact dispatch's exchanges (expert parallelism), the two
     exchanges' outputs (``EXCHANGE_FORWARDS``: the tokens received and the expert outputs
     sent back); nothing under full AC, or selective otherwise (the padded exchanges are
-    recomputed)."""
+    recomputed). Under expert tensor parallelism (``etp > 1``, exact dispatch) the
+    experts multiply the TP group's ``etp x D`` gathered rows (without AC: ``etp x D +
+    D``), and selective AC also keeps its two exchanges' outputs, ``etp x D`` each
+    (``etp_exchange_seconds``)."""
     d = dispatch_bytes(args, tokens, elem)
     if FORWARDS[ac] == 1:
-        return routed_blocks(args, layers) * (dispatch_bytes(args, tokens, elem, dispatch) + d)
-    if EXCHANGE_FORWARDS[ac] == 1 and ep > 1 and not dispatch.padded:
-        return routed_blocks(args, layers) * 2 * d
+        experts_in = etp * d if etp > 1 else dispatch_bytes(args, tokens, elem, dispatch)
+        return routed_blocks(args, layers) * (experts_in + d)
+    if EXCHANGE_FORWARDS[ac] == 1 and not dispatch.padded:
+        kept = (2 * d if ep > 1 else 0) + (2 * etp * d if etp > 1 else 0)
+        return routed_blocks(args, layers) * kept
     return 0

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..config.job import JobConfig
+from ..config.keys import check_etp
 from ..errors import ConfigError
 from ..hardware import KNOWN_FABRICS, GiB, gpu_profile, model_flops_utilization
 from ..models.llama import flops_per_token
@@ -207,55 +209,75 @@ def _as_run(cfg: JobConfig) -> JobConfig:
         cfg.activation_checkpoint, mode=mode))
 
 
+class RoutedTerms(NamedTuple):
+    """A role's MoE terms per microstep (``plan.moe``)."""
+
+    all_to_all_s: float  # EP's and ETP's exchanges, exposed whole
+    permute_s: float
+    kept_bytes: float  # kept for a recomputation
+    host_s: float  # eager: the host's time per step the device waits for
+    # the routed experts' data-parallel gathers per read: (returned, received) bytes;
+    # their time is the traced stand-in's gathers'
+    expert_gather_bytes: tuple
+
+
 def _routed_terms(cfg: JobConfig, f: dict, tokens: int, moe_ac: str, dev,
-                  fabric) -> tuple[float, float, float, float]:
-    """A role's step with its MoE terms (``plan.moe``), and those terms: (step seconds,
-    all-to-all seconds, bytes kept for a recomputation, host seconds). The expert
-    exchanges are exposed whole; eager, the device waits for the host at each routed
-    block (``moe.host_seconds``). ``f``: the role's figures; ``tokens``: a rank's."""
+                  fabric) -> tuple[float, RoutedTerms]:
+    """A role's step with its MoE terms, and those terms. Eager, the device waits for the
+    host at each routed block (``moe.host_seconds``). ``f``: the role's figures;
+    ``tokens``: a rank's."""
     p, args, layers = cfg.parallel, cfg.model.model_args(), f["layers"]
     routed, elem = moe.routed_tokens(tokens, p.dims()), \
         memory.activation_elem_bytes(cfg.training)
     dispatch = moe.Dispatch.of(p)
-    a2a = moe.exchange_seconds(args, layers, routed, elem, moe_ac, fabric, dispatch)
-    step = f["seconds"] + a2a + moe.permute_seconds(
-        args, layers, routed, elem, moe_ac, dev, cfg.compile.enable, p.ep, dispatch) \
+    a2a = moe.exchange_seconds(args, layers, routed, elem, moe_ac, fabric, dispatch) \
+        + moe.etp_exchange_seconds(args, layers, routed, elem, moe_ac, fabric, p.etp)
+    permute = moe.permute_seconds(args, layers, routed, elem, moe_ac, dev,
+                                  cfg.compile.enable, p.ep, dispatch, p.etp)
+    step = f["seconds"] + a2a + permute \
         + moe.padded_seconds(args, layers, routed, moe_ac, dev, dispatch)
-    kept = moe.saved_bytes(args, layers, routed, elem, moe_ac, p.ep, dispatch)
+    kept = moe.saved_bytes(args, layers, routed, elem, moe_ac, p.ep, dispatch, p.etp)
     host = 0.0 if cfg.compile.enable else moe.host_seconds(args, layers, moe_ac, p.ep, dev)
-    return max(step, host), a2a, kept, host
+    gathers = memory.expert_gather_bytes(args, layers, p.dims(), p.dp_mode, elem, p.etp)
+    return max(step, host), RoutedTerms(a2a, permute, kept, host, gathers)
+
+
+def _check_gpus(cfg: JobConfig, gpus: int, gpus_per_node: int) -> None:
+    if gpus < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    if cfg.parallel.tp > gpus_per_node:
+        raise ConfigError(f"parallel.tp = {cfg.parallel.tp} spans more than one node of "
+                          f"{gpus_per_node} GPUs; keep tp <= --gpus-per-node")
 
 
 def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
             gpus_per_node: int = 8) -> Prediction:
     """Predicted per-GPU memory and speed of ``cfg`` on ``gpus`` GPUs of kind ``gpu``."""
     dev = gpu_profile(gpu)
-    if gpus < 1 or gpus_per_node < 1:
-        raise ConfigError(f"--gpus ({gpus}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
-    if cfg.parallel.tp > gpus_per_node:
-        raise ConfigError(f"parallel.tp = {cfg.parallel.tp} spans more than one node of "
-                          f"{gpus_per_node} GPUs; keep tp <= --gpus-per-node")
+    _check_gpus(cfg, gpus, gpus_per_node)
     p = cfg.parallel.resolve(gpus)
     # the MoE terms follow the mode asked for (a compiled MoE's selective keeps its
     # exchanges while its graphs recompute whole: ``_as_run``)
     moe_ac = cfg.activation_checkpoint.mode
     cfg = dataclasses.replace(_as_run(cfg), parallel=p)
     dims = p.dims()  # the layout's one view
+    # expert tensor parallelism's ep rule needs the world's dp_shard (``check_etp``)
+    check_etp(cfg, cfg.model.family_entry().name, dims)
     t, args = cfg.training, cfg.model.model_args()
     micro = p.microbatches
     mb = t.batch_size // micro
-    fabric = timing.MeshLinks(dev, dims, gpus_per_node)
+    fabric = timing.MeshLinks(dev, dims, gpus_per_node, p.etp)
     roles = ["full"] if p.pp == 1 else ["first", "last"]
     active, seconds, exposed, detail = 0.0, 0.0, 0.0, {}
     for role in roles:
         f = _role_figures(cfg, role, p, dev, fabric, mb)
-        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode)
+        params = memory.rank_params(args, role, f["layers"], dims, p.dp_mode, p.etp)
         states = memory.states_bytes(params)
         tokens = memory.rank_tokens(mb, t.seq_len, dims)
-        step, a2a, kept, host = _routed_terms(cfg, f, tokens, moe_ac, dev, fabric)
+        step, routed = _routed_terms(cfg, f, tokens, moe_ac, dev, fabric)
         if role in ("full", "last"):
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
-        before, after, saved = _role_memory(cfg, role, f, mb, micro, kept)
+        before, after, saved = _role_memory(cfg, role, f, mb, micro, routed.kept_bytes)
         gradless = states - memory.gradient_bytes(params)
         # 1F1B: stage 0 holds min(microbatches, pp) forwards before its first backward
         in_flight = min(micro, p.pp) if role == "first" else 1
@@ -276,15 +298,17 @@ def predict(cfg: JobConfig, gpus: int, gpu: str = "h100-sxm",
         role_active, stage_s = role_active + knobs.bytes, stage_s + knobs.seconds
         active = max(active, role_active)
         seconds = max(seconds, stage_s)
-        exposed = max(exposed, (f["exposed"] + a2a) * micro * t.grad_accum_steps)
+        runs = micro * t.grad_accum_steps
+        exposed = max(exposed, (f["exposed"] + routed.all_to_all_s) * runs)
         detail[role] = {"layers": len(f["layers"]), "states_gib": states / GiB,
                         "activations_gib": (acts + (in_flight - 1) * saved) / GiB,
                         "gradients_at_peak": total > gradless + acts,
                         "saved_per_microbatch_gib": saved / GiB, "step_s": stage_s,
-                        "all_to_all_s": a2a * micro * t.grad_accum_steps,
-                        "host_s": host * micro * t.grad_accum_steps,
-                        "routed_saved_gib": kept / GiB,
-                        "ring_pass_exposed_s": f["ring_exposed"] * micro * t.grad_accum_steps,
+                        "all_to_all_s": routed.all_to_all_s * runs,
+                        "host_s": routed.host_s * runs, "permute_s": routed.permute_s * runs,
+                        "routed_saved_gib": routed.kept_bytes / GiB,
+                        "expert_gather_bytes": routed.expert_gather_bytes,
+                        "ring_pass_exposed_s": f["ring_exposed"] * runs,
                         # compiled: one block's saved bytes less its shard-sized ones
                         # (``plan.search``'s memory floor for layouts not yet traced)
                         "block_saved_floor_bytes": f.get("block_saved_floor"),

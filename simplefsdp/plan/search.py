@@ -148,7 +148,7 @@ def speed_bound(c: JobConfig, gpus: int, dev, gpus_per_node: int | None = None) 
             step += timing.loss_seconds(tokens, memory.loss_vocab(args, p), dev)
         stage = step * t.grad_accum_steps if p.pp == 1 else timing.pp_step_seconds(
             step, p.pp, micro * t.grad_accum_steps)
-        params = memory.rank_params(args, role, blocks, dims, p.dp_mode)
+        params = memory.rank_params(args, role, blocks, dims, p.dp_mode, p.etp)
         stage += timing.optimizer_seconds(params, dev)
         seconds = max(seconds, stage)
     return t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp / seconds / gpus

@@ -46,10 +46,13 @@ class MeshLinks:
     A dim's group spans ``dims.stride(dim) * size`` consecutive ranks (the mesh's
     layout is ``ParallelDims``'): inside a node if that fits in ``gpus_per_node``. The
     expert-parallel groups (``"ep"``) are ``ep`` consecutive ranks (``ParallelDims.stride``:
-    innermost on the experts' mesh, so with TP they ride TP's links first)."""
+    innermost on the experts' mesh, so with TP they ride TP's links first; under expert
+    tensor parallelism, ``etp > 1``, TP is the experts' own dim, so an ``ep`` group's
+    members are ``tp`` ranks apart)."""
 
-    def __init__(self, dev: GpuProfile, dims: ParallelDims, gpus_per_node: int):
-        self.dev, self.dims, self.gpn = dev, dims, gpus_per_node
+    def __init__(self, dev: GpuProfile, dims: ParallelDims, gpus_per_node: int,
+                 etp: int = 1):
+        self.dev, self.dims, self.gpn, self.etp = dev, dims, gpus_per_node, etp
         self.sizes = dims.sizes
 
     def size(self, dim: str) -> int:
@@ -63,7 +66,10 @@ class MeshLinks:
     def link(self, dim: str) -> str:
         """NVLink when the group's consecutive span of ranks fits a node (``dp_shard``'s
         span covers the cp and tp ranks inside it)."""
-        span = self.dims.stride(dim) * (self.dims.ep if dim == "ep" else self.sizes[dim])
+        if dim == "ep":  # ``ParallelDims.expert_mesh``: the TP ranks first unless etp
+            span = self.etp * self.dims.ep
+        else:
+            span = self.dims.stride(dim) * self.sizes[dim]
         return "nvlink" if span <= self.gpn else "ib"
 
     def seconds(self, kind: str, dim: str, nbytes: float) -> float:
