@@ -308,20 +308,20 @@ def test_prediction_holds_the_etp_layout(planner):
 
 
 def test_search_memory_bound_holds_etp_states():
-    """The search's memory bound (``search._lower_bound``: model states and the loss's
+    """The search's memory bound (``floors.lower_bound``: model states and the loss's
     logits, no trace) takes ETP's expert states: DDP x TP 2 of debug_moe on 2 GPUs stores
     1,572,864 / 2 = 786,432 fewer expert parameters a rank with etp 2, 16 B each
     (test_etp_expert_states_and_gathers_by_hand's rule on debug_moe's 4 x 8 experts)."""
     import dataclasses
 
     from simplefsdp.config.job import load_config
-    from simplefsdp.plan import search
+    from simplefsdp.plan import floors
 
     bounds = []
     for etp in ("1", "2"):
         cfg = load_config("configs/debug_moe.toml", [
             "--parallel.tp", "2", "--parallel.etp", etp, "--parallel.dp_mode", "replicate"])
-        bounds.append(search._lower_bound(dataclasses.replace(
+        bounds.append(floors.lower_bound(dataclasses.replace(
             cfg, parallel=cfg.parallel.resolve(2))))
     assert bounds[0] - bounds[1] == 16 * 786_432
 
