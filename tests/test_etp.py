@@ -231,12 +231,7 @@ def test_fsdp_tp2_ep2_etp2_matches_and_gathers_half(four_ranks):
     the EP groups leave no data-parallel rank to shard over), but ETP 1 gathers its two
     whole local experts per read (moving half of them), ETP 2 reads its own half-width
     slice: half the gathered bytes, nothing moved."""
-    out, results = _layout_results(four_ranks, "ep")
-    _assert_etp2_matches_etp1(results, out)
-    for found in results:
-        etp1, etp2 = found[1], found[2]
-        assert etp1["stored"] == etp2["stored"] == EXPERT_ELEMENTS * 4 // 4
-        _assert_half_per_read(etp1, etp2)
+    for etp1, etp2 in _quarter_stored_half_read(four_ranks, "ep"):
         assert etp1["moved"] == etp1["gathered"] // 2
         assert etp2["moved"] == 0
 
@@ -245,13 +240,20 @@ def test_pp2_tp2_etp2_matches(four_ranks):
     """PP 2 x TP 2 (4 ranks, a block per stage): ETP 2 equals ETP 1; each stage's ranks
     store a quarter of the model's experts (their one block's, over the TP peers) in both,
     and an ETP 2 read returns half the bytes (the slice, not the whole experts)."""
-    out, results = _layout_results(four_ranks, "pp")
+    for _, etp2 in _quarter_stored_half_read(four_ranks, "pp"):
+        assert etp2["moved"] == 0
+
+
+def _quarter_stored_half_read(four_ranks, layout: str) -> list[tuple[dict, dict]]:
+    """``layout``'s ETP 2 run equals its ETP 1 run; on every rank both store a quarter of
+    the model's experts and an ETP 2 read returns half the bytes. Per rank (etp 1, etp 2)."""
+    out, results = _layout_results(four_ranks, layout)
     _assert_etp2_matches_etp1(results, out)
-    for found in results:
-        etp1, etp2 = found[1], found[2]
+    pairs = [(found[1], found[2]) for found in results]
+    for etp1, etp2 in pairs:
         assert etp1["stored"] == etp2["stored"] == EXPERT_ELEMENTS * 4 // 4
         _assert_half_per_read(etp1, etp2)
-        assert etp2["moved"] == 0
+    return pairs
 
 
 def test_checkpoint_resumes_across_etp(four_ranks):
