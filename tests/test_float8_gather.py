@@ -250,6 +250,9 @@ def _uneven_answers(rank: int, world: int) -> list[bool]:
         strided = (StridedShard(0, split_factor=2), Shard(0))
         answers += [uneven_dtensor_inputs([sharded(6, grid, strided)]),
                     uneven_dtensor_inputs([sharded(12, grid, strided)])]
+    # every rank done creating groups before any tears the process group down: rank 0
+    # hosts the store the others create theirs through (rank 3 once lost it: broken pipe)
+    torch.distributed.barrier()
     return answers
 
 
