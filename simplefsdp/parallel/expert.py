@@ -216,9 +216,7 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
     :func:`_dispatch` (exact) or ``models.moe.padded_experts`` (``capacity`` rows per expert)."""
     gate_up, down = local_shard(experts.gate_up_proj), local_shard(experts.down_proj)
     if capacity is not None:
-        if getattr(experts, "_sf_width_split", None) is not None:
-            raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
-                             "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
+        refuse_padded_width_split(experts)
         group = experts._sf_ep_group
         return padded_experts(x, counts, gate_up, down, capacity, dist.get_world_size(group),
                               functools.partial(_exchange_even, group=group))
@@ -227,6 +225,14 @@ def ep_forward(experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
     if _kept is not None:  # eager selective AC: the kept exchanges
         return _dispatch_kept(x, counts, gate_up, down, experts._sf_ep_group, width_split)
     return _dispatch(x, counts, gate_up, down, experts._sf_ep_group, width_split)
+
+
+def refuse_padded_width_split(experts: nn.Module) -> None:
+    """The padded dispatch on experts whose width is split over TP (``parallel.etp``,
+    ``parallel/expert_tensor.py``) is not built: refuse it, naming the keys."""
+    if getattr(experts, "_sf_width_split", None) is not None:
+        raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
+                         "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
 
 
 def _dispatch(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor,

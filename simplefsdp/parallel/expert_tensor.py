@@ -94,8 +94,7 @@ class ExpertTensorParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
         if capacity is not None:
-            raise ValueError("parallel.etp > 1 runs the exact dispatch only: set "
-                             "parallel.expert_dispatch = 'exact' (or parallel.etp = 1)")
+            expert_module.refuse_padded_width_split(self)
         gate_up, down = local_shard(self.gate_up_proj), local_shard(self.down_proj)
         if expert_module._kept is not None:  # selective AC keeps the exchanges' outputs
             return _width_split_kept(self._sf_width_split, x, counts, gate_up, down)
