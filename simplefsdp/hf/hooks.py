@@ -182,10 +182,8 @@ def _compile(model: nn.Module, mesh, cfg) -> nn.Module:
     break graphs in some architectures); adapted MoE experts traced with their split
     sizes as unbacked sizes, as our MoE's."""
     from ..models.parallelize import compile_backend_for, compile_model
-    from .experts import experts_modules
 
-    return compile_model(model, compile_backend_for(mesh, cfg, model), fullgraph=False,
-                         routes_tokens=bool(experts_modules(model)))
+    return compile_model(model, compile_backend_for(mesh, cfg, model), fullgraph=False)
 
 
 def build_llama_from_hf(cfg, mesh, dims, device, convert):

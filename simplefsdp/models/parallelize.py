@@ -50,11 +50,11 @@ from ..parallel.activation_checkpoint import (
     compile_checkpointed_blocks,
 )
 from ..parallel.context import apply_cp
+from ..parallel.expert import holds_experts
 from ..parallel.tensor import apply_tp
 from ..state_dict import unwrapped_name
 from .llama import Transformer
 from .lora import apply_lora
-from .moe import moe_layers
 
 
 def dp_options(cfg: JobConfig) -> dict:
@@ -140,15 +140,15 @@ def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
     return compile_model(model, backend, fullgraph)
 
 
-def compile_model(model: nn.Module, backend, fullgraph: bool = True,
-                  routes_tokens: bool | None = None) -> nn.Module:
+def compile_model(model: nn.Module, backend, fullgraph: bool = True) -> nn.Module:
     """``torch.compile(model)`` with ``backend``; a model that routes tokens to experts
-    (``routes_tokens``; default: it has our MoE layers) is traced with data-dependent
-    shapes (``_torch_compat.data_dependent_shapes``) on, and its routed blocks' forward
+    (fused experts, ours or Hugging Face's: ``parallel.expert.holds_experts``) is traced
+    with data-dependent shapes (``_torch_compat.data_dependent_shapes``) on, and its routed
+    blocks' forward
     writes (load counters, balance loss) done once under a checkpoint
     (``_torch_compat.forward_side_effects_once``: selective AC traces the block whole)."""
     compiled = torch.compile(model, fullgraph=fullgraph, backend=backend)
-    if moe_layers(model) if routes_tokens is None else routes_tokens:
+    if any(holds_experts(m) for m in model.modules()):
         # The exact expert dispatch reads its split sizes on the host: traced as unbacked
         # sizes. Set only while this model's frames are traced (its forward), not globally.
         compiled.forward = _traced_with(_moe_tracing, compiled.forward)
