@@ -82,10 +82,10 @@ def _relayout_for_checkpoint(state: Any, path: tuple = ()) -> dict[tuple, tuple]
         enumerate(state) if isinstance(state, list) else ()
     for key, value in list(items):
         if isinstance(value, DTensor):
-            placements = checkpoint_placements(value)
-            if placements is not None:
+            saveable = _in_checkpoint_layout(value)
+            if saveable is not value:
                 relaid[(*path, key)] = value.placements
-                state[key] = value.redistribute(value.device_mesh, placements)
+                state[key] = saveable
         else:
             relaid.update(_relayout_for_checkpoint(value, (*path, key)))
     return relaid
@@ -191,10 +191,14 @@ def _full_tensor(value: DTensor) -> torch.Tensor:
     torch 2.13's gather of a strided shard on one dim next to a strided shard on another
     (expert tensor parallelism's ``gate_up`` sharded over ``dp_shard`` and ``ep`` too)
     fails to unpad, while the plain ``Shard`` layout gathers."""
+    return _in_checkpoint_layout(value).full_tensor()
+
+
+def _in_checkpoint_layout(value: DTensor) -> DTensor:
+    """``value`` redistributed to :func:`checkpoint_placements` where they apply, else
+    ``value`` itself."""
     placements = checkpoint_placements(value)
-    if placements is not None:
-        value = value.redistribute(value.device_mesh, placements)
-    return value.full_tensor()
+    return value if placements is None else value.redistribute(value.device_mesh, placements)
 
 
 def _barrier() -> None:
