@@ -102,6 +102,10 @@ def _worker(fn, rank, world_size, port, env, _std_fds, args, queue):
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         result = fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # meet before tearing down: rank 0 hosts the store, so a rank still creating
+            # groups (or reading the store) when rank 0 exits fails with "Broken pipe"
+            dist.barrier()
         # plain pickle copies tensors' data; the queue's own pickler would send them as
         # shared memory that the parent reads through this process, which may have
         # exited by then (ConnectionResetError / refused, seen under load)
@@ -148,6 +152,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             if status == "error":
                 raise RankFailure(f"rank {rank} failed:\n{payload}")
             results[rank] = pickle.loads(payload)
+    except BaseException:
+        # a rank failed or time ran out: the others may wait for it (a collective, the
+        # barrier before teardown), so they are stopped rather than waited for
+        for p in procs:
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=10)
