@@ -86,8 +86,7 @@ def probe_report(refresh: bool = False) -> str | None:
     group, cpu = dist.group.WORLD, torch.device("cpu")
     key, lines = comm.cache_key(), []
     if refresh:
-        model = comm.calibrate()
-        reference = drift.read_probe(group, cpu)
+        model, reference = comm.calibrate_steadily(group, cpu)
         if dist.get_rank() == 0:
             comm._store_cached(key, model, reference)
         lines.append(f"recalibrated: compute_slowdown {model.compute_slowdown:.3f}")
@@ -98,7 +97,8 @@ def probe_report(refresh: bool = False) -> str | None:
     lines.append(f"probe now ({reading['probe_s']:.2f} s, {dist.get_world_size()} ranks x "
                  f"{torch.get_num_threads()} thread(s)): compute_slowdown "
                  f"{reading['compute_slowdown']:.3f}, matmul {reading['matmul_s'] * 1e6:.1f} us, "
-                 f"collectives {reading['collective_s'] * 1e6:.1f} us")
+                 f"collectives {reading['collective_s'] * 1e6:.1f} us, "
+                 f"fixed work {reading['busy_s'] * 1e3:.2f} ms")
     if record is None:
         lines.append(f"no cached calibration for this layout ({comm.cache_path(key)})")
         return "\n".join(lines)

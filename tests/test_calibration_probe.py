@@ -22,12 +22,12 @@ from simplefsdp import calibrate as calibrate_cli
 
 SIZES = [4096, 16384]  # two sizes, one repeat: a calibration of a fraction of a second
 # what the scripted host reads
-MACHINE = {"compute_slowdown": 1.1, "matmul_s": 2e-4, "collective_s": 1e-3}
+MACHINE = {"compute_slowdown": 1.1, "matmul_s": 2e-4, "collective_s": 1e-3, "busy_s": 2e-2}
 
 
 def _poison(path: str, field: str) -> float:
-    """Double ``field`` (``compute_slowdown`` in the model, ``matmul_s`` in the probe's
-    reference) in the cache file; the poisoned value."""
+    """Double ``field`` (``compute_slowdown`` in the model, ``matmul_s`` or ``busy_s`` in
+    the probe's reference) in the cache file; the poisoned value."""
     with open(path) as f:
         record = json.load(f)
     holder = record["model"] if field == "compute_slowdown" else record["probe"]
@@ -69,7 +69,7 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
         out["healthy_report"] = calibrate_cli.probe_report()
         out["healthy"] = len(calls)
         scale[0] = 1.0
-        for field in ("compute_slowdown", "matmul_s"):
+        for field in ("compute_slowdown", "matmul_s", "busy_s"):
             poisoned = _poison(path, field) if rank == 0 else None
             dist.barrier()
             report = calibrate_cli.probe_report()  # the CLI's verdict on the poisoned file
@@ -98,32 +98,35 @@ def test_healthy_cache_is_kept(results):
         assert r["healthy_source"] == "cache"
     report = results[0]["healthy_report"]
     assert "the cache holds (compute within 30%, collectives within 20%)" in report
-    # the probe line shows the scripted host's collective_s, 1e-3 s read 15% slow
-    assert "collectives 1150.0 us" in report.splitlines()[-2]
+    # the probe line shows the scripted host's collective_s and busy_s read 15% slow
+    assert "collectives 1150.0 us, fixed work 23.00 ms" in report.splitlines()[-2]
     assert results[1]["healthy_report"] is None  # rank 0 prints
 
 
-@pytest.mark.parametrize("field,calls", [("compute_slowdown", 2), ("matmul_s", 3)])
-def test_poisoned_cache_is_replaced(results, field, calls):
+@pytest.mark.parametrize("field,calls,margin", [("compute_slowdown", 2, 30),
+                                                ("matmul_s", 3, 30), ("busy_s", 4, 20)])
+def test_poisoned_cache_is_replaced(results, field, calls, margin):
     r0 = results[0]
     for r in results:  # every rank recalibrated: the same decision
         assert r[field]["calls"] == calls
         assert r[field]["source"] == "calibrated"
     report = r0[field]["report"]
-    assert f"{field} cached" in report and "(2.00x, margin 30%)" in report, report
+    assert f"{field} cached" in report and f"(2.00x, margin {margin}%)" in report, report
     # the file was rewritten with the fresh calibration and the probe's fresh reading
     stored = r0[field]["stored"]
     assert stored["model"]["compute_slowdown"] == MACHINE["compute_slowdown"]
-    assert stored["probe"]["matmul_s"] == MACHINE["matmul_s"]
+    probed = "matmul_s" if field == "compute_slowdown" else field  # a probe figure
+    assert stored["probe"][probed] == MACHINE[probed]
 
 
 def test_real_probe_agrees_across_ranks(results):
     # the figures are agreed before any verdict: bitwise the same on both ranks
-    keys = ("compute_slowdown", "matmul_s")
+    keys = ("compute_slowdown", "matmul_s", "busy_s", "collective_s")
     assert [results[0]["real_probe"][k] for k in keys] == \
         [results[1]["real_probe"][k] for k in keys]
     assert results[0]["real_probe"]["compute_slowdown"] >= 1.0
     assert results[0]["real_probe"]["matmul_s"] > 0.0
+    assert results[0]["real_probe"]["busy_s"] > 0.0
 
 
 def test_cli_lists_the_cached_figures(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,9 @@ idle run kept the loaded calibration (collective figures 3x the idle host's).
 
 The idle run must recalibrate and then use exactly what a fresh idle calibration
 gives (the scripted clock makes both bit-identical); a cache 12.5% off the host
-(inside ``drift.LOAD_MARGIN``, 20%) must be kept, one 25% off replaced.
+(inside ``drift.LOAD_MARGIN``, 20%) must be kept, one 25% off replaced. And a
+recalibration that load came to (or left) while it ran is taken again
+(``comm.calibrate_steadily``): the load changes exactly at the probes around it.
 """
 
 from __future__ import annotations
@@ -60,12 +62,61 @@ def _model_on(host: tuple[float, ...], **kwargs) -> tuple[dict, list[str]]:
     return {**model.to_dict(), "source": model.source}, said
 
 
+class HostChangingAtProbes:
+    """Wraps ``drift.read_probe``: after its k-th reading the clock runs on
+    ``hosts[k]`` (the host every later timing sees, the next readings included),
+    so load comes or goes exactly between a probe and the calibration next to it.
+    ``readings``: how many readings were taken."""
+
+    def __init__(self, hosts: list[tuple[float, ...]]):
+        from simplefsdp.compiler.cost import drift
+
+        self.hosts, self.readings, self.read = hosts, 0, drift.read_probe
+
+    def __call__(self, group, device):
+        from simplefsdp.compiler.cost import compute
+
+        reading = self.read(group, device)
+        compute.clock = ScriptedHost(self.hosts[self.readings])
+        self.readings += 1
+        return reading
+
+
+def _changing_load(hosts: list[tuple[float, ...]], folder: str) -> tuple[dict, list, int]:
+    """A calibration into the empty cache ``folder`` on the idle host, the load changing
+    at the probes as ``hosts`` says; then the stored figures, the warnings, the
+    readings taken."""
+    from simplefsdp.compiler.cost import compute, drift
+
+    os.environ["SIMPLEFSDP_CACHE_DIR"] = folder
+    changing = HostChangingAtProbes(hosts)
+    drift.read_probe = changing
+    try:
+        compute.clock = ScriptedHost(IDLE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from simplefsdp.compiler.cost import comm
+
+            model = comm.get_comm_model(sizes=SIZES, repeats=5, warmup=1)
+    finally:
+        drift.read_probe = changing.read
+    return model.to_dict(), [str(w.message) for w in caught], changing.readings
+
+
 def _ranks(rank: int, world_size: int, folder: str) -> dict:
     from simplefsdp.compiler.cost import compute
 
     real_clock = compute.clock
     out = {}
     try:
+        # load starts right after the probe before the calibration and ends right after
+        # the probe after it: the two readings disagree, so it is taken again (idle)
+        out["came_and_went"] = _changing_load(
+            [LOADED, IDLE, IDLE, IDLE], os.path.join(folder, "came_and_went"))
+        out["came_and_went_next"], out["came_and_went_next_said"] = _model_on(IDLE)
+        # every try unsteady: loaded, then idle between loaded readings, then loaded
+        out["flapping"] = _changing_load([LOADED, LOADED, IDLE, IDLE, LOADED, LOADED],
+                                         os.path.join(folder, "flapping"))
         os.environ["SIMPLEFSDP_CACHE_DIR"] = os.path.join(folder, "sequence")
         out["loaded"], _ = _model_on(LOADED)  # an empty cache: calibrates under load
         out["idle"], out["idle_said"] = _model_on(IDLE)  # the next run, on the idle host
@@ -117,3 +168,25 @@ def test_a_cache_beyond_the_load_margin_is_replaced(results):
         assert r["slower"]["source"] == "calibrated"
         assert any("collective_s cached" in s and "margin 20%" in s
                    for s in r["slower_said"]), r["slower_said"]
+
+
+def test_load_changing_during_a_calibration_takes_it_again(results):
+    for r in results:
+        model, said, readings = r["came_and_went"]
+        assert readings == 4, readings  # before and after each of two tries
+        assert said == [], said  # the second try was steady: no warning
+        for kind in KINDS:  # the stored figures are the idle host's, bit for bit
+            assert model[kind] == r["fresh_idle"][kind], kind
+        # the reference stored with them is an idle reading: the next idle run keeps it
+        assert r["came_and_went_next"]["source"] == "cache"
+        assert r["came_and_went_next_said"] == []
+
+
+def test_no_steady_try_keeps_the_least_loaded_one(results):
+    for r in results:
+        model, said, readings = r["flapping"]
+        assert readings == 6, readings  # three tries, none steady
+        assert any("during each of 3 calibrations" in s and "keeping try 2" in s
+                   for s in said), said
+        for kind in KINDS:  # try 2 ran on the idle host between loaded readings
+            assert model[kind] == r["fresh_idle"][kind], kind

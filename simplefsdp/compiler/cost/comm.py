@@ -292,11 +292,12 @@ def _store_cached(key: dict[str, Any], model: CommModel,
 
 def cached_figures(record: dict[str, Any]) -> dict[str, float | None]:
     """What the probe checks in a cache record: its ``compute_slowdown``, and the
-    ``matmul_s`` and ``collective_s`` read right after it was calibrated (None when not
-    stored)."""
+    ``matmul_s``, ``collective_s`` and ``busy_s`` read right after it was calibrated
+    (None when not stored)."""
     probe = record.get("probe") or {}
     return {"compute_slowdown": float(record["model"].get("compute_slowdown", 1.0)),
-            "matmul_s": probe.get("matmul_s"), "collective_s": probe.get("collective_s")}
+            "matmul_s": probe.get("matmul_s"), "collective_s": probe.get("collective_s"),
+            "busy_s": probe.get("busy_s")}
 
 
 def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bool = True,
@@ -332,6 +333,7 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bo
         return default_comm_model(ws, _pick_fabric(ws, dev, fake=True))
     key = cache_key(group, dev)
     is_rank0 = dist.get_rank(group) == 0
+    now = None  # the probe's reading, when the cache check took one
     if cache:
         record = broadcast_from_rank0(load_record(key) if is_rank0 else None, group)
         if record is not None:
@@ -339,18 +341,56 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bo
             if not calibrate_on_miss:
                 return found  # nothing timed (e.g. mid-compile): the cache as it is
             # every rank has rank 0's record and the same agreed reading: one verdict
-            off = drift.disagreements(cached_figures(record), drift.read_probe(group, dev))
+            now = drift.read_probe(group, dev)
+            off = drift.disagreements(cached_figures(record), now)
             if not off:
                 return found
             warnings.warn(f"simplefsdp: the cached calibration {cache_path(key)} disagrees "
                           f"with this machine ({'; '.join(off)}): recalibrating", stacklevel=2)
     if not calibrate_on_miss:
         return default_comm_model(ws, _pick_fabric(ws, dev))
-    model = calibrate(group, **calibrate_kwargs)
-    reference = drift.read_probe(group, dev) if cache else None  # what later probes compare
-    if cache and (is_rank0 if writer is None else dist.get_rank() == writer):
+    if not cache:
+        return calibrate(group, **calibrate_kwargs)
+    model, reference = calibrate_steadily(group, before=now, **calibrate_kwargs)
+    if is_rank0 if writer is None else dist.get_rank() == writer:
         _store_cached(key, model, reference)
     return model
+
+
+# How many times a calibration is taken before the least loaded one is kept anyway.
+CALIBRATION_TRIES = 3
+
+
+def calibrate_steadily(group: dist.ProcessGroup | None = None,
+                       device: torch.device | str | None = None,
+                       before: dict[str, float] | None = None,
+                       **calibrate_kwargs: Any) -> tuple[CommModel, dict[str, float]]:
+    """:func:`calibrate` between two probe readings (``drift.read_probe``; ``before``: one
+    just taken), and the reading after it, which a cache stores as the reference later
+    probes compare with. Load that came or went while the calibration ran (another job
+    starting, a compile on the same cores) shows as the two readings disagreeing beyond
+    ``drift``'s margins: the figures would hold for neither host, so the calibration is
+    taken again, up to ``CALIBRATION_TRIES`` times. If no try is steady, the one whose
+    reading after it was the least loaded (the lowest ``collective_s``) is kept, with a
+    warning. Collective; the readings are agreed across ranks, so every rank takes the
+    same decisions."""
+    group = _resolve_group(group)
+    dev = group_device(group, device)
+    tries = []
+    for attempt in range(CALIBRATION_TRIES):
+        if before is None or attempt > 0:
+            before = drift.read_probe(group, dev)
+        model = calibrate(group, device=dev, **calibrate_kwargs)
+        after = drift.read_probe(group, dev)
+        moved = drift.disagreements(before, after)
+        if not moved:
+            return model, after
+        tries.append((after["collective_s"], attempt, model, after, moved))
+    _, attempt, model, after, moved = min(tries)
+    warnings.warn(f"simplefsdp: the host's load changed during each of {CALIBRATION_TRIES} "
+                  f"calibrations ({'; '.join(moved)}); keeping try {attempt + 1}, the least "
+                  "loaded", stacklevel=2)
+    return model, after
 
 
 def get_comm_models(mesh: Any, **kwargs: Any) -> dict[str, CommModel]:

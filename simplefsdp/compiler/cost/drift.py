@@ -20,6 +20,11 @@ compares them with what the cache stored; beyond ``MARGIN`` the caller recalibra
   faster by more than ``LOAD_MARGIN`` means the cached collective figures (the ones
   the auto-wrapping estimate rests on) were timed on a busier host, and a slower one
   that this host is busier now: either way the caller recalibrates.
+* ``busy_s``: the median time of a fixed amount of matmuls (``PROBE_BUSY_S`` worth at
+  ``matmul_s``'s pace) run by every rank at once, the slowest rank's. Long enough to
+  span the scheduler's time slices, so processes from elsewhere take their share of
+  the cores out of it; ``collective_s`` alone can miss that load, since the ranks
+  sleep inside a collective and get the cores first when they wake. Same margin.
 
 Collective on the group (every rank reads; the figures are agreed across ranks before
 the verdict, so every rank takes the same decision). Eager code only, where calibration
@@ -47,6 +52,7 @@ __all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 MARGIN = 0.30
 PROBE_MATMUL = 256
 PROBE_SLOWDOWN_S = 0.02  # the calibration uses 0.05 s x 9 repeats; the probe 0.02 s x 5
+PROBE_BUSY_S = 0.02  # idle-host seconds of the fixed work ``busy_s`` times (5 repeats)
 # Tighter than MARGIN: the collective figures feed the estimate directly, and the
 # estimate must land within MARGIN of the measured step, noise of its own included.
 LOAD_MARGIN = 0.20
@@ -56,17 +62,36 @@ PROBE_COLLECTIVES = (("all_reduce", 64 * 2 ** 10), ("all_gather", 2 * 2 ** 20))
 
 def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
     """The probe's reading on ``group``, identical on every rank: ``compute_slowdown``,
-    ``matmul_s`` and ``probe_s`` (how long the probe took, for the CLI). Collective."""
+    ``matmul_s``, ``busy_s``, ``collective_s`` and ``probe_s`` (how long the probe took,
+    for the CLI). Collective."""
     start = time.perf_counter()
     slowdown = measure_compute_slowdown(group, device, repeats=5, seconds=PROBE_SLOWDOWN_S)
     with disable_current_modes():
         a = torch.randn(PROBE_MATMUL, PROBE_MATMUL, device=device)
         a @ a  # warm-up: lazy init, oneDNN primitive cache
         fastest = min(time_callable(lambda: a @ a, 1, 0, device) for _ in range(9))
-    matmul_s = agree_across_ranks([fastest], group, op="max")[0]
-    return {"compute_slowdown": slowdown, "matmul_s": matmul_s,
+        matmul_s = agree_across_ranks([fastest], group, op="max")[0]
+        busy_s = _busy_seconds(group, device, lambda: a @ a, matmul_s)
+    return {"compute_slowdown": slowdown, "matmul_s": matmul_s, "busy_s": busy_s,
             "collective_s": _collective_seconds(group, device),
             "probe_s": time.perf_counter() - start}
+
+
+def _busy_seconds(group: dist.ProcessGroup, device: torch.device, matmul, matmul_s: float
+                  ) -> float:
+    """The median time of ``PROBE_BUSY_S / matmul_s`` runs of ``matmul`` (the same count
+    on every rank: ``matmul_s`` is agreed), every rank at once, 5 repeats; the slowest
+    rank's. Collective."""
+    count = max(1, round(PROBE_BUSY_S / max(matmul_s, 1e-9)))
+
+    def work() -> None:
+        for _ in range(count):
+            matmul()
+    times = []
+    for _ in range(5):
+        dist.barrier(group)
+        times.append(time_callable(work, 1, 0, device))
+    return agree_across_ranks([statistics.median(times)], group, op="max")[0]
 
 
 def _collective_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
@@ -80,16 +105,16 @@ def _collective_seconds(group: dist.ProcessGroup, device: torch.device) -> float
 
 def disagreements(cached: dict[str, float | None], reading: dict[str, float],
                   margin: float = MARGIN, load_margin: float = LOAD_MARGIN) -> list[str]:
-    """Each figure of ``cached`` (``compute_slowdown``, ``matmul_s``, ``collective_s``;
-    None: not stored) off ``reading`` by more than its margin either way (``margin``;
-    ``load_margin`` for ``collective_s``), as a sentence; [] when the cache holds. Pure
-    arithmetic on agreed figures: the same verdict on every rank."""
+    """Each figure of ``cached`` (``compute_slowdown``, ``matmul_s``, ``collective_s``,
+    ``busy_s``; None: not stored) off ``reading`` by more than its margin either way
+    (``margin``; ``load_margin`` for the two that see load), as a sentence; [] when the
+    cache holds. Pure arithmetic on agreed figures: the same verdict on every rank."""
     out = []
-    for name in ("compute_slowdown", "matmul_s", "collective_s"):
+    for name in ("compute_slowdown", "matmul_s", "collective_s", "busy_s"):
         was, now = cached.get(name), reading.get(name)
         if was is None or now is None:
             continue
-        margin_here = load_margin if name == "collective_s" else margin
+        margin_here = load_margin if name in ("collective_s", "busy_s") else margin
         ratio = max(was, 1e-12) / max(now, 1e-12)
         if ratio > 1 + margin_here or ratio < 1 / (1 + margin_here):
             out.append(f"{name} cached {was:.4g}, probe reads {now:.4g} "
