@@ -42,7 +42,9 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
         env.pop(var, None)
     return subprocess.run(
         [sys.executable, "-m", "simplefsdp.bench", "--bench.output_dir", str(tmp_path), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        # a hang guard only, generous: the smoke run's ten variants on a 2-core host
+        # loaded by other jobs
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _bench_rank(rank: int, world: int, argv: list[str]) -> str | None:
