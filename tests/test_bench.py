@@ -3,6 +3,13 @@
 No timing is asserted: only that the run finishes, writes its outputs with the expected
 structure, that a variant that cannot be built is recorded as failed (not fatal), and
 that all variants that train on the same data agree on the loss.
+
+One command-line run (``smoke``, a module fixture) serves every check of the default
+model's variants, float8 ones included; the runs with another model or another global
+setting (MoE, mixed precision, the fake process group) call the benchmark's own rank
+entry point (``launch.main_for_rank``, the function each spawned rank runs) on the
+test's forked gloo ranks (``rank_runner``), so that they skip the command's three fresh
+interpreters (one per rank and the launcher's, each importing torch).
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE_VARIANTS = ["simplefsdp-eager", "simplefsdp-reordering", "simplefsdp-auto",
                   "fsdp2-eager", "ddp-replicate", "torch-ddp", "compute-only",
                   "compute-only-compiled"]
+# In the smoke run too (test_fsdp2_float8_trains_as_simplefsdp_float8 reads them): their
+# losses differ from the float32 reference by float8 rounding, so they are left out of
+# the smoke test's loss comparison.
+FLOAT8_VARIANTS = ["fsdp2-float8", "simplefsdp-float8"]
 
 
 def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -31,7 +42,28 @@ def _bench(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
         env.pop(var, None)
     return subprocess.run(
         [sys.executable, "-m", "simplefsdp.bench", "--bench.output_dir", str(tmp_path), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        # a hang guard only, generous: the smoke run's ten variants on a 2-core host
+        # loaded by other jobs
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _bench_rank(rank: int, world: int, argv: list[str]) -> str | None:
+    """One rank of ``python -m simplefsdp.bench argv`` as its spawned and torchrun ranks
+    run it (``launch.main_for_rank``: measure, then rank 0 writes the outputs and prints
+    the table), on a gloo rank of the test's; rank 0 returns the output folder."""
+    from simplefsdp.bench.launch import main_for_rank
+
+    out = main_for_rank(parse_args(argv), rank, world, world, "gloo")
+    return None if out is None else str(out)
+
+
+def _bench_in_ranks(tmp_path: Path, *flags: str) -> dict:
+    """results.json of the benchmark run with ``flags`` on the test's own ranks."""
+    from rank_runner import run_ranks
+
+    argv = ["--bench.output_dir", str(tmp_path), *flags]
+    out = run_ranks(_bench_rank, parse_args(argv).bench.world_size, argv)[0]
+    return json.loads((Path(out) / "results.json").read_text())
 
 
 SMOKE_SHAPE = ["--world-size", "2", "--model.n_layers", "1", "--model.dim", "32",
@@ -75,11 +107,20 @@ def _single_process_losses(flags: list[str]) -> list[float]:
     return losses
 
 
-def test_smoke_two_ranks(tmp_path):
-    proc = _bench(tmp_path, *SMOKE_SHAPE, "--compile.backend", "aot_eager",
-                  "--variants", ",".join(SMOKE_VARIANTS))
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The command-line run every default-model check reads: the smoke variants and the
+    float8 ones, aot_eager; (the finished command, its output folder)."""
+    folder = tmp_path_factory.mktemp("smoke")
+    proc = _bench(folder, *SMOKE_SHAPE, "--compile.backend", "aot_eager",
+                  "--variants", ",".join(SMOKE_VARIANTS + FLOAT8_VARIANTS))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    runs = list(tmp_path.iterdir())
+    return proc, folder
+
+
+def test_smoke_two_ranks(smoke):
+    proc, folder = smoke
+    runs = list(folder.iterdir())
     assert len(runs) == 1
     out = runs[0]
     for name in ("results.json", "report.md", "results.png"):
@@ -89,7 +130,7 @@ def test_smoke_two_ranks(tmp_path):
     assert meta["world_size"] == 2 and meta["process_group"] == "gloo"
     assert meta["torch"] and meta["model"] == "debug" and meta["model_args"]["dim"] == 32
     rows = {r["name"]: r for r in results["variants"]}
-    assert list(rows) == SMOKE_VARIANTS
+    assert list(rows) == SMOKE_VARIANTS + FLOAT8_VARIANTS
     for name, row in rows.items():
         assert row["status"] == "ok", f"{name} failed: {row['error']}"
         for key in ("median_step_s", "tokens_per_s", "ratio_vs_fsdp2", "peak_mem_mib",
@@ -144,7 +185,8 @@ def test_smoke_two_ranks(tmp_path):
     # own loss reference, included).
     expected = _single_process_losses(SMOKE_SHAPE)
     diffs = {name: max(abs(a - b) for a, b in zip(row["losses"], expected, strict=True))
-             for name, row in rows.items() if not name.startswith("compute-only")}
+             for name, row in rows.items()
+             if not name.startswith("compute-only") and name not in FLOAT8_VARIANTS}
     print(f"max |loss - single-process loss| per variant: {diffs}")
     assert all(d <= SINGLE_PROCESS_ATOL for d in diffs.values()), (diffs, expected)
     for name in diffs:
@@ -154,10 +196,14 @@ def test_smoke_two_ranks(tmp_path):
     assert "simplefsdp-eager" in proc.stdout and "tokens/s" in proc.stdout
 
 
-def test_unknown_variant_is_a_clear_error(tmp_path):
-    proc = _bench(tmp_path, "--variants", "simplefsdp-eager,nope")
-    assert proc.returncode == 2
-    assert "unknown variant" in proc.stderr and "nope" in proc.stderr
+def test_unknown_variant_is_a_clear_error(tmp_path, capsys):
+    """The command's ``main``, in this process: the exit status and the message."""
+    from simplefsdp.bench.__main__ import main
+
+    assert main(["--bench.output_dir", str(tmp_path), "--variants",
+                 "simplefsdp-eager,nope"]) == 2
+    said = capsys.readouterr().err
+    assert "unknown variant" in said and "nope" in said
 
 
 def test_config_validation(tmp_path):
@@ -199,8 +245,11 @@ def test_config_file_and_overrides(tmp_path):
         load_config(str(path))
 
 
-def test_shipped_config_and_help():
-    """configs/bench_debug.toml is the defaults at 2 ranks; --help lists every key."""
+def test_shipped_config_and_help(capsys):
+    """configs/bench_debug.toml is the defaults at 2 ranks; --help lists every key (the
+    command's ``main``, in this process; the smoke run starts the command itself)."""
+    from simplefsdp.bench.__main__ import main
+
     shipped = load_config(str(ROOT / "configs" / "bench_debug.toml"), default_world_size=5)
     assert shipped == load_config(None, ["--bench.world_size", "2"])
     text = bench_help()
@@ -209,9 +258,7 @@ def test_shipped_config_and_help():
     for flag in ("--model.n_layers", "--training.batch_size", "--compile.backend",
                  "--job.device", "--bench.variants", "--bench.output_dir", "--world-size"):
         assert flag in text, flag
-    proc = subprocess.run([sys.executable, "-m", "simplefsdp.bench", "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == text
+    assert main(["--help"]) == 0 and capsys.readouterr().out.strip() == text
 
 
 def test_world_size_mismatch_under_torchrun(monkeypatch):
@@ -263,13 +310,32 @@ def test_a_variant_failing_on_one_rank_is_dropped_on_all():
     assert len(raw["variants"]["fsdp2-eager"]["losses"]) == 5
 
 
+def _fake_pg_command(rank: int, world: int, argv: list[str]) -> int:
+    """``python -m simplefsdp.bench argv`` (its ``main``) in a process of its own that is
+    not a torchrun rank, as the command starts: the rank's gloo group and torchrun-like
+    variables gone, so ``--fake-pg`` makes its own group."""
+    import os
+
+    import torch.distributed as dist
+
+    from simplefsdp.bench.__main__ import main
+
+    dist.destroy_process_group()
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        os.environ.pop(var, None)
+    return main(argv)
+
+
 def test_fake_process_group_mode(tmp_path):
     """One process as 4 ranks (the single-GPU mode, here on CPU): sharding shows in the
     held memory; timings are flagged as not real and losses are not compared."""
-    proc = _bench(tmp_path, "--fake-pg", "--world-size", "4", "--model.n_layers", "1",
-                  "--model.dim", "32", "--training.seq_len", "16", "--training.batch_size", "2",
-                  "--bench.steps", "2", "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from rank_runner import run_ranks
+
+    argv = ["--bench.output_dir", str(tmp_path), "--fake-pg", "--world-size", "4",
+            "--model.n_layers", "1", "--model.dim", "32", "--training.seq_len", "16",
+            "--training.batch_size", "2", "--bench.steps", "2",
+            "--variants", "simplefsdp-eager,fsdp2-eager,compute-only"]
+    assert run_ranks(_fake_pg_command, 1, argv) == [0]
     results = json.loads(next(tmp_path.glob("*/results.json")).read_text())
     meta = results["meta"]
     assert meta["fake_pg"] and meta["process_group"] == "fake" and meta["world_size"] == 4
@@ -327,20 +393,19 @@ def test_fsdp2_float8_needs_torchao_checked_at_start_up(monkeypatch):
         VARIANTS["fsdp2-float8"].build(None)
 
 
-def test_fsdp2_float8_trains_as_simplefsdp_float8(tmp_path):
+def test_fsdp2_float8_trains_as_simplefsdp_float8(smoke):
     """FSDP2 with torchao's float8 training (float8 all-gather) and our float8 path,
-    compiled, on 2 gloo ranks: the same tensorwise recipe (e4m3 weights and inputs, e5m2
-    gradients, dynamic scales) on the same linear layers, so the same losses. Tolerance
-    1e-6: both cast the same values with the same scales and run torch._scaled_mm, and
-    only the float32 sums outside the matmuls may round in another order (they came out
-    bitwise equal here); bf16 vs float8 differs by ~1e-4 at these steps."""
-    proc = _bench(tmp_path, *SMOKE_SHAPE, "--compile.backend", "aot_eager",
-                  "--variants", "fsdp2-eager,fsdp2-float8,simplefsdp-float8")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
+    compiled, on 2 gloo ranks (the smoke run's rows): the same tensorwise recipe (e4m3
+    weights and inputs, e5m2 gradients, dynamic scales) on the same linear layers, so the
+    same losses. Tolerance 1e-6: both cast the same values with the same scales and run
+    torch._scaled_mm, and only the float32 sums outside the matmuls may round in another
+    order (they came out bitwise equal here); bf16 vs float8 differs by ~1e-4 at these
+    steps."""
+    _, folder = smoke
+    results = json.loads(next(folder.iterdir()).joinpath("results.json").read_text())
     rows = {r["name"]: r for r in results["variants"]}
-    for name, row in rows.items():
-        assert row["status"] == "ok", f"{name} failed: {row['error']}"
+    for name in ("fsdp2-eager", *FLOAT8_VARIANTS):
+        assert rows[name]["status"] == "ok", f"{name} failed: {rows[name]['error']}"
     ours, theirs = rows["simplefsdp-float8"]["losses"], rows["fsdp2-float8"]["losses"]
     assert ours == pytest.approx(theirs, rel=0, abs=1e-6), (ours, theirs)
     assert rows["fsdp2-eager"]["losses"] != pytest.approx(theirs, rel=0, abs=1e-6)
@@ -383,11 +448,9 @@ def test_moe_ep_variants_two_ranks(tmp_path):
     own (dropped slots)."""
     exact = ["simplefsdp-eager", "moe-ep2-eager", "fsdp2-ep2-eager", "moe-ep2-compiled"]
     names = [*exact, "moe-ep2-padded-compiled"]
-    proc = _bench(tmp_path, *SMOKE_SHAPE, "--model.name", "debug_moe", "--model.num_experts",
-                  "4", "--model.moe_hidden_dim", "32", "--compile.backend", "aot_eager",
-                  "--variants", ",".join(names))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads((next(tmp_path.iterdir()) / "results.json").read_text())
+    results = _bench_in_ranks(tmp_path, *SMOKE_SHAPE, "--model.name", "debug_moe",
+                              "--model.num_experts", "4", "--model.moe_hidden_dim", "32",
+                              "--compile.backend", "aot_eager", "--variants", ",".join(names))
     rows = {r["name"]: r for r in results["variants"]}
     assert list(rows) == names and all(r["status"] == "ok" for r in rows.values()), rows
     for name in names[1:]:
@@ -509,9 +572,8 @@ BF16_FSDP2_ATOL = 5e-5
 def test_mixed_precision_key_applies_to_ours_and_fsdp2(tmp_path):
     flags = [*SMOKE_SHAPE, "--training.mixed_precision_param", "bfloat16",
              "--training.mixed_precision_reduce", "float32"]
-    proc = _bench(tmp_path, *flags, "--variants", "simplefsdp-eager,fsdp2-eager,compute-only")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(next(tmp_path.iterdir()).joinpath("results.json").read_text())
+    results = _bench_in_ranks(tmp_path, *flags, "--variants",
+                              "simplefsdp-eager,fsdp2-eager,compute-only")
     assert results["meta"]["mixed_precision_param"] == "bfloat16"
     rows = {r["name"]: r for r in results["variants"]}
     # no policy to apply: refused by name, not run in float32 next to bf16 rows

@@ -375,9 +375,11 @@ def test_api_refusals(monkeypatch):
 # |float8 loss - bf16 loss| per step, both from one seed, bf16 parameters and fp32
 # reductions, 2 ranks. scripts/float8_loss_gap.py measured it over 200 steps (the largest
 # gap and the date: docs/performance.md); the bound leaves ~30% over that for rounding
-# that differs with thread counts and machines. The test runs the first steps only.
+# that differs with thread counts and machines. The test runs the first steps only: the
+# first forward (float8 casts of the initial weights), then two steps on weights the
+# float8 gradients and updates moved; the long comparison is the script's.
 LOSS_GAP = 0.025
-GAP_STEPS = 8
+GAP_STEPS = 3
 
 
 def _losses(rank: int, world: int, out: str) -> dict[str, list[float]]:
