@@ -7,8 +7,9 @@
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
   AC), ring 2 x Ulysses 2, hybrid_shard (2 x 1) x Ulysses 2 and TP 2 x ring 2 (with
-  sequence parallel), and the MoE family as DP 2 x ring 2, replicate 2 x ring 2 and
-  PP 2 x ring 2 (2 microbatches), each with EP 2 (a covering subset: see ``CELLS``),
+  sequence parallel) on one block, and the MoE family (2 blocks) as DP 2 x ring 2,
+  replicate 2 x ring 2 and PP 2 x ring 2 (2 microbatches), each with EP 2 (a covering
+  subset: see ``CELLS``),
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
