@@ -61,7 +61,7 @@ def _check_schedule(report) -> None:
 def _compiled_variants(rank: int, world: int) -> dict:
     eager = _fresh(world)
     eager_loss, eager_grads = _step(eager, rank, world)
-    figures = {}
+    figures, schedules = {}, {}
     variants = [("aot_eager", "none", False), ("aot_eager", "none", True),
                 ("aot_eager", "manual", False), ("aot_eager", "manual", True),
                 ("inductor", "manual", True)]
@@ -102,7 +102,15 @@ def _compiled_variants(rank: int, world: int) -> dict:
             assert fwd.moves and bwd.moves
         else:
             assert not fwd.moves and not bwd.moves
-        figures[f"{backend}/{bucketing}/{'reorder' if reordering else 'keep'}"] = diff
+        name = f"{backend}/{bucketing}/{'reorder' if reordering else 'keep'}"
+        figures[name] = diff
+        schedules[name] = [(r.graph, r.schedule) for r in be.reports]
+    # SPMD: with uneven shards (hidden size 7 splits 4/3, the 1-row gate 1/0) every rank
+    # must still issue the same collectives, of the same sizes, in the same order, in
+    # every variant (a world of 4 adds no other kind of unevenness, and costs twice this)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, schedules)
+    assert all(s == everyone[0] for s in everyone), "ranks scheduled different collectives"
     return figures
 
 
@@ -119,24 +127,8 @@ def _no_regather(rank: int, world: int) -> None:
     assert "all_gather" not in bwd.collectives_before, bwd.collectives_before
 
 
-def _spmd_identical(rank: int, world: int) -> list:
-    model = _fresh(world)  # hidden size 7 and a 1-row parameter: uneven on 4 ranks
-    be = sf.compile_backend(backend="aot_eager", bucketing="manual", reordering=True)
-    _step(torch.compile(model, fullgraph=True, backend=be), rank, world)
-    mine = [(r.graph, r.schedule) for r in be.reports]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    assert all(s == everyone[0] for s in everyone), "ranks scheduled different collectives"
-    return mine
-
-
-@pytest.mark.parametrize("case", ["no_regather_without_reshard", "spmd_uneven_world4"])
-def test_graph_properties(case):
-    if case == "no_regather_without_reshard":
-        run_ranks(_no_regather, 2)
-    else:
-        schedules = run_ranks(_spmd_identical, 4)[0]
-        assert any(kind == "reduce_scatter" for _, s in schedules for kind, _, _ in s)
+def test_no_regather_without_reshard():
+    run_ranks(_no_regather, 2)
 
 
 def test_bad_backend_arguments():

@@ -6,9 +6,10 @@
 * Load balance: the attention FLOPs each ring rank's kernels run (counted on the kernel
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
 * The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
-  AC), ring 2 x Ulysses 2, replicate 2 x ring 2, hybrid_shard (2 x 1) x Ulysses 2 and
-  TP 2 x ring 2 (with sequence parallel), PP 2 x ring 2 (2 microbatches), and the MoE
-  family as DP 2 x ring 2, replicate 2 x ring 2 and PP 2 x ring 2, each with EP 2,
+  AC), ring 2 x Ulysses 2, hybrid_shard (2 x 1) x Ulysses 2 and TP 2 x ring 2 (with
+  sequence parallel) on one block, and the MoE family (2 blocks) as DP 2 x ring 2,
+  replicate 2 x ring 2 and PP 2 x ring 2 (2 microbatches), each with EP 2 (a covering
+  subset: see ``CELLS``),
   each against one process without CP on the same global batch: the losses and gradient
   norms of 3 steps, and every parameter after them (the safetensors export). Float32
   results that differ only in summation order (blockwise attention merged by log-sum-exp,
@@ -22,8 +23,8 @@
   summed over the CP ranks (whole sequences), so DP 2 x ring 2 computes it over each
   data-parallel slice's 2 sequences, and the reference runs 2 microsteps of those 2
   sequences; the step's balance loss (metrics.csv) within 1e-6 relative as the loss.
-  The document mask (each newline ends a document) with ring x Ulysses and Ulysses alone,
-  against one process with the mask.
+  The document mask (each newline ends a document) with the ring alone (DP 2 x ring 2)
+  and Ulysses alone (DP 2 x Ulysses 2), against one process with the mask.
 * The ring with K/V passed point to point (``parallel.cp_rotate = "ring"``), in the same
   spawn: on a ring of 4 (float64, GQA) each rank's output and gradients against SDPA
   over the whole sequence (1e-12), causal and with documents; the bytes each rotation
@@ -166,32 +167,19 @@ def test_ring_load_balance_equal_attention_flops():
 # The trainer: parity with one process on the same global batch.
 # ---------------------------------------------------------------------------------------
 BASE = ["--training.steps", "3", "--training.seq_len", "32", "--model.dim", "32",
-        "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "1",
+        "--model.n_layers", "1", "--model.n_heads", "4", "--model.n_kv_heads", "1",
         "--training.warmup_steps", "0", "--metrics.log_every", "1",
         "--checkpoint.export_safetensors", "true", "--training.hang_watchdog_s", "0"]
 # One KV head (GQA, 4 query heads each): Ulysses 2 must repeat it to 2 before splitting.
+# One block: the CP attention of several blocks in one step (their shared positions and
+# document mask, their groups) is the MoE cells' (2 blocks, PP cuts them into 2 stages).
 # Activation checkpointing rides along (it recomputes the same ops: no new tolerance).
-CELLS = {  # name: flags; a global batch of 4 sequences each, on 4 processes
-    "dp2_ring2": ["--training.batch_size", "2", "--parallel.cp_ring", "2",
-                  "--activation_checkpoint.mode", "full"],
-    "dp2_ulysses2": ["--training.batch_size", "2", "--parallel.cp_ulysses", "2",
-                     "--activation_checkpoint.mode", "selective"],
-    "ring2_ulysses2": ["--training.batch_size", "4", "--parallel.cp_ring", "2",
-                       "--parallel.cp_ulysses", "2"],
-    # replicate: weights and gradients all-reduced over dp_replicate 2 x ring 2 (4 ranks)
-    "replicate2_ring2": ["--training.batch_size", "2", "--parallel.dp_mode", "replicate",
-                         "--parallel.dp_replicate", "2", "--parallel.cp_ring", "2"],
-    # hybrid_shard 2 x 1: sharded over dp_shard 1 x Ulysses 2 (the CP ranks alone),
-    # replicated over dp_replicate 2
-    "hybrid2x1_ulysses2": ["--training.batch_size", "2", "--parallel.dp_mode", "hybrid_shard",
-                           "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
-                           "--parallel.cp_ulysses", "2"],
-}
 KV2 = ["--model.n_kv_heads", "2"]
-# A tiny debug_moe: 4 experts of width 32, top-2, a shared expert, the balance loss with a
-# large coefficient (so that it moves the weights visibly).
-MOE = ["--model.name", "debug_moe", "--model.num_experts", "4", "--model.moe_hidden_dim", "32",
-       "--model.shared_hidden_dim", "32", "--model.aux_loss_coef", "0.1"]
+# A tiny debug_moe: 2 blocks, 4 experts of width 32, top-2, a shared expert, the balance
+# loss with a large coefficient (so that it moves the weights visibly).
+MOE = ["--model.name", "debug_moe", "--model.n_layers", "2", "--model.num_experts", "4",
+       "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "32",
+       "--model.aux_loss_coef", "0.1"]
 DOC = ["--data.document_mask", "true"]  # with _NewlineEnds as the tokenizer
 
 
@@ -203,7 +191,27 @@ class _NewlineEnds(ByteTokenizer):
     eos_id = 10
 
 
-OTHER_CELLS = {  # name: (flags, its reference's name)
+# name: (flags, its reference's name); a global batch of 4 sequences each, on 4 processes.
+# A covering subset, not every combination: each CP kind (ring with K/V all-gathered, ring
+# with K/V passed, Ulysses, ring x Ulysses) meets each data-parallel mode, the document
+# mask, TP, PP, MoE and compile at least once where the combination exists (the dense
+# replicate 2 x ring 2 and PP 2 x ring 2 are the MoE cells' dense layers; the ring x
+# Ulysses document mask is the ring pass cell's).
+CELLS = {
+    # the document mask (every newline ends a document) with the ring alone, under full AC
+    "dp2_ring2_doc": (["--training.batch_size", "2", "--parallel.cp_ring", "2",
+                       "--activation_checkpoint.mode", "full", *DOC], "reference_doc"),
+    # ... and with Ulysses alone, under selective AC
+    "dp2_ulysses2_doc": (["--training.batch_size", "2", "--parallel.cp_ulysses", "2",
+                          "--activation_checkpoint.mode", "selective", *DOC],
+                         "reference_doc"),
+    "ring2_ulysses2": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
+                        "--parallel.cp_ulysses", "2"], "reference"),
+    # hybrid_shard 2 x 1: sharded over dp_shard 1 x Ulysses 2 (the CP ranks alone),
+    # replicated over dp_replicate 2
+    "hybrid2x1_ulysses2": (["--training.batch_size", "2", "--parallel.dp_mode", "hybrid_shard",
+                            "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                            "--parallel.cp_ulysses", "2"], "reference"),
     # TP 2 x ring 2 (sequence parallel inside each CP rank's part): KV heads over TP, 2.
     "tp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
                    "--parallel.tp", "2", *KV2], "reference_kv2"),
@@ -211,25 +219,19 @@ OTHER_CELLS = {  # name: (flags, its reference's name)
     # same experts); the balance loss's statistics over the ring (whole sequences)
     "moe_ep2_dp2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.cp_ring", "2",
                            "--parallel.ep", "2"], "reference_moe"),
-    # MoE with replicate: DDP over dp_replicate 2 x ring 2, the experts' EP 2 groups cut
-    # out of the ring ranks (dp_shard 1), replicated over dp_replicate
+    # MoE with replicate: DDP over dp_replicate 2 x ring 2 (weights and gradients
+    # all-reduced over the 4 ranks), the experts' EP 2 groups cut out of the ring ranks
+    # (dp_shard 1), replicated over dp_replicate
     "moe_ep2_replicate2_ring2": ([*MOE, "--training.batch_size", "2", "--parallel.dp_mode",
                                   "replicate", "--parallel.dp_replicate", "2",
                                   "--parallel.dp_shard", "1", "--parallel.cp_ring", "2",
                                   "--parallel.ep", "2"], "reference_moe"),
-    # MoE with pipeline stages: PP 2 x ring 2 x EP 2 (the ring ranks), 2 microbatches of 2
-    # sequences: each microbatch a forward, so the balance loss's 2 sequences as above
+    # MoE with pipeline stages, each with ring attention (stage-to-stage: each rank's
+    # part): PP 2 x ring 2 x EP 2 (the ring ranks), 2 microbatches of 2 sequences: each
+    # microbatch a forward, so the balance loss's 2 sequences as above
     "moe_ep2_pp2_ring2": ([*MOE, "--training.batch_size", "4", "--parallel.cp_ring", "2",
                            "--parallel.pp", "2", "--parallel.pp_microbatches", "2",
                            "--parallel.ep", "2"], "reference_moe"),
-    # pipeline stages, each with ring attention (stage-to-stage: each rank's part)
-    "pp2_ring2": (["--training.batch_size", "4", "--parallel.cp_ring", "2", "--parallel.pp",
-                   "2", "--parallel.pp_microbatches", "2"], "reference"),
-    # the document mask (every newline ends a document): ring x Ulysses, Ulysses alone
-    "ring2_ulysses2_doc": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
-                            "--parallel.cp_ulysses", "2", *DOC], "reference_doc"),
-    "dp2_ulysses2_doc": (["--training.batch_size", "2", "--parallel.cp_ulysses", "2", *DOC],
-                         "reference_doc"),
     # K/V passed point to point around the ring (parallel.cp_rotate), with Ulysses and the
     # document mask; also compiled (COMPILED below)
     "ring2_ulysses2_doc_pass": (["--training.batch_size", "4", "--parallel.cp_ring", "2",
@@ -400,12 +402,11 @@ def _column(path, name):
 
 def test_trainer_cp_matches_one_process(tmp_path):
     pass_compiled = "ring2_ulysses2_doc_pass_compiled"
-    reference_of = dict({name: "reference" for name in CELLS},
-                        **{name: ref for name, (_, ref) in OTHER_CELLS.items()},
-                        **{pass_compiled: "reference_doc"})
-    cells = dict(CELLS, ring2_ulysses2_compiled=CELLS["ring2_ulysses2"] + COMPILED,
-                 **{name: flags for name, (flags, _) in OTHER_CELLS.items()},
-                 **{pass_compiled: OTHER_CELLS["ring2_ulysses2_doc_pass"][0] + COMPILED})
+    reference_of = dict({name: ref for name, (_, ref) in CELLS.items()},
+                        ring2_ulysses2_compiled="reference", **{pass_compiled: "reference_doc"})
+    cells = dict({name: flags for name, (flags, _) in CELLS.items()},
+                 ring2_ulysses2_compiled=CELLS["ring2_ulysses2"][0] + COMPILED,
+                 **{pass_compiled: CELLS["ring2_ulysses2_doc_pass"][0] + COMPILED})
     checks, got = zip(*run_ranks(_spawned, 4, cells, str(tmp_path)), strict=True)
     print("ring pass, peak live bytes per rank (allgather, ring):", [c[0] for c in checks])
     print("ring pass in bf16, dq/tail dq/dK/dV relative RMS errors in u:", checks[0][1])
@@ -435,14 +436,14 @@ def test_trainer_cp_matches_one_process(tmp_path):
     assert all(torch.equal(compiled_params[k], eager_params[k]) for k in eager_params)
     graphs = {graph: (before, other, buckets)
               for graph, before, other, buckets in got["ring2_ulysses2_compiled"][1]}
-    # The ring's collectives, left alone: per layer the all-gathers of k and v (forward)
-    # and their reduce-scatters (backward), 2 layers. (Ulysses' all-to-alls are no kind
-    # our passes know.) The data-parallel ones: 21 parameters (9 per block, embeddings,
-    # norm, output), gathered in forward as 4 buckets (one per block, the embeddings, the
-    # norm with the output); in backward 20 re-gathered (not the embeddings) as 3 buckets
-    # and 21 reduce-scattered as 4.
-    assert graphs["forward"] == ({"all_gather": 21}, 4, 4), graphs
-    assert graphs["backward"] == ({"all_gather": 20, "reduce_scatter": 21}, 4, 7), graphs
+    # The ring's collectives, left alone: per block the all-gathers of k and v (forward)
+    # and their reduce-scatters (backward), 1 block. (Ulysses' all-to-alls are no kind
+    # our passes know.) The data-parallel ones: 12 parameters (9 in the block, embeddings,
+    # norm, output), gathered in forward as 3 buckets (the block, the embeddings, the
+    # norm with the output); in backward 11 re-gathered (not the embeddings) as 2 buckets
+    # and 12 reduce-scattered as 3.
+    assert graphs["forward"] == ({"all_gather": 12}, 2, 3), graphs
+    assert graphs["backward"] == ({"all_gather": 11, "reduce_scatter": 12}, 2, 5), graphs
     # the ring pass with the document mask, compiled: pairs that eager skips (no query
     # sees a key) are computed there, masked, and the merge weighs them exp(-inf) = 0, an
     # exact 0: measured bitwise equal to its eager twin, so asserted so (beyond the bounds
@@ -455,8 +456,8 @@ def test_trainer_cp_matches_one_process(tmp_path):
     # the one other collective: the token ids' all-gather for the document mask (forward)
     graphs = {graph: (before, other, buckets)
               for graph, before, other, buckets in got[pass_compiled][1]}
-    assert graphs["forward"] == ({"all_gather": 21}, 1, 4), graphs
-    assert graphs["backward"] == ({"all_gather": 20, "reduce_scatter": 21}, 0, 7), graphs
+    assert graphs["forward"] == ({"all_gather": 12}, 1, 3), graphs
+    assert graphs["backward"] == ({"all_gather": 11, "reduce_scatter": 12}, 0, 5), graphs
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,12 +5,14 @@ train HSDP with 2 replicas x 2 shards. torchrun numbers a node's workers consecu
 outside dp_shard, so each node holds one replica's 2 shards and the gradient all-reduce
 between replicas crosses the nodes, as on a real cluster.
 
-Reference: the same config as one 4-process torchrun on one node. The two runs build the
-same mesh over the same ranks and run the same collectives in the same order, so their
-losses and gradient norms must be bitwise equal (no tolerance: nothing differs but how
-the processes were started). The layout line is checked too: HSDP 2 x 2 could be
-silently replaced by FSDP 4 (the replica dim dropped) with the same mean gradient, so
-equal losses alone would not show that the replica dim was there.
+Reference: the same config on one node, 4 processes started by the suite's rank runner
+(tests/rank_runner.py: forked from a server that has imported torch, not 4 fresh
+interpreters as torchrun starts; the trainer joins the process group it finds). The two
+runs build the same mesh over the same ranks and run the same collectives in the same
+order, so their losses and gradient norms must be bitwise equal (no tolerance: nothing
+differs but how the processes were started). The layout line is checked too: HSDP 2 x 2
+could be silently replaced by FSDP 4 (the replica dim dropped) with the same mean
+gradient, so equal losses alone would not show that the replica dim was there.
 
 Also here: scripts/slurm/train.sbatch parses (``bash -n``) and its torchrun line, with
 Slurm's variables filled in, passes the trainer's ``--check`` at its node count.
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+
+from rank_runner import run_ranks
 
 from simplefsdp.net import free_port
 
@@ -60,14 +64,19 @@ def _losses(out_dir: Path) -> list[tuple[str, str, str]]:
         return [(row["step"], row["loss"], row["grad_norm"]) for row in csv.DictReader(f)]
 
 
-def test_two_nodes_train_as_one_node(tmp_path):
+def _train(rank: int, world: int, out_dir: str) -> None:
+    """The trainer's command line (``TRAIN``, its config by absolute path) in a rank."""
+    from simplefsdp.train.__main__ import main
+
+    args = [str(ROOT / a) if a.startswith("configs/") else a for a in TRAIN[2:]]
+    main(args + ["--metrics.output_dir", out_dir])
+
+
+def test_two_nodes_train_as_one_node(tmp_path, capfd):
     env = _env()
     one_node = tmp_path / "one_node"
-    single = subprocess.run(
-        _torchrun("--standalone", "--nproc-per-node", "4")
-        + [*TRAIN, "--metrics.output_dir", str(one_node)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert single.returncode == 0, single.stderr[-3000:]
+    run_ranks(_train, 4, str(one_node))
+    single = capfd.readouterr()  # rank 0 prints the layout line to this test's stdout
 
     two_nodes = tmp_path / "two_nodes"
     port, job = free_port(), f"test-{uuid.uuid4().hex[:8]}"
@@ -92,7 +101,7 @@ def test_two_nodes_train_as_one_node(tmp_path):
 
     said = "".join(outputs)  # rank 0's lines are in whichever agent holds it
     assert f"world 4: pp=1 {LAYOUT}" in said, said[-3000:]
-    assert f"world 4: pp=1 {LAYOUT}" in single.stdout + single.stderr
+    assert f"world 4: pp=1 {LAYOUT}" in single.out + single.err
     reference, got = _losses(one_node), _losses(two_nodes)
     assert [step for step, *_ in reference] == ["1", "2", "3"], reference
     assert got == reference  # bitwise: same mesh, same collectives (module docstring)
