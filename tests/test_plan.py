@@ -140,13 +140,20 @@ def test_published_runs(planner):
     assert full.fits
 
 
-def test_cli_json_fields(tmp_path):
+def _cli_main(argv: list[str]) -> int:
+    from simplefsdp.plan.__main__ import main
+
+    return main(argv)
+
+
+def test_cli_json_fields(planner, tmp_path):
+    """The planner's command line (its ``main``, in the session's planner process: a
+    fresh interpreter would import torch again; ``python -m simplefsdp.plan`` itself
+    runs in test_cli_bad_input_is_named) writes one JSON row with every field."""
     out = tmp_path / "plan.json"
-    run = subprocess.run([sys.executable, "-m", "simplefsdp.plan", "--gpus", "4",
-                          "--gpu", "a100-80gb", "--json", str(out), "--parallel.tp", "2",
-                          "--training.seq_len", "64"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    code = planner(_cli_main, ["--gpus", "4", "--gpu", "a100-80gb", "--json", str(out),
+                               "--parallel.tp", "2", "--training.seq_len", "64"])
+    assert code == 0
     (row,) = json.loads(out.read_text())
     for key in ("dp_replicate", "dp_shard", "tp", "pp", "ac", "batch_size", "seq_len",
                 "compile", "peak_memory_gib", "reserved_memory_gib", "step_time_s",

@@ -148,7 +148,35 @@ def test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links():
     assert moe.saved_bytes(args, layers, tokens, 4, "full", 2) == 0
 
 
-def test_prediction_holds_the_tp_ep_layout(planner):
+# debug_moe as tp 2, batch 2 x seq 64, no AC, eager (the cheaper to plan), on H100 SXM
+# of 2 a node: 4 GPUs with ep 2 (fully_shard, dp_shard 2), without and with etp 2, and
+# DDP x TP 2 with etp 2 on 2 GPUs.
+TP2_MOE = ["--parallel.tp", "2", "--training.batch_size", "2", "--training.seq_len", "64",
+           "--activation_checkpoint.mode", "none"]
+
+
+def _tp2_moe_predictions() -> dict:
+    """``TP2_MOE``'s three predictions in one planner call: the two 4-GPU layouts share
+    their traces and eager replays (the planner traces the dense stand-in, which holds no
+    expert layout: ep and etp are not in a trace's key)."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan import predict
+
+    def cfg(*extra):
+        return load_config("configs/debug_moe.toml", [*TP2_MOE, *extra])
+    return {"ep": predict(cfg("--parallel.ep", "2"), 4, "h100-sxm", 2),
+            "etp": predict(cfg("--parallel.ep", "2", "--parallel.etp", "2"), 4,
+                           "h100-sxm", 2),
+            "ddp_etp": predict(cfg("--parallel.etp", "2", "--parallel.dp_mode", "replicate"),
+                               2, "h100-sxm", 2)}
+
+
+@pytest.fixture(scope="module")
+def tp2_moe(planner) -> dict:
+    return planner(_tp2_moe_predictions)
+
+
+def test_prediction_holds_the_tp_ep_layout(tp2_moe):
     """The whole prediction (eager, the cheaper to plan) of the layout above carries
     those figures: model states 16 B x 477,760 parameters per rank
     (test_rank_params_split_experts_over_the_experts_mesh_under_tp) and the all-to-alls
@@ -156,14 +184,9 @@ def test_prediction_holds_the_tp_ep_layout(planner):
     backward, 4 x 2 x 65,536 B
     (test_ep_under_tp_routes_each_rank_s_tokens_on_tp_s_links: without AC as with
     selective AC)."""
-    from simplefsdp.config.job import load_config
     from simplefsdp.hardware import GiB
-    from simplefsdp.plan import predict
 
-    cfg = load_config("configs/debug_moe.toml", [
-        "--parallel.tp", "2", "--parallel.ep", "2", "--training.batch_size", "2",
-        "--training.seq_len", "64", "--activation_checkpoint.mode", "none"])
-    row = planner(predict, cfg, 4, "h100-sxm", 2).detail["full"]
+    row = tp2_moe["ep"].detail["full"]
     assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
     assert row["all_to_all_s"] == pytest.approx(16 * (16e-6 + 65_536 / 2 / 360e9)
                                                 + 4 * (16e-6 + 64 / 2 / 360e9), rel=1e-12)
@@ -267,7 +290,7 @@ def test_etp_permutations_by_hand():
         == pytest.approx(4 * 12 * d / (3.35e12 * 0.40), rel=1e-12)
 
 
-def test_prediction_holds_the_etp_layout(planner):
+def test_prediction_holds_the_etp_layout(tp2_moe):
     """The whole prediction (eager) of the layout above with etp 2 (the planner takes an
     ETP config and traces its dense stand-in): model states 16 B x 477,760 parameters per
     rank, ETP 1's (test_rank_params_split_experts_over_the_experts_mesh_under_tp: the
@@ -283,10 +306,7 @@ def test_prediction_holds_the_etp_layout(planner):
     from simplefsdp.hardware import GiB
     from simplefsdp.plan import predict
 
-    layout = ["--parallel.tp", "2", "--parallel.etp", "2", "--training.batch_size", "2",
-              "--training.seq_len", "64", "--activation_checkpoint.mode", "none"]
-    cfg = load_config("configs/debug_moe.toml", [*layout, "--parallel.ep", "2"])
-    row = planner(predict, cfg, 4, "h100-sxm", 2).detail["full"]
+    row = tp2_moe["etp"].detail["full"]
     assert row["states_gib"] * GiB == pytest.approx(16 * 477_760, rel=1e-12)
     ep_ib = 16 * (54e-6 + 65_536 / 2 / 40e9) + 4 * (54e-6 + 64 / 2 / 40e9)
     etp = 4 * (4 * (16e-6 + 131_072 / 2 / 360e9) + (16e-6 + 64 / 2 / 360e9))
@@ -299,10 +319,10 @@ def test_prediction_holds_the_etp_layout(planner):
     # DDP x TP 2 on 2 GPUs stores half the experts with ETP 2: 169,088 non-expert
     # parameters per TP rank (test_rank_params_split_experts_over_the_experts_mesh_under_tp)
     # + 1,572,864 / 2, where ETP 1 holds all 1,572,864
-    ddp = load_config("configs/debug_moe.toml", [*layout, "--parallel.dp_mode", "replicate"])
-    row = planner(predict, ddp, 2, "h100-sxm", 2).detail["full"]
+    row = tp2_moe["ddp_etp"].detail["full"]
     assert row["states_gib"] * GiB == pytest.approx(16 * (169_088 + 786_432), rel=1e-12)
-    bad = load_config("configs/debug_moe.toml", [*layout, "--parallel.ep", "4"])
+    bad = load_config("configs/debug_moe.toml", [*TP2_MOE, "--parallel.etp", "2",
+                                                 "--parallel.ep", "4"])
     with pytest.raises(ConfigError, match=r"parallel\.etp = 2"):
         predict(bad, 4, "h100-sxm", 2)
 
@@ -537,9 +557,33 @@ def test_stand_in_ffn_has_no_tp_collectives_without_a_shared_expert(planner):
     assert floor == pytest.approx(4 * one, rel=1e-9)
 
 
+def _deepseek_compiled() -> dict:
+    """Issue 28's published layout, DeepSeek-V3 16B on 8 GPUs (FSDP 8 x EP 8, local batch
+    4 x 4096, compiled), predicted with selective and full AC on an H200 and on an H100
+    96 GB: {(ac, gpu): Prediction}. One planner call, so the four share one pair of
+    traces (a trace holds no device figure; a compiled MoE's selective is priced as whole
+    block recomputation, ``ac_mode_run``, the same graphs as full)."""
+    from simplefsdp.config.job import load_config
+    from simplefsdp.plan import predict
+
+    out = {}
+    for ac in ("selective", "full"):
+        cfg = load_config("configs/deepseek_v3_16b.toml", [
+            "--training.batch_size", "4", "--activation_checkpoint.mode", ac,
+            "--compile.enable", "true", "--compile.bucketing", "manual"])
+        for gpu in ("h200", "h100-96gb"):
+            out[ac, gpu] = predict(cfg, 8, gpu)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepseek_compiled(planner) -> dict:
+    return planner(_deepseek_compiled)
+
+
 @pytest.mark.parametrize("ac, step_s, allocated_gib", [("selective", 1.139, 62.20),
                                                         ("full", 1.138, 42.68)])
-def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s,
+def test_compiled_moe_prediction_matches_a_measured_h200_run(deepseek_compiled, ac, step_s,
                                                              allocated_gib):
     """Issue 28's published layout measured with our trainer on a real GPU (README,
     "Measured on a GPU": one H200, torch 2.11, 2026-11-27, ``scripts/device_check.py``'s
@@ -559,13 +603,7 @@ def test_compiled_moe_prediction_matches_a_measured_h200_run(planner, ac, step_s
     the graphs' small differences between torch 2.11 and 2.13, where the H200 run and
     this prediction were made, while a quarter of the 19.5 GiB kept-exchange term, 4.9
     GiB, is 7.8% of the selective figure and 11% of the full one)."""
-    from simplefsdp.config.job import load_config
-    from simplefsdp.plan import predict
-
-    cfg = load_config("configs/deepseek_v3_16b.toml", [
-        "--training.batch_size", "4", "--activation_checkpoint.mode", ac,
-        "--compile.enable", "true", "--compile.bucketing", "manual"])
-    got = planner(predict, cfg, 8, "h200")
+    got = deepseek_compiled[ac, "h200"]
     assert got.step_time_s - got.exposed_comm_s == pytest.approx(step_s, rel=0.12)
     assert got.peak_memory_gib == pytest.approx(allocated_gib, rel=0.02)
 
@@ -598,7 +636,7 @@ def test_eager_moe_step_waits_for_the_host(planner):
 
 
 @pytest.mark.parametrize("ac, published_gib", [("selective", 84.78), ("full", 52.02)])
-def test_deepseek_published_memory(planner, ac, published_gib):
+def test_deepseek_published_memory(deepseek_compiled, ac, published_gib):
     """Issue 28's published case: torchtitan's graph trainer, DeepSeek-V3 16B on 8 H100
     (96 GB), FSDP 8 x EP 8, local batch 4 x 4096, compiled: 84.78 GiB reserved with its
     default (selective) AC, 52.02 GiB with full recompute. Predicted 75.07 GiB (-11.5%)
@@ -609,11 +647,5 @@ def test_deepseek_published_memory(planner, ac, published_gib):
     outputs: the selective row's remaining gap. Not checked here (README, "Validation"):
     the tokens/s, 8,325 and 7,444 published, 10,803 and 10,444 predicted (+30%, +40%, out
     of the issue's 20%: our trainer on this layout is predicted faster than that run)."""
-    from simplefsdp.config.job import load_config
-    from simplefsdp.plan import predict
-
-    cfg = load_config("configs/deepseek_v3_16b.toml", [
-        "--training.batch_size", "4", "--activation_checkpoint.mode", ac,
-        "--compile.enable", "true", "--compile.bucketing", "manual"])
-    got = planner(predict, cfg, 8, "h100-96gb")
+    got = deepseek_compiled[ac, "h100-96gb"]
     assert got.reserved_memory_gib == pytest.approx(published_gib, rel=0.15)

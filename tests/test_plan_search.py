@@ -101,10 +101,15 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     keep3_stats: dict = {}
     keep3 = search(cfg, gpus, "h100-sxm", per_node, keep=3, stats=keep3_stats)
     traces = trace.cache_info()._asdict()
-    # the pruned search again in two worker processes (tp 1 and tp 2), each tracing its
-    # own graphs (not this process's cache, whose counts are read above)
+    # the pruned search narrowed to one layout of each tp (pp 1, no AC, batch 1), here
+    # (traced above) and in two worker processes (a task each: tp 1 and tp 2), each
+    # tracing its own graphs (not this process's cache, whose counts are read above)
+    narrowed_stats: dict = {}
+    narrowed = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=narrowed_stats,
+                      constrain=_one_layout_per_tp)
     workers_stats: dict = {}
-    workers = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=workers_stats, workers=2)
+    workers = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=workers_stats, workers=2,
+                     constrain=_one_layout_per_tp)
     configs = {(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.pp,
                 c.activation_checkpoint.mode, c.training.batch_size): c
                for c in layouts(cfg, gpus, per_node)}
@@ -112,13 +117,21 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     bounds = [(speed_bound(configs[(r.dp_replicate, r.dp_shard, r.tp, r.pp, r.ac,
                                     r.batch_size)], gpus, dev, per_node), r.tokens_per_s_per_gpu)
               for r in full]
-    rows = {"pruned": pruned, "full": full, "keep3": keep3, "workers": workers}
+    rows = {"pruned": pruned, "full": full, "keep3": keep3, "narrowed": narrowed,
+            "workers": workers}
     return ({k: [r.to_dict() for r in v] for k, v in rows.items()},
             {"pruned": pruned_stats, "full": full_stats, "keep3": keep3_stats,
-             "workers": workers_stats}, bounds, traces,
+             "narrowed": narrowed_stats, "workers": workers_stats}, bounds, traces,
             _comm_bound(cfg, dev, next(r for r in full if r.tp == r.pp == 1)),
             _knob_rows_keep(cfg, gpus, per_node),
             _floor_against_predictions(full, configs))
+
+
+def _one_layout_per_tp(c):
+    """``search``'s ``constrain``: pp 1, no AC, batch 1 only (one layout of each tp)."""
+    kept = c.parallel.pp == 1 and c.activation_checkpoint.mode == "none" \
+        and c.training.batch_size == 1
+    return c if kept else None
 
 
 def _floor_against_predictions(rows, configs) -> list[tuple[float, float]]:
@@ -357,87 +370,136 @@ def test_fitting_knob_row_raises_the_bar(monkeypatch):
 
 def test_search_workers_split_by_tp(searches):
     """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
-    best row as one process, and report their traces."""
+    best row as one process, and report their traces; the search narrowed to one layout
+    of each tp (a worker's trace costs what one in this process does, and a worker
+    starts by importing torch)."""
     rows, stats = searches[:2]
-    assert rows["pruned"][0] == rows["workers"][0]
-    assert stats["pruned"]["traces"] > 0 and stats["workers"]["traces"] > 0
-    for name in ("pruned", "workers"):
+    assert rows["narrowed"][0] == rows["workers"][0]
+    assert all((r["pp"], r["ac"], r["batch_size"]) == (1, "none", 1)
+               for r in rows["narrowed"] + rows["workers"]) and rows["workers"][0]["fits"]
+    assert stats["narrowed"]["traces"] == 0 and stats["workers"]["traces"] > 0
+    for name in ("pruned", "narrowed", "workers"):
         assert stats[name]["predicted"] == len(rows[name]), name
 
-# The debug model (4 heads, bf16 compute) with a 131,072-token vocabulary at 65,536
-# tokens, 2 GPUs of 1 per node (tp 1): its loss alone, by hand, needs the bf16 logits,
-# their float32 copy and float32 log_softmax, 10 B x 65,536 x 131,072 = 80 GiB on a rank
-# holding the whole sequence, over an A100's 79.2 GiB; split over 2 context-parallel
-# ranks, 40 GiB, and the backward's 12 B per logit 48 GiB.
-LONG = ["--model.n_layers", "2", "--model.vocab_size", "131072", "--training.seq_len",
-        "65536", "--model.max_seq_len", "65536", "--compile.enable", "true",
-        "--compile.bucketing", "manual", "--training.mixed_precision_param", "bfloat16"]
+# Long sequences: the debug model (dim 128, 4 heads of 32, 2 KV heads, FFN 352) with a
+# 65,536-token vocabulary at 65,536 tokens, bf16 compute, compiled, on A100s of 1 per
+# node. A trace depends on neither the depth (1 and 2 blocks are traced) nor the device,
+# so the searches below share their traces in one planner call (``long_searches``).
+LONG_SEQUENCE = ["--model.vocab_size", "65536", "--training.seq_len", "65536",
+                 "--model.max_seq_len", "65536", "--compile.enable", "true",
+                 "--compile.bucketing", "manual", "--training.mixed_precision_param",
+                 "bfloat16"]
+
+# DEEP: 256 blocks on 2 A100 80 GB. By hand, per rank holding the whole sequence: the
+# loss's backward holds 12 B per logit, 12 x 65,536 x 65,536 = 48 GiB; selective AC saves
+# wq, wv, w1, w2 outputs and attention's (128 + 64 + 352 + 128 + 128 = 800 bf16 values a
+# token a block: 25 GiB), no AC at least that plus wk, w3 (+ 64 + 352 values: 38 GiB),
+# full AC each block's input (128 values: 4 GiB). Reserved (active x 1.2) + 1 GiB against
+# 79.2 GiB: no AC and selective AC do not fit ((48 + 25) x 1.2 = 88 GiB), full AC does
+# ((48 + 4) x 1.2 = 62 GiB, plus a block's recompute). Ring or Ulysses 2 halve the tokens
+# per rank: the loss 24 GiB, no AC at least 19 GiB: it fits without recomputing anything.
+DEEP = ["--model.n_layers", "256", *LONG_SEQUENCE]
+
+# LONG: 2 blocks on 2 A100s with 40 GB usable (``a100-80gb@40GB``: 37.25 GiB). Its loss
+# alone, by hand, needs the bf16 logits, their float32 copy and float32 log_softmax,
+# 10 B x 65,536 x 65,536 = 40 GiB on a rank holding the whole sequence, over the 37.25
+# GiB; split over 2 context-parallel ranks 20 GiB, and the backward's 12 B per logit
+# 24 GiB (x 1.2 + 1 GiB: 29.8 GiB, and two blocks' activations, a few hundred MiB).
+LONG = ["--model.n_layers", "2", *LONG_SEQUENCE]
+LONG_GPU = "a100-80gb@40GB"
 
 
-def _long_search():
+def _long_search() -> tuple[list[dict], dict, list[tuple[float, float]]]:
     from simplefsdp.hardware import gpu_profile
     from simplefsdp.plan.search import layouts, search, speed_bound
 
     stats: dict = {}
     cfg = load_config(None, LONG)
-    rows = search(cfg, 2, "a100-80gb", 1, keep=1, stats=stats)
+    rows = search(cfg, 2, LONG_GPU, 1, keep=1, stats=stats)
     # each row's speed bound (which ``keep`` prunes by) must hold over its prediction
     by_layout = {(c.parallel.dp_shard, c.parallel.cp_ring, c.parallel.cp_ulysses,
-                  c.activation_checkpoint.mode, c.training.batch_size): c
-                 for c in layouts(cfg, 2, 1, cp=True)}
-    bounds = [(speed_bound(by_layout[(r.dp_shard, r.cp_ring, r.cp_ulysses, r.ac,
-                                      r.batch_size)], 2, gpu_profile("a100-80gb")),
+                  c.parallel.cp_rotate, c.activation_checkpoint.mode,
+                  c.training.batch_size): c for c in layouts(cfg, 2, 1, cp=True)}
+    bounds = [(speed_bound(by_layout[(r.dp_shard, r.cp_ring, r.cp_ulysses, r.cp_rotate,
+                                      r.ac, r.batch_size)], 2, gpu_profile(LONG_GPU)),
                r.tokens_per_s_per_gpu) for r in rows]
     return [r.to_dict() for r in rows], stats, bounds
 
 
-def test_search_splits_a_sequence_that_fits_no_rank_whole(planner):
-    """Nothing with cp = 1 fits (the loss by hand, above): the search runs again over the
-    CP layouts and picks cp 2 (ring or Ulysses); the cp = 1 layouts are refused untraced
-    by their model states + loss floor, so every row predicted has cp 2."""
-    rows, stats, bounds = planner(_long_search)
-    assert all(bound >= tps for bound, tps in bounds), bounds
-    gib = 2**30
-    assert 10 * 65536 * 131072 == 80 * gib > 79.2 * gib  # cp = 1: the loss alone
-    best = rows[0]
-    assert best["fits"] and best["cp_ring"] * best["cp_ulysses"] == 2, best
-    assert all(r["cp_ring"] * r["cp_ulysses"] == 2 for r in rows), rows
-    # the row holds at least its loss's backward, 12 B x 32,768 x 131,072 = 48 GiB
-    assert best["peak_memory_gib"] * gib >= 12 * 32768 * 131072, best
-    assert stats["memory"] > 0 and stats["predicted"] == len(rows)
+def _whole_then_split() -> tuple[list[dict], dict]:
+    """DEEP without AC, batch 1, on 2 GPUs through the search's loop: dp_shard 2 (whole
+    sequences), then ring 2 (all-gathered K/V) on the same 2 sharded ranks."""
+    from simplefsdp.plan.search import _Bar, _search_groups, layouts
 
+    cfg = load_config(None, DEEP)
 
-# The debug model (dim 128, 4 heads of 32, 2 KV heads, FFN 352) 256 blocks deep with a
-# 65,536-token vocabulary at 65,536 tokens, bf16 compute, compiled, on A100s of 1 per
-# node. By hand, per rank holding the whole sequence: the loss's backward holds 12 B per
-# logit, 12 x 65,536 x 65,536 = 48 GiB; selective AC saves wq, wv, w1, w2 outputs and
-# attention's (128 + 64 + 352 + 128 + 128 = 800 bf16 values a token a block: 25 GiB), no AC
-# at least that plus wk, w3 (+ 64 + 352 values: 38 GiB), full AC each block's input (128
-# values: 4 GiB). Reserved (active x 1.2) + 1 GiB against 79.2 GiB: no AC and selective
-# AC do not fit ((48 + 25) x 1.2 = 88 GiB), full AC does ((48 + 4) x 1.2 = 62 GiB, plus a
-# block's recompute). Ring or Ulysses 2 halve the tokens per rank: the loss 24 GiB, no AC
-# at least 19 GiB: it fits without recomputing anything.
-DEEP = ["--model.n_layers", "256", "--model.vocab_size", "65536", "--training.seq_len",
-        "65536", "--model.max_seq_len", "65536", "--compile.enable", "true",
-        "--compile.bucketing", "manual", "--training.mixed_precision_param", "bfloat16"]
-
-
-def _deep_search():
-    from simplefsdp.plan.search import search
-
-    stats: dict = {}
-    rows = search(load_config(None, DEEP), 2, "a100-80gb", 1, keep=1, stats=stats)
+    def pick(cp: bool):
+        return next(c for c in layouts(cfg, 2, 1, cp=cp, ac_modes=("none",))
+                    if c.training.batch_size == 1 and c.parallel.pp == 1
+                    and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1
+                    and c.parallel.cp_rotate == "allgather")
+    rows, _, stats = _search_groups([[pick(False)], [pick(True)]], 2, "a100-80gb", 1,
+                                    _Bar(0))
     return [r.to_dict() for r in rows], stats
 
 
-def test_search_weighs_cp_layouts_that_fit_with_less_recomputation(planner):
-    """Whole sequences fit only with recomputation (above, by hand), so the search's
-    context-parallel pass runs with the AC modes that recompute less than every fitting
-    whole-sequence row: cp 2 without AC does the forward once (full AC runs it twice:
-    matmuls 4 passes instead of 3, attention's forward again) for the ring's K/V in
-    transit (16 MiB a block over InfiniBand), and is the best row. CP rows recompute
-    less than any fitting whole-sequence row (the same AC would only add communication)."""
-    rows, stats = planner(_deep_search)
+def _sharded_only(c):
+    """``search``'s ``constrain`` for DEEP: dp_shard and the sequence's splits only (pp 2's
+    two stages and a replicated layout trace graphs of their own, and the asserts need
+    neither: the CP pass's AC modes follow the fitting whole-sequence rows, whichever)."""
+    return c if c.parallel.pp == 1 and c.parallel.dp_replicate == 1 else None
+
+
+def _long_searches() -> dict:
+    """DEEP's search (keep 1, 2 A100 80 GB of 1 per node, ``_sharded_only``), the too-big
+    skip's case on DEEP's layouts, and LONG's search, in that order in one process: the
+    later two reuse DEEP's traces (each one's count of new traces is returned with it)."""
+    from simplefsdp.plan.search import search
+    from simplefsdp.plan.trace import trace
+
+    stats: dict = {}
+    rows = search(load_config(None, DEEP), 2, "a100-80gb", 1, keep=1, stats=stats,
+                  constrain=_sharded_only)
+    out = {"deep": ([r.to_dict() for r in rows], stats)}
+    for name, fn in (("too_big", _whole_then_split), ("long", _long_search)):
+        before = trace.cache_info().misses
+        out[name] = (*fn(), trace.cache_info().misses - before)
+    return out
+
+
+@pytest.fixture(scope="module")
+def long_searches(planner):
+    return planner(_long_searches)
+
+
+def test_search_splits_a_sequence_that_fits_no_rank_whole(long_searches):
+    """LONG: nothing with cp = 1 fits (the loss by hand, above): the search runs again
+    over the CP layouts and picks cp 2 (ring or Ulysses); the cp = 1 layouts are refused
+    untraced by their model states + loss floor, so every row predicted has cp 2."""
+    from simplefsdp.hardware import gpu_profile
+
+    rows, stats, bounds, _ = long_searches["long"]
+    assert all(bound >= tps for bound, tps in bounds), bounds
+    gib = 2**30
+    # cp = 1: the loss alone over the device
+    assert 10 * 65536 * 65536 == 40 * gib > gpu_profile(LONG_GPU).memory_bytes == 40e9
+    best = rows[0]
+    assert best["fits"] and best["cp_ring"] * best["cp_ulysses"] == 2, best
+    assert all(r["cp_ring"] * r["cp_ulysses"] == 2 for r in rows), rows
+    # the row holds at least its loss's backward, 12 B x 32,768 x 65,536 = 24 GiB
+    assert best["peak_memory_gib"] * gib >= 12 * 32768 * 65536, best
+    assert stats["memory"] > 0 and stats["predicted"] == len(rows)
+
+
+def test_search_weighs_cp_layouts_that_fit_with_less_recomputation(long_searches):
+    """DEEP (dp_shard or the sequence split, ``_sharded_only``): whole sequences fit only
+    with recomputation (above, by hand), so the search's context-parallel pass runs with
+    the AC modes that recompute less than every fitting whole-sequence row: cp 2 without
+    AC does the forward once (full AC runs it twice: matmuls 4 passes instead of 3,
+    attention's forward again) for the ring's K/V in transit (16 MiB a block over
+    InfiniBand), and is the best row. CP rows recompute less than any fitting
+    whole-sequence row (the same AC would only add communication)."""
+    rows, stats = long_searches["deep"]
     order = {"none": 0, "selective": 1, "full": 2}
     whole = [r for r in rows if r["fits"] and r["cp_ring"] * r["cp_ulysses"] == 1]
     split = [r for r in rows if r["cp_ring"] * r["cp_ulysses"] > 1]
@@ -454,35 +516,25 @@ def test_search_weighs_cp_layouts_that_fit_with_less_recomputation(planner):
     assert stats["predicted"] == len(rows)
 
 
-def _cp2_then_cp4():
-    from simplefsdp.plan.search import _Bar, _search_groups, layouts
-
-    cfg = load_config(None, ["--model.n_layers", "128", *DEEP[2:4], "--training.seq_len",
-                             "131072", "--model.max_seq_len", "131072", *DEEP[8:]])
-    pick = {(c.parallel.dp_shard, c.parallel.cp_ring): c for c in layouts(
-        cfg, 4, 1, cp=True, ac_modes=("none",)) if c.training.batch_size == 1
-        and c.parallel.pp == 1 and c.parallel.dp_replicate == 1 and c.parallel.cp_ulysses == 1
-        and c.parallel.cp_rotate == "allgather"}
-    rows, _, stats = _search_groups([[pick[(2, 2)]], [pick[(1, 4)]]], 4, "a100-80gb", 1,
-                                    _Bar(0))
-    return [r.to_dict() for r in rows], stats
-
-
-def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways(planner):
-    """DEEP with 128 blocks at 131,072 tokens on 4 GPUs without AC: dp_shard 2 x ring 2
-    gives each rank 65,536 tokens (the loss 48 GiB + at least 19 GiB of activations, x 1.2
-    + 1 GiB over 79.2 GiB: does not fit); ring 4 has the same 4 sharded ranks but 32,768
-    tokens a rank (24 + about 10 GiB, fits). The too-big skip (same tp, pp, AC, no
-    smaller batch, no more sharded ranks) must not skip ring 4 after dp_shard 2 x ring 2
-    failed: it splits the sequence more ways."""
-    rows, stats = planner(_cp2_then_cp4)
+def test_too_big_skip_keeps_layouts_splitting_the_sequence_more_ways(long_searches):
+    """DEEP without AC, batch 1, on 2 GPUs: dp_shard 2 holds whole sequences on its 2
+    sharded ranks (the loss 48 GiB + at least 38 GiB of activations: does not fit, above);
+    ring 2 has the same 2 sharded ranks but 32,768 tokens a rank (24 + at least 19 GiB,
+    x 1.2 + 1 GiB under 79.2 GiB: fits). The too-big skip (same tp, pp, AC and K/V
+    rotation, no smaller batch, no more sharded ranks) must not skip ring 2 after
+    dp_shard 2 failed: it splits the sequence more ways. Both layouts were traced by
+    DEEP's search (no new trace)."""
+    rows, stats, new_traces = long_searches["too_big"]
     assert [(r["dp_shard"], r["cp_ring"], r["fits"]) for r in rows] == [
-        (2, 2, False), (1, 4, True)], rows
+        (2, 1, False), (1, 2, True)], rows
     assert stats["memory"] == 0 and stats["predicted"] == 2
+    assert new_traces == 0
 
 
-# A small job whose traces are cheap: the debug model's 2 blocks, 64 tokens, on 2 GPUs.
-TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--job.device", "cuda"]
+# A small job whose traces are cheap: the debug model's 2 blocks, 64 tokens, on 2 GPUs,
+# compiled (an eager job's figures also replay its step, once per shard count).
+TINY = ["--model.n_layers", "2", "--training.seq_len", "64", "--job.device", "cuda",
+        "--compile.enable", "true"]
 
 
 def _figures_from_disk(folder: str) -> dict:
