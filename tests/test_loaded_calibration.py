@@ -114,8 +114,8 @@ def _ranks(rank: int, world_size: int, folder: str) -> dict:
         out["came_and_went"] = _changing_load(
             [LOADED, IDLE, IDLE, IDLE], os.path.join(folder, "came_and_went"))
         out["came_and_went_next"], out["came_and_went_next_said"] = _model_on(IDLE)
-        # every try unsteady: loaded, then idle between loaded readings, then loaded
-        out["flapping"] = _changing_load([LOADED, LOADED, IDLE, IDLE, LOADED, LOADED],
+        # no try steady: loaded, then idle between a loaded reading and an idle one
+        out["flapping"] = _changing_load([LOADED, LOADED, IDLE, IDLE],
                                          os.path.join(folder, "flapping"))
         os.environ["SIMPLEFSDP_CACHE_DIR"] = os.path.join(folder, "sequence")
         out["loaded"], _ = _model_on(LOADED)  # an empty cache: calibrates under load
@@ -185,8 +185,8 @@ def test_load_changing_during_a_calibration_takes_it_again(results):
 def test_no_steady_try_keeps_the_least_loaded_one(results):
     for r in results:
         model, said, readings = r["flapping"]
-        assert readings == 6, readings  # three tries, none steady
-        assert any("during each of 3 calibrations" in s and "keeping try 2" in s
+        assert readings == 4, readings  # two tries, neither steady
+        assert any("during each of 2 calibrations" in s and "keeping try 2" in s
                    for s in said), said
-        for kind in KINDS:  # try 2 ran on the idle host between loaded readings
+        for kind in KINDS:  # try 2 ran on the idle host, try 1 on the loaded one
             assert model[kind] == r["fresh_idle"][kind], kind

@@ -357,8 +357,10 @@ def get_comm_model(group: dist.ProcessGroup | None = None, calibrate_on_miss: bo
     return model
 
 
-# How many times a calibration is taken before the least loaded one is kept anyway.
-CALIBRATION_TRIES = 3
+# How many times a calibration is taken before the least loaded one is kept anyway: one
+# retry clears load that came or went once; more would cost seconds each on a host whose
+# load keeps changing, where no try is steady.
+CALIBRATION_TRIES = 2
 
 
 def calibrate_steadily(group: dist.ProcessGroup | None = None,
@@ -369,8 +371,9 @@ def calibrate_steadily(group: dist.ProcessGroup | None = None,
     just taken), and the reading after it, which a cache stores as the reference later
     probes compare with. Load that came or went while the calibration ran (another job
     starting, a compile on the same cores) shows as the two readings disagreeing beyond
-    ``drift``'s margins: the figures would hold for neither host, so the calibration is
-    taken again, up to ``CALIBRATION_TRIES`` times. If no try is steady, the one whose
+    ``drift.LOAD_MARGIN`` in a figure that sees load (``drift.LOAD_FIGURES``): the figures
+    would hold for neither host, so the calibration is taken again, up to
+    ``CALIBRATION_TRIES`` times. If no try is steady, the one whose
     reading after it was the least loaded (the lowest ``collective_s``) is kept, with a
     warning. Collective; the readings are agreed across ranks, so every rank takes the
     same decisions."""
@@ -382,7 +385,8 @@ def calibrate_steadily(group: dist.ProcessGroup | None = None,
             before = drift.read_probe(group, dev)
         model = calibrate(group, device=dev, **calibrate_kwargs)
         after = drift.read_probe(group, dev)
-        moved = drift.disagreements(before, after)
+        # hardware and thread count cannot change meanwhile: only the load figures
+        moved = drift.disagreements({k: before[k] for k in drift.LOAD_FIGURES}, after)
         if not moved:
             return model, after
         tries.append((after["collective_s"], attempt, model, after, moved))

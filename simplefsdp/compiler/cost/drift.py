@@ -44,7 +44,7 @@ from ...agreement import agree_across_ranks
 from .compute import time_callable
 from .probes import measure_collective_samples, measure_compute_slowdown
 
-__all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
+__all__ = ["LOAD_FIGURES", "LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 
 # Relative disagreement beyond which a cached compute figure is refused: wide enough for
 # the spread of idle calibrations on a small shared host (docs/performance.md), narrow
@@ -52,12 +52,15 @@ __all__ = ["LOAD_MARGIN", "MARGIN", "disagreements", "read_probe"]
 MARGIN = 0.30
 PROBE_MATMUL = 256
 PROBE_SLOWDOWN_S = 0.02  # the calibration uses 0.05 s x 9 repeats; the probe 0.02 s x 5
-PROBE_BUSY_S = 0.02  # idle-host seconds of the fixed work ``busy_s`` times (5 repeats)
+PROBE_BUSY_S = 0.02  # idle-host seconds of the fixed work ``busy_s`` times
 # Tighter than MARGIN: the collective figures feed the estimate directly, and the
 # estimate must land within MARGIN of the measured step, noise of its own included.
 LOAD_MARGIN = 0.20
+# The figures that see load from elsewhere (the others tell the hardware and thread count)
+LOAD_FIGURES = ("collective_s", "busy_s")
 # (kind, full bytes): one latency-bound and one bandwidth-bound collective
 PROBE_COLLECTIVES = (("all_reduce", 64 * 2 ** 10), ("all_gather", 2 * 2 ** 20))
+PROBE_REPEATS = 9  # runs of each collective and of the fixed work: medians of 9 are steadier
 
 
 def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, float]:
@@ -80,25 +83,25 @@ def read_probe(group: dist.ProcessGroup, device: torch.device) -> dict[str, floa
 def _busy_seconds(group: dist.ProcessGroup, device: torch.device, matmul, matmul_s: float
                   ) -> float:
     """The median time of ``PROBE_BUSY_S / matmul_s`` runs of ``matmul`` (the same count
-    on every rank: ``matmul_s`` is agreed), every rank at once, 5 repeats; the slowest
-    rank's. Collective."""
+    on every rank: ``matmul_s`` is agreed), every rank at once, ``PROBE_REPEATS`` times;
+    the slowest rank's. Collective."""
     count = max(1, round(PROBE_BUSY_S / max(matmul_s, 1e-9)))
 
     def work() -> None:
         for _ in range(count):
             matmul()
     times = []
-    for _ in range(5):
+    for _ in range(PROBE_REPEATS):
         dist.barrier(group)
         times.append(time_callable(work, 1, 0, device))
     return agree_across_ranks([statistics.median(times)], group, op="max")[0]
 
 
 def _collective_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The summed medians of ``PROBE_COLLECTIVES`` (5 runs each, interleaved), the
-    slowest rank's. Collective."""
-    samples = measure_collective_samples(PROBE_COLLECTIVES, group, device, repeats=5,
-                                         warmup=1)
+    """The summed medians of ``PROBE_COLLECTIVES`` (``PROBE_REPEATS`` runs each,
+    interleaved), the slowest rank's. Collective."""
+    samples = measure_collective_samples(PROBE_COLLECTIVES, group, device,
+                                         repeats=PROBE_REPEATS, warmup=1)
     mine = sum(statistics.median(times) for times in samples)
     return agree_across_ranks([mine], group, op="max")[0]
 
@@ -114,7 +117,7 @@ def disagreements(cached: dict[str, float | None], reading: dict[str, float],
         was, now = cached.get(name), reading.get(name)
         if was is None or now is None:
             continue
-        margin_here = load_margin if name in ("collective_s", "busy_s") else margin
+        margin_here = load_margin if name in LOAD_FIGURES else margin
         ratio = max(was, 1e-12) / max(now, 1e-12)
         if ratio > 1 + margin_here or ratio < 1 / (1 + margin_here):
             out.append(f"{name} cached {was:.4g}, probe reads {now:.4g} "
