@@ -487,3 +487,34 @@ def test_liveness_output_backward_inputs_and_copying_reshape():
     assert memory.peak_memory_estimate(graph)[0] == 2 * 128  # x (held) + the copy
     # sunk copies (Inductor fuses them into their users): every reshape aliases its input
     assert memory.peak_memory_estimate(graph, alias_of=memory.sunk_copies)[0] == 128
+
+
+# what each round of the hidden-fraction probe reads, scripted (see below)
+HIDDEN_ROUNDS = (0.6, 0.0, 0.2, 0.5, 0.1)
+
+
+def _scripted_hidden_fraction(rank: int, world_size: int) -> float:
+    """``probes.measure_hidden_fraction`` with its timings scripted by what is timed: the
+    all-gather and the compute 1 s each, both together ``2 - f`` (a round then reads
+    exactly ``f``, the next of ``HIDDEN_ROUNDS``), the sizing matmuls 1 ms."""
+    from simplefsdp.compiler.cost import probes
+
+    rounds = iter(HIDDEN_ROUNDS)
+
+    def timed(fn, repeats, warmup, device):
+        if fn.__name__ == "both":
+            return 2.0 - next(rounds)
+        return 1.0 if fn.__name__ in ("comm", "compute") else 1e-3
+    real = probes.time_callable
+    probes.time_callable = timed
+    try:
+        return probes.measure_hidden_fraction(rounds=len(HIDDEN_ROUNDS))
+    finally:
+        probes.time_callable = real
+
+
+def test_hidden_fraction_is_the_least_round():
+    """The calibration keeps the least hiding any round read: what every round achieved
+    (a round reads high when its separately timed all-gather or compute ran slow). The
+    median of these rounds would be 0.2."""
+    assert run_ranks(_scripted_hidden_fraction, 2) == [0.0, 0.0]
