@@ -58,7 +58,8 @@ def _model_on(host: tuple[float, ...], **kwargs) -> tuple[dict, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = comm.get_comm_model(sizes=SIZES, repeats=5, warmup=1, **kwargs)
-    said = [str(w.message) for w in caught if "recalibrating" in str(w.message)]
+    # the probe's verdict ("recalibrating") and calibrate_steadily's ("calibrations")
+    said = [str(w.message) for w in caught if "calibrat" in str(w.message)]
     return {**model.to_dict(), "source": model.source}, said
 
 
@@ -86,21 +87,16 @@ def _changing_load(hosts: list[tuple[float, ...]], folder: str) -> tuple[dict, l
     """A calibration into the empty cache ``folder`` on the idle host, the load changing
     at the probes as ``hosts`` says; then the stored figures, the warnings, the
     readings taken."""
-    from simplefsdp.compiler.cost import compute, drift
+    from simplefsdp.compiler.cost import drift
 
     os.environ["SIMPLEFSDP_CACHE_DIR"] = folder
     changing = HostChangingAtProbes(hosts)
     drift.read_probe = changing
     try:
-        compute.clock = ScriptedHost(IDLE)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            from simplefsdp.compiler.cost import comm
-
-            model = comm.get_comm_model(sizes=SIZES, repeats=5, warmup=1)
+        model, said = _model_on(IDLE)
     finally:
         drift.read_probe = changing.read
-    return model.to_dict(), [str(w.message) for w in caught], changing.readings
+    return model, said, changing.readings
 
 
 def _ranks(rank: int, world_size: int, folder: str) -> dict:
