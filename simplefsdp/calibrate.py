@@ -114,9 +114,10 @@ def _rank_main(rank: int, world: int, port: int, threads: int, refresh: bool,
     import torch
     import torch.distributed as dist
 
+    from .net import join_local_group
+
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    join_local_group("gloo", port, rank, world, datetime.timedelta(seconds=120))
     try:
         text = probe_report(refresh)
         if text is not None:
@@ -128,12 +129,13 @@ def _rank_main(rank: int, world: int, port: int, threads: int, refresh: bool,
 def _probe_ranks(world: int, threads: int, refresh: bool) -> str:
     import multiprocessing as mp
 
-    from .net import free_port
+    from .net import host_store
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, threads, refresh, queue))
+    store = host_store(world, datetime.timedelta(seconds=120))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, threads, refresh,
+                                                  queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from simplefsdp.net import free_port
+from simplefsdp.net import host_store, join_local_group
 
 # A deadlock turns into an error after these. Generous: with pytest-xdist workers
 # (scripts/test.sh, SIMPLEFSDP_TEST_WORKERS) two test files share 2 cores, so a group of
@@ -93,18 +93,15 @@ def _worker(fn, rank, world_size, port, env, _std_fds, args, queue):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows them
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        join_local_group("gloo", port, rank, world_size,
+                         datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         result = fn(rank, world_size, *args)
         if dist.is_initialized():
-            # meet before tearing down: rank 0 hosts the store, so a rank still creating
-            # groups (or reading the store) when rank 0 exits fails with "Broken pipe"
+            # meet before tearing down: a rank that exits while another still creates
+            # groups or runs a collective with it breaks that rank's run
             dist.barrier()
         # plain pickle copies tensors' data; the queue's own pickler would send them as
         # shared memory that the parent reads through this process, which may have
@@ -126,7 +123,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    # this process hosts the ranks' store (no port chosen free and bound later, which
+    # another process could take meanwhile: EADDRINUSE under load); it outlives every rank
+    store = host_store(world_size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    port = store.port
     env = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, env,
                                                     (_CallersFd(1), _CallersFd(2)), args, queue),
@@ -163,4 +163,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store  # stops its server: every rank has exited or been killed
     return [results[r] for r in range(world_size)]

@@ -2,6 +2,7 @@
 caller's environment and folder and writes to the caller's stdout and stderr, as a
 spawned rank would."""
 
+import datetime
 import os
 
 import pytest
@@ -52,8 +53,9 @@ def test_a_returned_tensor_outlives_its_rank():
 
     ctx = rank_runner._context()
     queue = ctx.Queue()
+    store = rank_runner.host_store(1, datetime.timedelta(seconds=60))
     proc = ctx.Process(target=rank_runner._worker,
-                       args=(_tensor, 0, 1, rank_runner.free_port(), dict(os.environ),
+                       args=(_tensor, 0, 1, store.port, dict(os.environ),
                              (), (), queue))
     proc.start()
     proc.join(timeout=300)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .._torch_compat import fake_store
 from ..errors import ConfigError
-from ..net import free_port
+from ..net import host_store, join_local_group
 from .config import BenchConfig
 
 
@@ -55,13 +55,19 @@ def main_for_rank(cfg: BenchConfig, rank: int, world: int, local_world: int,
     return out
 
 
-def _init(cfg: BenchConfig, rank: int, world: int, local_rank: int) -> str:
+def _init(cfg: BenchConfig, rank: int, world: int, local_rank: int,
+          port: int | None = None) -> str:
+    """Join the default group: from torchrun's environment, or (``port``) through the
+    store :func:`run_spawned` hosts."""
     backend = "gloo"
     if cfg.job.device == "cuda":
         torch.cuda.set_device(local_rank)
         backend = "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.bench.timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.bench.timeout_s)
+    if port is None:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    else:
+        join_local_group(backend, port, rank, world, timeout)
     return backend
 
 
@@ -97,10 +103,9 @@ def run_fake(cfg: BenchConfig) -> Path | None:
 
 
 def _spawned(cfg: BenchConfig, rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(cfg.bench.world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(cfg.bench.world_size))
-    backend = _init(cfg, rank, cfg.bench.world_size, rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.bench.world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cfg.bench.world_size))
+    backend = _init(cfg, rank, cfg.bench.world_size, rank, port)
     try:
         main_for_rank(cfg, rank, cfg.bench.world_size, cfg.bench.world_size, backend)
     finally:
@@ -116,8 +121,9 @@ def run_spawned(cfg: BenchConfig, poll_s: float = 0.5) -> int:
             f"for real timings, or --fake-pg for compile/memory figures at world size "
             f"{cfg.bench.world_size}")
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_spawned, args=(cfg, r, port), name=f"bench-rank{r}")
+    # this process hosts the ranks' store for as long as they run
+    store = host_store(cfg.bench.world_size, datetime.timedelta(seconds=cfg.bench.timeout_s))
+    procs = [ctx.Process(target=_spawned, args=(cfg, r, store.port), name=f"bench-rank{r}")
              for r in range(cfg.bench.world_size)]
     for p in procs:
         p.start()

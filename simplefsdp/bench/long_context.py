@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..net import free_port
+from ..net import host_store, join_local_group
 from .report import save_json
 
 # name: (processes, trainer flags); every variant trains one sequence per step
@@ -57,10 +57,8 @@ def _flags(name: str, seq_len: int, steps: int) -> list[str]:
 
 def _rank(rank: int, world: int, port: int, argv: list[str], steps: int, profiled: int,
           queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
+    join_local_group("gloo", port, rank, world, datetime.timedelta(minutes=30))
     try:
         from ..config.job import parse_args
         from ..parallel.context import cp_batches
@@ -95,9 +93,10 @@ def run_variant(name: str, seq_len: int, steps: int, profiled: int = 3) -> dict:
     """Spawn the variant's processes; its step ms (rank 0) and peak MiB per rank."""
     world, extra = VARIANTS[name]
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
+    queue, store = ctx.Queue(), host_store(world, datetime.timedelta(minutes=30))
     argv = _flags(name, seq_len, steps) + extra
-    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, steps, profiled, queue))
+    procs = [ctx.Process(target=_rank, args=(r, world, store.port, argv, steps, profiled,
+                                             queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..net import free_port
+from ..net import host_store, join_local_group
 from ..parallel import ring
 from .report import save_json
 
@@ -62,10 +62,8 @@ def _timed(fn) -> float:
 
 
 def _rank(rank: int, size: int, port: int, seq_len: int, reps: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(minutes=30))
+    join_local_group("gloo", port, rank, size, datetime.timedelta(minutes=30))
     try:
         local = seq_len // size
         gen = torch.Generator().manual_seed(rank)
@@ -94,8 +92,8 @@ def _rank(rank: int, size: int, port: int, seq_len: int, reps: int, queue) -> No
 def run(seq_len: int, size: int, reps: int) -> dict:
     """One ring size and sequence length: per mode and pass, the slowest rank's ms."""
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, seq_len, reps, queue))
+    queue, store = ctx.Queue(), host_store(size, datetime.timedelta(minutes=30))
+    procs = [ctx.Process(target=_rank, args=(r, size, store.port, seq_len, reps, queue))
              for r in range(size)]
     for p in procs:
         p.start()

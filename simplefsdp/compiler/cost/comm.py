@@ -373,10 +373,11 @@ def calibrate_steadily(group: dist.ProcessGroup | None = None,
     starting, a compile on the same cores) shows as the two readings disagreeing beyond
     ``drift.LOAD_MARGIN`` in a figure that sees load (``drift.LOAD_FIGURES``): the figures
     would hold for neither host, so the calibration is taken again, up to
-    ``CALIBRATION_TRIES`` times. If no try is steady, the one whose
-    reading after it was the least loaded (the lowest ``collective_s``) is kept, with a
-    warning. Collective; the readings are agreed across ranks, so every rank takes the
-    same decisions."""
+    ``CALIBRATION_TRIES`` times. If no try is steady, the one whose reading after it was
+    the least loaded (the lowest ``busy_s``: ranks woken from a collective get the cores
+    first, so ``collective_s`` can read like an idle host under load, while the fixed
+    work of every rank at once cannot) is kept, with a warning. Collective; the readings
+    are agreed across ranks, so every rank takes the same decisions."""
     group = _resolve_group(group)
     dev = group_device(group, device)
     tries = []
@@ -389,7 +390,7 @@ def calibrate_steadily(group: dist.ProcessGroup | None = None,
         moved = drift.disagreements({k: before[k] for k in drift.LOAD_FIGURES}, after)
         if not moved:
             return model, after
-        tries.append((after["collective_s"], attempt, model, after, moved))
+        tries.append((after["busy_s"], attempt, model, after, moved))
     _, attempt, model, after, moved = min(tries)
     warnings.warn(f"simplefsdp: the host's load changed during each of {CALIBRATION_TRIES} "
                   f"calibrations ({'; '.join(moved)}); keeping try {attempt + 1}, the least "
