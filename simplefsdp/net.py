@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now. Only for a server this process cannot
-    host itself (torchrun's rendezvous endpoint): another process may take the port before
-    it is bound; for ranks this process starts, :func:`host_store` has no such window."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def host_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """A store server on 127.0.0.1 for ``world_size`` local ranks, on a port the OS picks
-    as it binds (``.port``; hand it to the ranks for :func:`join_local_group`). Keep the
-    object alive until every rank has exited: dropping it stops the server."""
+    as it binds (a port found free and bound later could be taken meanwhile); ``.port``
+    is for the ranks' :func:`join_local_group`. Keep the object alive until every rank
+    has exited: dropping it stops the server."""
     return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                          timeout=timeout)
 

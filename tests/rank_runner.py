@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -112,6 +113,15 @@ def _worker(fn, rank, world_size, port, env, _std_fds, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a server another process binds
+    (torchrun's rendezvous endpoint, ranks started with ``env://``); it may be taken
+    before then, so ranks this process starts use the store it hosts instead."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RankFailure(RuntimeError):

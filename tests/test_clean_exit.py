@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from simplefsdp.net import free_port
+from rank_runner import free_port
 
 _RANK = """
 import os, sys

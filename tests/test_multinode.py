@@ -29,9 +29,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from rank_runner import run_ranks
-
-from simplefsdp.net import free_port
+from rank_runner import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
