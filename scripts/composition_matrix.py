@@ -5,10 +5,10 @@ bucketing x compile backend, trained for a few steps on gloo ranks, compiled and
     python scripts/composition_matrix.py --ci            # the pairwise subset CI runs
     python scripts/composition_matrix.py --only hybrid_shard --out matrix.md
 
-Each cell builds a tiny Llama (2 layers) the way the trainer does (pipeline split, tensor +
-sequence parallel, activation checkpointing, ``simplefsdp.data_parallel``), trains
-``STEPS`` SGD steps in eager mode, then again compiled with ``simplefsdp.compile_backend``
-(reordering on), and reports:
+Each cell builds a tiny Llama (one block per pipeline stage: ``Cell.layers``) the way
+the trainer does (pipeline split, tensor + sequence parallel, activation checkpointing,
+``simplefsdp.data_parallel``), trains ``STEPS`` SGD steps in eager mode, then again
+compiled with ``simplefsdp.compile_backend`` (reordering on), and reports:
 
 * ``ok``: it ran; ``refused``: the library rejected the combination before any work, with
   the error it gave; ``failed``: anything else (a bug);
@@ -45,9 +45,12 @@ ACS = ("none", "selective", "full")
 BUCKETINGS = ("none", "manual", "auto")
 BACKENDS = ("aot_eager", "inductor")
 AXES = ("mode", "tp", "pp", "ac", "bucketing", "backend")
-STEPS, BATCH, SEQ, MICROBATCHES = 3, 2, 8, 2
+# Two steps: the first compiles, runs forward and backward and updates the weights; the
+# second runs the compiled graphs again on those weights (its loss checks the update;
+# the profiler watches it), and the last weights check the second update.
+STEPS, BATCH, SEQ, MICROBATCHES, VOCAB = 2, 2, 8, 2, 64
 # Inductor fuses and reorders float math (and SGD carries those differences into the
-# weights): after 3 steps, losses and parameters agree with eager within 1e-4 absolute.
+# weights): after STEPS steps, losses and parameters agree with eager within 1e-4 absolute.
 INDUCTOR_ATOL = 1e-4
 CELL_TIMEOUT_S = 900  # per cell of a launch: 8 ranks compiling on 2 cores take minutes
 
@@ -72,6 +75,13 @@ class Cell:
 
         return ParallelDims(pp=self.pp, dp_replicate=self.dp[0], dp_shard=self.dp[1],
                             tp=self.tp).world_size
+
+    @property
+    def layers(self) -> int:
+        """Transformer blocks: one per pipeline stage. One block still puts three groups
+        of parameters in a row (embedding, block, norm + head), so bucketing, prefetching
+        and recomputation each cross a module boundary; compiling costs per block."""
+        return self.pp
 
     @property
     def name(self) -> str:
@@ -144,16 +154,16 @@ def uncovered_pairs(cells: list[Cell], max_world: int) -> list[tuple]:
 # ---------------------------------------------------------------------------------------
 # One cell on one rank.
 # ---------------------------------------------------------------------------------------
-def _model_args():
+def _model_args(layers: int):
     from simplefsdp.models.llama import ModelArgs
 
-    return ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+    return ModelArgs(dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
                      multiple_of=16, max_seq_len=SEQ)
 
 
 def _batch(step: int, dp_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + dp_index)
-    tokens = torch.randint(0, _model_args().vocab_size, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -162,9 +172,9 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _Built:
-    """A cell's model on this rank, ready to train."""
+    """A cell's model on this rank, ready to train; ``comm_model``: see ``run_cells``."""
 
-    def __init__(self, cell: Cell, compiled: bool):
+    def __init__(self, cell: Cell, compiled: bool, comm_model=None):
         import simplefsdp as sf
         from simplefsdp.mesh import ParallelDims, stage_group
         from simplefsdp.models.llama import Transformer
@@ -181,9 +191,10 @@ class _Built:
         if compiled:  # before the model, so a refused setting costs nothing
             group = stage_group(self.mesh) if cell.bucketing == "auto" else None
             self.backend = sf.compile_backend(cell.backend, bucketing=cell.bucketing,
-                                              reordering=True, group=group)
+                                              reordering=True, group=group,
+                                              comm_model=comm_model)
         torch.manual_seed(0)  # the same initial weights on every rank and run
-        model = Transformer(_model_args())
+        model = Transformer(_model_args(cell.layers))
         stage = at.pp
         split_stage(model, cell.pp, stage)
         if cell.tp > 1:
@@ -293,13 +304,14 @@ def _eager_reference(cell: Cell) -> tuple[list[float], list[float], list[torch.T
     return _EAGER[key]
 
 
-def run_cell(cell: Cell) -> CellResult:
-    """Eager then compiled, on every rank of the group (its size must be ``cell.world``)."""
+def run_cell(cell: Cell, comm_model=None) -> CellResult:
+    """Eager then compiled, on every rank of the group (its size must be ``cell.world``);
+    ``comm_model``: see ``run_cells``."""
     result = CellResult(cell.name, "ok")
     try:
         torch._dynamo.reset()
         try:  # refused settings raise here, before any work
-            compiled = _Built(cell, compiled=True)
+            compiled = _Built(cell, compiled=True, comm_model=comm_model)
         except Exception as e:  # noqa: BLE001 - classified below
             if not _is_refusal(e):
                 raise
@@ -321,15 +333,19 @@ def run_cell(cell: Cell) -> CellResult:
     return result
 
 
-def run_cells(rank: int, world: int, cells: list[Cell], log: str | None = None) -> list[dict]:
+def run_cells(rank: int, world: int, cells: list[Cell], log: str | None = None,
+              comm_model=None) -> list[dict]:
     """Every cell in turn on this group of ranks; each rank's results (as dicts). The
     status of a cell is agreed across ranks (failed if any rank failed). With ``log``,
     rank 0 appends each agreed row to that JSON-lines file as soon as the cell ends, so
-    a long run can be resumed and a crash names the cell it happened in."""
+    a long run can be resumed and a crash names the cell it happened in.
+    ``comm_model`` (a ``simplefsdp.compiler.cost.CommModel``): what the auto-bucketing
+    cells plan with; None: calibrated on the process group as the trainer does (cached
+    on disk, checked by the drift probe, see ``cost.get_comm_model``)."""
     out = []
     for cell in cells:
         started = time.perf_counter()
-        result = run_cell(cell)
+        result = run_cell(cell, comm_model)
         result.wall_s = time.perf_counter() - started
         everyone = [None] * world
         dist.all_gather_object(everyone, (result.status, result.error, result.loss_diff,

@@ -6,7 +6,15 @@ Crashes from issue 17, each reproduced here (they failed before the fix):
 * the trainer with TP + compile + manual bucketing: the TP all-reduce, likewise;
 * replicate + bucketing: one all-reduce per parameter was left (no buckets);
 * auto wrapping left every all-reduce alone.
-Then the pairwise composition subset of ``scripts/composition_matrix.py``.
+Then the pairwise composition subset of ``scripts/composition_matrix.py`` (the full
+matrix is that script's job).
+
+Auto bucketing plans here with a fixed communication model (``FIXED_COMM``) and a fresh
+cache folder per test: the calibration, its disk cache and the drift probe that guards
+it are tested elsewhere (test_cost_model, test_calibration_probe,
+test_loaded_calibration); timing them here cost the most CPU of this file, and a host
+loaded by other jobs made them recalibrate. A fresh folder keeps the plan cache from
+an earlier run out, so the auto pass measures, decides and agrees live every time.
 
 Tolerances: aot_eager runs the ops eager runs, and bucketing only concatenates and
 slices; every reduction here is over 2 ranks (a + b == b + a exactly), so compiled and
@@ -24,12 +32,25 @@ from rank_runner import run_ranks
 from toy import Toy, global_batch, loss_fn
 
 import simplefsdp as sf
+from simplefsdp.compiler.cost.comm import default_comm_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import composition_matrix as matrix  # noqa: E402
 
+# The auto cells' comm model: the fabric table's CPU loopback figures for 4 ranks.
+FIXED_COMM = default_comm_model(4)
 
-def _train(model, rank, steps=3):
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    """Every test's ranks (they inherit the environment) keep their plan cache in a
+    folder of their own: no decision is read from an earlier run."""
+    monkeypatch.setenv("SIMPLEFSDP_CACHE_DIR", str(tmp_path / "simplefsdp_cache"))
+
+
+def _train(model, rank, steps=2):
+    """Two SGD steps: the second runs on the first's update, so a wrong gradient shows
+    in its loss, and the last weights hold both updates."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
@@ -54,8 +75,9 @@ def _mesh(mode, world):
 
 
 def _compiled_vs_eager(rank, world, mode, settings):
-    """Per backend setting: (reports, what differs from eager on this rank after 3 SGD
-    steps: its losses, or the names of its parameter shards that are not bitwise equal).
+    """Per backend setting: (reports, what differs from eager on this rank after the SGD
+    steps of ``_train``: its losses, or the names of its parameter shards that are not
+    bitwise equal).
     Every rank returns its own: each holds a different shard (and, under hybrid_shard,
     ranks 2 and 3 the other replica), so the test checks all of them."""
     torch.manual_seed(0)
@@ -91,7 +113,8 @@ def _backward(reports):
 
 
 def test_hybrid_shard_compiles_with_manual_and_auto_bucketing():
-    settings = [dict(bucketing="manual"), dict(bucketing="auto", memory_limit_gb=None)]
+    settings = [dict(bucketing="manual"),
+                dict(bucketing="auto", memory_limit_gb=None, comm_model=FIXED_COMM)]
     results = _every_rank_equal(run_ranks(_compiled_vs_eager, 4, "hybrid_shard", settings),
                                 settings, "HSDP")
     for kwargs, (reports, _) in zip(settings, results, strict=True):
@@ -111,7 +134,7 @@ def test_hybrid_shard_compiles_with_manual_and_auto_bucketing():
 def test_replicate_compiles_into_size_capped_all_reduce_buckets():
     nbytes = sum(p.numel() * 4 for p in Toy(n_layers=2).parameters())  # 2200 B, fp32
     cap_mb = 500 / 1e6  # 500 B: several buckets
-    settings = [dict(bucketing="manual"), dict(bucketing="auto"),
+    settings = [dict(bucketing="manual"), dict(bucketing="auto", comm_model=FIXED_COMM),
                 dict(bucketing="manual", all_reduce_bucket_mb=cap_mb)]
     results = _every_rank_equal(run_ranks(_compiled_vs_eager, 2, "replicate", settings),
                                 settings, "replicate")
@@ -171,7 +194,7 @@ def _check_cell(row: dict, cell: matrix.Cell) -> None:
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_composition_pairwise_subset(backend):
     cells = [c for c in matrix.CI_CELLS if c.backend == backend]
-    rows = run_ranks(matrix.run_cells, 4, cells)[0]
+    rows = run_ranks(matrix.run_cells, 4, cells, None, FIXED_COMM)[0]
     print("\n" + matrix.table(rows))
     for row, cell in zip(rows, cells, strict=True):
         _check_cell(row, cell)
