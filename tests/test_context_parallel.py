@@ -172,8 +172,9 @@ BASE = ["--training.steps", "3", "--training.seq_len", "32", "--model.dim", "32"
         "--training.warmup_steps", "0", "--metrics.log_every", "1",
         "--checkpoint.export_safetensors", "true", "--training.hang_watchdog_s", "0"]
 # One KV head (GQA, 4 query heads each): Ulysses 2 must repeat it to 2 before splitting.
-# One block: the CP attention of several blocks in one step (their shared positions and
-# document mask, their groups) is the MoE cells' (2 blocks, PP cuts them into 2 stages).
+# One block: the CP attention of several blocks in one step (their shared positions, their
+# groups) is the MoE cells' (2 blocks, PP cuts them into 2 stages), with the document mask
+# DP 2 x ring 2's (2 blocks: the MoE cells have no mask).
 # Activation checkpointing rides along (it recomputes the same ops: no new tolerance).
 KV2 = ["--model.n_kv_heads", "2"]
 # A tiny debug_moe: 2 blocks, 4 experts of width 32, top-2, a shared expert, the balance
