@@ -5,9 +5,9 @@
   is exact up to rounding, bound 1e-12).
 * Load balance: the attention FLOPs each ring rank's kernels run (counted on the kernel
   calls themselves), against the causal FLOPs of the whole sequence divided by the ranks.
-* The trainer on 4 gloo processes, DP 2 x ring 2 (full AC), DP 2 x Ulysses 2 (selective
-  AC), ring 2 x Ulysses 2, hybrid_shard (2 x 1) x Ulysses 2 and TP 2 x ring 2 (with
-  sequence parallel) on one block, and the MoE family (2 blocks) as DP 2 x ring 2,
+* The trainer on 4 gloo processes, DP 2 x ring 2 (full AC, 2 blocks), DP 2 x Ulysses 2
+  (selective AC), ring 2 x Ulysses 2, hybrid_shard (2 x 1) x Ulysses 2 and TP 2 x ring 2
+  (with sequence parallel) on one block, and the MoE family (2 blocks) as DP 2 x ring 2,
   replicate 2 x ring 2 and PP 2 x ring 2 (2 microbatches), each with EP 2 (a covering
   subset: see ``CELLS``),
   each against one process without CP on the same global batch: the losses and gradient
@@ -23,8 +23,9 @@
   summed over the CP ranks (whole sequences), so DP 2 x ring 2 computes it over each
   data-parallel slice's 2 sequences, and the reference runs 2 microsteps of those 2
   sequences; the step's balance loss (metrics.csv) within 1e-6 relative as the loss.
-  The document mask (each newline ends a document) with the ring alone (DP 2 x ring 2)
-  and Ulysses alone (DP 2 x Ulysses 2), against one process with the mask.
+  The document mask (each newline ends a document) with the ring alone (DP 2 x ring 2,
+  on 2 blocks: a mask reaching only the first block's CP attention fails it) and Ulysses
+  alone (DP 2 x Ulysses 2), against one process with the mask.
 * The ring with K/V passed point to point (``parallel.cp_rotate = "ring"``), in the same
   spawn: on a ring of 4 (float64, GQA) each rank's output and gradients against SDPA
   over the whole sequence (1e-12), causal and with documents; the bytes each rotation
@@ -171,8 +172,9 @@ BASE = ["--training.steps", "3", "--training.seq_len", "32", "--model.dim", "32"
         "--training.warmup_steps", "0", "--metrics.log_every", "1",
         "--checkpoint.export_safetensors", "true", "--training.hang_watchdog_s", "0"]
 # One KV head (GQA, 4 query heads each): Ulysses 2 must repeat it to 2 before splitting.
-# One block: the CP attention of several blocks in one step (their shared positions and
-# document mask, their groups) is the MoE cells' (2 blocks, PP cuts them into 2 stages).
+# One block: the CP attention of several blocks in one step (their shared positions, their
+# groups) is the MoE cells' (2 blocks, PP cuts them into 2 stages), with the document mask
+# DP 2 x ring 2's (2 blocks: the MoE cells have no mask).
 # Activation checkpointing rides along (it recomputes the same ops: no new tolerance).
 KV2 = ["--model.n_kv_heads", "2"]
 # A tiny debug_moe: 2 blocks, 4 experts of width 32, top-2, a shared expert, the balance
@@ -181,6 +183,7 @@ MOE = ["--model.name", "debug_moe", "--model.n_layers", "2", "--model.num_expert
        "--model.moe_hidden_dim", "32", "--model.shared_hidden_dim", "32",
        "--model.aux_loss_coef", "0.1"]
 DOC = ["--data.document_mask", "true"]  # with _NewlineEnds as the tokenizer
+TWO_BLOCKS = ["--model.n_layers", "2"]
 
 
 class _NewlineEnds(ByteTokenizer):
@@ -198,9 +201,12 @@ class _NewlineEnds(ByteTokenizer):
 # replicate 2 x ring 2 and PP 2 x ring 2 are the MoE cells' dense layers; the ring x
 # Ulysses document mask is the ring pass cell's).
 CELLS = {
-    # the document mask (every newline ends a document) with the ring alone, under full AC
+    # the document mask (every newline ends a document) with the ring alone, under full AC,
+    # on 2 blocks: each block's CP attention gets the mask (the MoE cells' 2 blocks have
+    # none, the other mask cells 1 block)
     "dp2_ring2_doc": (["--training.batch_size", "2", "--parallel.cp_ring", "2",
-                       "--activation_checkpoint.mode", "full", *DOC], "reference_doc"),
+                       "--activation_checkpoint.mode", "full", *DOC, *TWO_BLOCKS],
+                      "reference_doc_2blocks"),
     # ... and with Ulysses alone, under selective AC
     "dp2_ulysses2_doc": (["--training.batch_size", "2", "--parallel.cp_ulysses", "2",
                           "--activation_checkpoint.mode", "selective", *DOC],
@@ -248,6 +254,7 @@ REFERENCES = {  # one process, the same global batch of 4 sequences
     # loader serves microstep i the sequences data-parallel rank i reads).
     "reference_moe": [*MOE, "--training.batch_size", "2", "--training.grad_accum_steps", "2"],
     "reference_doc": ["--training.batch_size", "4", *DOC],
+    "reference_doc_2blocks": ["--training.batch_size", "4", *DOC, *TWO_BLOCKS],
 }
 
 
