@@ -128,14 +128,35 @@ def _microsteps(layout: str) -> int:
     return int(flags[flags.index(key) + 1]) if key in flags else 1
 
 
-@contextlib.contextmanager
-def _exchange_counter():
-    """Count the all-to-alls gloo runs inside the block (every one, a routed block's
-    counts exchange included); yields a function that returns the count."""
-    from torch.profiler import ProfilerActivity, profile
+class _ExchangeCounter:
+    """Counts the all-to-alls gloo runs (every one, a routed block's counts exchange
+    included) from step ``first`` of a trainer run on, while the ``with`` block runs: pass
+    :meth:`transform` as the run's ``batch_transform`` (the trainer draws a step's
+    microbatches just before running it, so the profiler starts when step ``first``'s are
+    drawn); ``count`` after the block. A compiled run counts from
+    step 2: its first step compiles, and the profiler would record every op the compiler
+    traces (nothing that runs a collective) and read them all back."""
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        yield lambda: sum(e.name == "gloo:all_to_all" for e in prof.events())
+    def __init__(self, first: int = 1, microsteps: int = 1, then=None):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profile = profile(activities=[ProfilerActivity.CPU])
+        self.start_at, self.drawn, self.then = (first - 1) * microsteps, 0, then
+        self.count: int | None = None
+
+    def transform(self, inputs, targets):
+        if self.drawn == self.start_at:
+            self.profile.start()
+        self.drawn += 1
+        return (inputs, targets) if self.then is None else self.then(inputs, targets)
+
+    def __enter__(self) -> _ExchangeCounter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.drawn > self.start_at:  # started: stop it, also when the run failed
+            self.profile.stop()
+            self.count = sum(e.name == "gloo:all_to_all" for e in self.profile.events())
 
 
 def _compiled(out: str) -> dict:
@@ -153,15 +174,15 @@ def _compiled(out: str) -> dict:
         found[twin] = main([*flags, "--metrics.output_dir", f"{out}/{twin}"],
                            batch_transform=relabel_odd_bytes).losses
         torch._dynamo.reset()
-        with CompileReports() as reports, _exchange_counter() as exchanges, \
-                _uncalibrated_comm_model():
+        with CompileReports() as reports, _uncalibrated_comm_model(), _ExchangeCounter(
+                first=2, microsteps=_microsteps(layout), then=relabel_odd_bytes) as exchanges:
             losses = main([*flags, "--compile.enable", "true", "--compile.backend",
                            "aot_eager", "--compile.bucketing", bucketing,
                            "--activation_checkpoint.mode", ac,
                            "--metrics.output_dir", f"{out}/{name}"],
-                          batch_transform=relabel_odd_bytes).losses
+                          batch_transform=exchanges.transform).losses
         found[name] = losses
-        found[f"{name}_exchanges"] = exchanges()
+        found[f"{name}_exchanges"] = exchanges.count
         # per compiled graph: its buckets (kind, bytes, the modules they gather, named
         # from the frame's root: "" is the root's own parameters) and every collective it
         # held before bucketing, data-parallel (by kind) or not (a count)
@@ -377,12 +398,12 @@ def _exchanges_per_ac_mode(rank: int, world: int, out: str) -> dict:
     for run, ac in (("none", "none"), ("selective", "selective"), ("full", "full"),
                     ("selective_inductor", "selective")):
         compiled = ["--compile.enable", "true"] if run.endswith("inductor") else []
-        with _exchange_counter() as exchanges:
+        with _ExchangeCounter(first=2 if compiled else 1) as exchanges:
             losses = main([*TINY, *LAYOUTS["ep2_fsdp"], *ONE_BLOCK,
                            "--training.steps", "2", "--activation_checkpoint.mode", ac,
-                           *compiled,
-                           "--metrics.output_dir", f"{out}/{run}"]).losses
-        found[run] = (losses, exchanges())
+                           *compiled, "--metrics.output_dir", f"{out}/{run}"],
+                          batch_transform=exchanges.transform).losses
+        found[run] = (losses, exchanges.count)
     from torch._dynamo.utils import guard_failures
 
     found["depth_guards"] = [str(r) for rs in guard_failures.values() for r in rs
@@ -401,7 +422,8 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
 
     The same selective run compiled with Inductor (the trainer's default backend; the
     block's checkpoint traced into the graph, whose policy keeps every exchange, the
-    counts' too: ``tests/test_moe_compiled_ac.py``): 5 a step, as without AC, and eager's
+    counts' too: ``tests/test_moe_compiled_ac.py``): 5 in step 2 (counted from there:
+    step 1 compiles), as without AC, and eager's
     losses within 1e-5 relative (Inductor's fused kernels may sum in another order). And no
     frame recompiles for ``data_parallel._compiled_forward_depth``: when the traced hooks
     updated it, its value entered the guards, a block's recomputation (from backward, at
@@ -415,7 +437,7 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
         assert per_rank.pop("depth_guards") == []
         assert {run: n for run, (_, n) in per_rank.items()} == \
             {"none": 2 * 5, "selective": 2 * 6, "full": 2 * 8,
-             "selective_inductor": 2 * 5}, per_rank
+             "selective_inductor": 5}, per_rank
         assert per_rank["selective"][0] == per_rank["none"][0] == per_rank["full"][0]
         assert per_rank["selective_inductor"][0] == pytest.approx(per_rank["none"][0],
                                                                  rel=1e-5)
@@ -475,10 +497,10 @@ def test_compiled_equals_eager(runs, name):
 
     Compiled selective AC on an MoE model: the block's checkpoint is traced into the
     graph (``parallel.activation_checkpoint.compile_checkpointed_blocks``), whose policy
-    keeps the routed block's exchanges: each of the 2 steps runs its counts exchange once
-    and its tokens' four times (dispatch and combine, forward and backward), 5
-    all-to-alls, as without AC (per microstep: TP 2 x EP 4 runs 2 a step; eager selective
-    runs 6, ``test_selective_ac_keeps_the_token_exchanges``)."""
+    keeps the routed block's exchanges: step 2 (counted from there: step 1 compiles) runs
+    its counts exchange once and its tokens' four times (dispatch and combine, forward and
+    backward), 5 all-to-alls, as without AC (per microstep: TP 2 x EP 4 runs 2 a step;
+    eager selective runs 6, ``test_selective_ac_keeps_the_token_exchanges``)."""
     out, results = runs
     layout, _, ac = COMPILED[name]
     twin = f"{layout}_one_block_eager"
@@ -486,8 +508,7 @@ def test_compiled_equals_eager(runs, name):
         eager, compiled = results[rank][twin], results[rank][name]
         assert compiled[0] == eager[0]
         assert compiled == pytest.approx(eager, rel=1e-6)
-        assert results[rank][f"{name}_exchanges"] \
-            == STEPS * _microsteps(layout) * 5
+        assert results[rank][f"{name}_exchanges"] == (STEPS - 1) * _microsteps(layout) * 5
     want, got = _params(out / twin), _params(out / name)
     assert set(got) == set(want)
     worst = max((got[n] - v).abs().max().item() for n, v in want.items())
