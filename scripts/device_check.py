@@ -32,7 +32,28 @@ short still returns what it measured):
    under ``data_parallel`` on a one-rank NCCL group, with and without
    ``CPUOffloadPolicy(pin_memory=True)``: step seconds (forward, backward, AdamW on the
    host or the device), peak device memory, and the host<->device copies and bytes of
-   one step, against the planner's PCIe figure.
+   one step, against the planner's PCIe figure; then with ``pin_memory=False`` (pageable
+   host copies) on the same step.
+10. ``train_tools``: the trainer's validation and profiling on the device: a debug run
+    (``python -m simplefsdp.train``, one process, 8 steps, validation every 4, step 3
+    profiled with the allocator's memory snapshot), then its exit status, the finite
+    validation losses in ``metrics.csv`` (copied to ``DIR/train_metrics.csv``), the Chrome
+    trace (gzip JSON, its CUDA kernel events) and the snapshot pickle (``segments``,
+    ``device_traces``; CUDA only: skipped and said so on CPU).
+11. ``overlap_8b``: ``python -m simplefsdp.bench`` under a fake process group of 8 on a
+    compiled Llama 3 8B-shaped step (4 blocks): Inductor's overlap scheduler beside our
+    auto wrapping and the compiled compute-only limit (median step, the estimated against
+    the measured exposed time, the plan, errors), then torch's FX bucketing and our manual
+    reordering if the budget leaves room. Each bench run has a timeout.
+12. ``pytest_cuda``: the quick tier and tests/test_reliability.py on this machine's
+    torch (pytest-xdist, 8 workers, with a timeout): the counts line, the failures' and
+    skips' short reasons, the output's tail.
+
+``--only a,b`` runs those sections in that order; ``--budget-train``, ``--budget-overlap``
+and ``--budget-pytest`` bound the subprocess sections (seconds). ``--tiny --device cpu``
+is the CPU dry run of every section (the debug models; the bench on aot_eager, where the
+overlap scheduler reports itself unavailable without triton; one reliability test).
+``scripts/device_run.sh`` is the one device command.
 """
 
 # ruff: noqa: B023  (each closure in a loop is timed within its own iteration)
@@ -741,8 +762,9 @@ def float8():
     return out
 
 
-def _offload_step(offloaded, blocks, width, steps):
-    """(median step seconds, peak device bytes, copies, bytes copied) of one run."""
+def _offload_step(policy, blocks, width, steps):
+    """(median step seconds, peak device bytes, copies, bytes copied) of one run;
+    ``policy``: a ``CPUOffloadPolicy`` or None (everything on the device)."""
     import simplefsdp as sf
     from simplefsdp import offload
 
@@ -750,7 +772,6 @@ def _offload_step(offloaded, blocks, width, steps):
     model = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
         for _ in range(blocks)]).to(ARGS.device)
-    policy = sf.CPUOffloadPolicy(pin_memory=True) if offloaded else None
     model = sf.data_parallel(model, sf.make_mesh(dp_shard=1, device_type=ARGS.device),
                              offload_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -771,6 +792,7 @@ def _offload_step(offloaded, blocks, width, steps):
         step()
         copies = (dict(host[0].copies), dict(host[0].bytes))
     return {"step_s": seconds, "peak_device_bytes": peak, "copies_one_step": copies,
+            "pinned": host[0].pin_memory if host else None,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -788,9 +810,13 @@ def cpu_offload():
         dist.init_process_group(backend, rank=0, world_size=1)
     blocks, width, steps = (2, 64, 2) if ARGS.tiny else (6, 4096, 3)
     out = {"blocks": blocks, "width": width}
+    runs = (("device", None), ("offload", offload.CPUOffloadPolicy(pin_memory=True)),
+            ("offload_unpinned", offload.CPUOffloadPolicy(pin_memory=False)))
     with offload.cpu_stands_in_for_device() if ARGS.device == "cpu" else nullcontext():
-        for name, offloaded in (("device", False), ("offload", True)):
-            out[name] = _offload_step(offloaded, blocks, width, steps)
+        for name, policy in runs:
+            out[name] = _offload_step(policy, blocks, width, steps)
+            if ARGS.device == "cuda":  # the next run's peak is its own
+                torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name().lower() if ARGS.device == "cuda" else "h200"
     name = next((n for n in GPU_PROFILES if n.split("-")[0] in gpu), "h200")
     out["planner_profile"] = name
@@ -799,21 +825,241 @@ def cpu_offload():
     return out
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START = time.time()
+
+
+def _budget(own):
+    """A subprocess section's seconds: its own budget, cut to what ``--deadline-s``
+    leaves of the whole run (less a margin for writing the results)."""
+    left = ARGS.deadline_s - (time.time() - START) - 10
+    if left < 30:
+        raise TimeoutError(f"skipped: {left + 10:.0f} s left of --deadline-s {ARGS.deadline_s}")
+    return min(own, left)
+
+
+def _run(cmd, timeout_s, extra_env=None, tail=4000):
+    """Run ``cmd`` from the repository root in a session of its own (a timeout kills the
+    whole group: torchrun's or pytest-xdist's workers too); stdout and stderr together.
+    Returns ``{"rc", "wall_s", "timed_out", "tail"}`` (rc None after a timeout)."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, timed_out = proc.communicate(timeout=timeout_s)[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, timed_out = proc.communicate()[0], True
+    return {"rc": None if timed_out else proc.returncode, "wall_s": round(time.time() - start, 1),
+            "timed_out": timed_out, "tail": text[-tail:], "text": text}
+
+
+def _trace_facts(path):
+    """What a Chrome trace holds: events by category, CUDA kernels among them."""
+    import collections
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    events = trace.get("traceEvents", [])
+    cats = collections.Counter(str(e.get("cat")) for e in events)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    return {"file_bytes": os.path.getsize(path), "events": len(events),
+            "by_category": dict(cats.most_common(12)), "cuda_kernel_events": len(kernels),
+            "nccl_or_gloo_events": sum(1 for e in events
+                                       if str(e.get("name", "")).startswith(("nccl", "gloo")))}
+
+
+def _snapshot_facts(path):
+    """What the allocator's memory snapshot holds (pytorch.org/memory_viz reads it)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    traces = snap.get("device_traces", [])
+    return {"file_bytes": os.path.getsize(path), "keys": sorted(snap),
+            "segments": len(snap.get("segments", [])),
+            "device_trace_entries": sum(len(t) for t in traces),
+            "has_segments_and_device_traces": "segments" in snap and "device_traces" in snap}
+
+
+def _validation_rows(metrics_csv):
+    """The metrics rows carrying a validation loss: (step, val_loss, finite)."""
+    import csv
+    import math
+
+    with open(metrics_csv) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val_loss")]
+    return [(int(r["step"]), float(r["val_loss"]), math.isfinite(float(r["val_loss"])))
+            for r in rows]
+
+
+@section("train_tools")
+def train_tools():
+    """The trainer's validation and profiling on the device: a short debug run (one
+    process), then its files: validation rows in metrics.csv, the Chrome trace (CUDA
+    kernels), and on CUDA the allocator's memory snapshot."""
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="dc_train_")
+    cuda = ARGS.device == "cuda"
+    cmd = [sys.executable, "-m", "simplefsdp.train", "--config", "configs/debug.toml",
+           "--training.steps", "8", "--validation.enable", "true", "--validation.every", "4",
+           "--validation.steps", "2", "--profiling.enable", "true",
+           "--profiling.start_step", "3", "--profiling.steps", "1",
+           "--profiling.memory_snapshot", str(cuda).lower(), "--job.device", ARGS.device,
+           "--metrics.log_every", "1", "--metrics.output_dir", work]
+    run = _run(cmd, _budget(ARGS.budget_train))
+    out = {"command": " ".join(cmd[1:]), "rc": run["rc"], "wall_s": run["wall_s"],
+           "timed_out": run["timed_out"], "tail": run["tail"][-2500:]}
+    metrics = os.path.join(work, "metrics.csv")
+    if os.path.exists(metrics):
+        shutil.copy(metrics, os.path.join(ARGS.out, "train_metrics.csv"))
+        out["validation_rows"] = _validation_rows(metrics)
+    folder = os.path.join(work, "profile", "step-3")
+    trace, snapshot = (os.path.join(folder, n) for n in ("rank0.json.gz", "rank0_memory.pickle"))
+    out["trace"] = _trace_facts(trace) if os.path.exists(trace) else "missing"
+    if not cuda:
+        out["memory_snapshot"] = "skipped: CUDA only (the trainer refuses it on CPU)"
+    else:
+        out["memory_snapshot"] = _snapshot_facts(snapshot) if os.path.exists(snapshot) \
+            else "missing"
+    vals = out.get("validation_rows") or []
+    out["ok"] = {"exit_0": run["rc"] == 0, "val_rows_finite": bool(vals) and all(
+        v[2] for v in vals), "trace_opens": isinstance(out["trace"], dict),
+        "cuda_kernels": (out["trace"].get("cuda_kernel_events", 0) > 0
+                         if isinstance(out["trace"], dict) else False) if cuda else None,
+        "snapshot_opens": isinstance(out["memory_snapshot"], dict) if cuda else None}
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+OVERLAP_CORE = ["compute-only-compiled", "simplefsdp-auto", "upstream-overlap-scheduler"]
+OVERLAP_MORE = ["upstream-fx-bucketing", "simplefsdp-reordering"]
+BENCH_FIELDS = ("status", "error", "median_step_s", "first_step_s", "compile_s",
+                "estimated_exposed_comm_s", "exposed_graphs_s", "exposed_comm_s",
+                "estimate_ratio", "plan", "peak_mem_mib", "collectives_per_step",
+                "compiles_in_measured_steps", "final_loss")
+
+
+def _bench_once(variants, timeout_s):
+    """One ``simplefsdp.bench`` run of ``variants`` under the fake process group of 8
+    (Llama 3 8B's widths at 4 blocks, bf16, 1 x 8192 tokens per rank; ``--tiny``: the
+    debug bench model on the CPU, aot_eager): its rows, or the console's tail."""
+    import glob
+    import shutil
+    import tempfile
+
+    work = tempfile.mkdtemp(prefix="dc_bench_")
+    if ARGS.tiny:
+        shape = ["--config", "configs/bench_debug.toml", "--model.n_layers", "2",
+                 "--compile.backend", "aot_eager", "--job.device", "cpu"]
+    else:
+        shape = ["--model.name", "llama3_8b", "--model.n_layers", "4",
+                 "--training.batch_size", "1", "--training.seq_len", "8192",
+                 "--training.mixed_precision_param", "bfloat16", "--job.device", "cuda",
+                 "--bench.compile_cache", "true"]
+    cmd = [sys.executable, "-m", "simplefsdp.bench", *shape, "--bench.world_size", "8",
+           "--bench.fake_pg", "true", "--bench.warmup", "3", "--bench.steps", "2",
+           "--bench.variants", ",".join(variants), "--bench.output_dir", work]
+    run = _run(cmd, timeout_s)
+    out = {"command": " ".join(cmd[1:]), "rc": run["rc"], "wall_s": run["wall_s"],
+           "timed_out": run["timed_out"],
+           "unavailable": [line for line in run["text"].splitlines()
+                           if "unavailable" in line][:8]}
+    found = sorted(glob.glob(os.path.join(work, "*", "results.json")))
+    if found:
+        with open(found[-1]) as f:
+            doc = json.load(f)
+        out["rows"] = {r["name"]: {k: r.get(k) for k in BENCH_FIELDS}
+                       for r in doc["variants"]}
+        out["meta"] = {k: doc["meta"].get(k) for k in ("n_params", "world_size", "fake_pg",
+                                                      "tokens_per_step", "compile_backend")}
+    else:
+        out["tail"] = run["tail"][-3000:]
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+@section("overlap_8b")
+def overlap_8b():
+    """Inductor's overlap scheduler (``upstream-overlap-scheduler``) beside our auto
+    wrapping (``simplefsdp-auto``) and the compiled compute-only limit, on a compiled
+    Llama 3 8B-shaped step under a fake process group of 8 (compile time, memory, the
+    estimated exposed communication and collective counts are real; the collectives
+    return at once, so step times are compute only); then torch's FX bucketing and our
+    manual reordering in a second run, if the section's time budget leaves room."""
+    start, budget = time.time(), _budget(ARGS.budget_overlap)
+    out = {"core": _bench_once(OVERLAP_CORE, budget * 0.7)}
+    left = budget - (time.time() - start)
+    more = OVERLAP_MORE[1:] if ARGS.tiny else OVERLAP_MORE  # no CPU Inductor build here
+    if left > 45:
+        out["more"] = _bench_once(more, left)
+    else:
+        out["more"] = f"skipped: {left:.0f} s of the section's budget left"
+    return out
+
+
+def _pytest_summary(text):
+    """pytest's closing counts line and its short-summary lines (failures, errors and
+    skips with their reasons)."""
+    import re
+
+    lines = text.splitlines()
+    counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error|skipped)", ln)
+              and " in " in ln]
+    short = [ln[:300] for ln in lines if ln.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    return {"summary": counts[-1].strip("= ") if counts else None, "short": short[:60]}
+
+
+@section("pytest_cuda")
+def pytest_cuda():
+    """The suite's quick tier plus every test of tests/test_reliability.py on this
+    machine's torch (CI=true, as CI runs it): ``-k "quick or test_reliability"`` selects
+    both (a test's markers are keywords, the module's name too). ``--tiny``: one cheap
+    test of tests/test_reliability.py, on one pytest process."""
+    select = ["tests/test_reliability.py", "-k", "non_finite_floats"] if ARGS.tiny else \
+        ["tests", "-k", "quick or test_reliability", "-n", "8", "--dist", "loadfile"]
+    cmd = [sys.executable, "-m", "pytest", *select, "-q", "-p", "no:cacheprovider",
+           "-rfEs", "--durations=15"]
+    run = _run(cmd, _budget(ARGS.budget_pytest), {"CI": "true", "OMP_NUM_THREADS": "1"})
+    return {"command": " ".join(cmd[1:]), "rc": run["rc"], "wall_s": run["wall_s"],
+            "timed_out": run["timed_out"], **_pytest_summary(run["text"]),
+            "tail": run["tail"]}
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--only", default="")
+    parser.add_argument("--only", default="",
+                        help="comma-separated sections, run in this order (default: all)")
+    parser.add_argument("--budget-train", type=float, default=120,
+                        help="train_tools: seconds before its run is killed")
+    parser.add_argument("--budget-overlap", type=float, default=240,
+                        help="overlap_8b: seconds for its bench runs together")
+    parser.add_argument("--budget-pytest", type=float, default=200,
+                        help="pytest_cuda: seconds before pytest is killed")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"),
+                        help="the whole run's seconds: subprocess sections fit inside")
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k, *MOE, float8, cpu_offload]
-    for fn in sections:
-        if ARGS.only and fn.__name__ not in ARGS.only.split(","):
-            continue
-        fn()
+                step_deepseek, step_262k, *MOE, float8, cpu_offload, train_tools,
+                overlap_8b, pytest_cuda]
+    by_name = {fn.__name__: fn for fn in sections}
+    chosen = [n for n in ARGS.only.split(",") if n] or list(by_name)
+    unknown = [n for n in chosen if n not in by_name]
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {list(by_name)}")
+    for name in chosen:
+        by_name[name]()
 
 
 if __name__ == "__main__":
