@@ -844,7 +844,11 @@ def _run(cmd, timeout_s, extra_env=None, tail=4000):
     Returns ``{"rc", "wall_s", "timed_out", "tail"}`` (rc None after a timeout)."""
     import signal
 
-    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    # cpu_offload's rendezvous variables stay in this process: a child must not take
+    # them for torchrun's (its store's port is taken)
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env.update(PYTHONPATH=REPO, PYTHONUNBUFFERED="1", **(extra_env or {}))
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
