@@ -998,7 +998,7 @@ def overlap_8b():
     return at once, so step times are compute only); then torch's FX bucketing and our
     manual reordering in a second run, if the section's time budget leaves room."""
     start, budget = time.time(), _budget(ARGS.budget_overlap)
-    out = {"core": _bench_once(OVERLAP_CORE, budget * 0.7)}
+    out = {"core": _bench_once(OVERLAP_CORE, budget * 0.75)}
     left = budget - (time.time() - start)
     more = OVERLAP_MORE[1:] if ARGS.tiny else OVERLAP_MORE  # no CPU Inductor build here
     if left > 45:
