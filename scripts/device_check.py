@@ -50,7 +50,9 @@ short still returns what it measured):
     skips' short reasons, the output's tail.
 
 ``--only a,b`` runs those sections in that order; ``--budget-train``, ``--budget-overlap``
-and ``--budget-pytest`` bound the subprocess sections (seconds). ``--tiny --device cpu``
+and ``--budget-pytest`` bound the subprocess sections (seconds); ``--budget-float8`` and
+``--budget-offload`` run those two in a child process with that timeout; ``--deadline-s``
+cuts every bound to what is left of the whole run. ``--tiny --device cpu``
 is the CPU dry run of every section (the debug models; the bench on aot_eager, where the
 overlap scheduler reports itself unavailable without triton; one reliability test).
 ``scripts/device_run.sh`` is the one device command.
@@ -1036,6 +1038,37 @@ def pytest_cuda():
             "tail": run["tail"]}
 
 
+def _in_child(name, budget_s):
+    """Section ``name`` run by a child ``device_check.py --only name`` with a timeout (an
+    in-process section has none: a hang or a slow first run would take the rest of the
+    run with it); its result, with the child's exit status and, without a result, the
+    tail of its console."""
+    import shutil
+    import tempfile
+
+    @section(name)
+    def run():
+        work = tempfile.mkdtemp(prefix=f"dc_{name}_")
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", work, "--only", name,
+               "--device", ARGS.device, *(["--tiny"] if ARGS.tiny else [])]
+        child = _run(cmd, _budget(budget_s))
+        if child["rc"] != 0:  # its console, for the log (its result is printed below)
+            print(child["tail"][-1500:], flush=True)
+        found = os.path.join(work, "results.json")
+        if os.path.exists(found):
+            with open(found) as f:
+                got = json.load(f).get(name)
+        else:
+            got = None
+        shutil.rmtree(work, ignore_errors=True)
+        out = got if isinstance(got, dict) else {
+            "error": "no result: the child timed out or crashed", "tail": child["tail"]}
+        out["child"] = {k: child[k] for k in ("rc", "wall_s", "timed_out")}
+        return out
+    run.__name__ = name
+    return run
+
+
 def main():
     global ARGS
     parser = argparse.ArgumentParser()
@@ -1050,6 +1083,11 @@ def main():
                         help="overlap_8b: seconds for its bench runs together")
     parser.add_argument("--budget-pytest", type=float, default=200,
                         help="pytest_cuda: seconds before pytest is killed")
+    parser.add_argument("--budget-float8", type=float, default=0,
+                        help="float8 in a child process killed after this many seconds "
+                             "(0: in this process, unbounded)")
+    parser.add_argument("--budget-offload", type=float, default=0,
+                        help="cpu_offload likewise")
     parser.add_argument("--deadline-s", type=float, default=float("inf"),
                         help="the whole run's seconds: subprocess sections fit inside")
     ARGS = parser.parse_args()
@@ -1058,6 +1096,9 @@ def main():
                 step_deepseek, step_262k, *MOE, float8, cpu_offload, train_tools,
                 overlap_8b, pytest_cuda]
     by_name = {fn.__name__: fn for fn in sections}
+    for name, budget in (("float8", ARGS.budget_float8), ("cpu_offload", ARGS.budget_offload)):
+        if budget > 0:
+            by_name[name] = _in_child(name, budget)
     chosen = [n for n in ARGS.only.split(",") if n] or list(by_name)
     unknown = [n for n in chosen if n not in by_name]
     if unknown:

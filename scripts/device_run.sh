@@ -13,5 +13,6 @@ mkdir -p "$OUT/dc"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python scripts/device_check.py --out "$OUT/dc" \
     --only env,float8,cpu_offload,train_tools,overlap_8b,pytest_cuda \
-    --deadline-s 465 --budget-train 80 --budget-overlap 220 --budget-pytest 130 \
+    --deadline-s 465 --budget-float8 100 --budget-offload 80 --budget-train 80 \
+    --budget-overlap 220 --budget-pytest 130 \
     2>&1 | tee "$OUT/log"
