@@ -415,7 +415,7 @@ def _long_search() -> tuple[list[dict], dict, list[tuple[float, float]]]:
 
     stats: dict = {}
     cfg = load_config(None, LONG)
-    rows = search(cfg, 2, LONG_GPU, 1, keep=1, stats=stats)
+    rows = search(cfg, 2, LONG_GPU, 1, keep=1, stats=stats, constrain=_gathered_kv_only)
     # each row's speed bound (which ``keep`` prunes by) must hold over its prediction
     by_layout = {(c.parallel.dp_shard, c.parallel.cp_ring, c.parallel.cp_ulysses,
                   c.parallel.cp_rotate, c.activation_checkpoint.mode,
@@ -444,10 +444,19 @@ def _whole_then_split() -> tuple[list[dict], dict]:
 
 
 def _sharded_only(c):
-    """``search``'s ``constrain`` for DEEP: dp_shard and the sequence's splits only (pp 2's
-    two stages and a replicated layout trace graphs of their own, and the asserts need
-    neither: the CP pass's AC modes follow the fitting whole-sequence rows, whichever)."""
-    return c if c.parallel.pp == 1 and c.parallel.dp_replicate == 1 else None
+    """``search``'s ``constrain`` for DEEP: dp_shard and the sequence's splits only, the
+    ring's K/V all-gathered (pp 2's two stages, a replicated layout and the ring pass's
+    rotation trace graphs of their own, and the asserts need none of them: the CP pass's
+    AC modes follow the fitting whole-sequence rows, whichever; the search's choice
+    between the two rotations is tested in tests/test_plan_context.py)."""
+    return c if c.parallel.pp == 1 and c.parallel.dp_replicate == 1 \
+        and c.parallel.cp_rotate == "allgather" else None
+
+
+def _gathered_kv_only(c):
+    """``search``'s ``constrain`` for LONG: the ring's K/V all-gathered, as DEEP's search
+    traced them (the ring pass's graphs would be new traces)."""
+    return c if c.parallel.cp_rotate == "allgather" else None
 
 
 def _long_searches() -> dict:
