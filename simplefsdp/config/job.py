@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from ..compiler.backend import Backend, Bucketing
+from ..compiler.cost.comm import read_comm_model
 from ..data_parallel import Mode
 from ..errors import ConfigError, choices, config_errors, require
 from ..mesh import ParallelDims
@@ -291,6 +292,12 @@ class CompileConfig:
     bucketing: Bucketing = "manual"
     reordering: bool = True  # prefetch gathers and delay reductions to hide them
     memory_limit_gb: float | None = None  # for bucketing = "auto" or "greedy"; None: no limit
+    # The collective costs auto / greedy bucketing plans with. calibrate: timed on this
+    # machine's process group (cached per machine and layout, re-checked by a probe at
+    # each start). fabric: the fabric table's figures, nothing timed (the same plan on
+    # any machine). Or the path of a calibration file (python -m simplefsdp.calibrate
+    # lists the cached ones) calibrated on this world size: every job plans on its figures.
+    comm_model: str = "calibrate"
 
 
 @dataclass
@@ -418,6 +425,7 @@ class JobConfig:
         _check_cp(self, args, dims)
         limit = self.compile.memory_limit_gb
         require(limit is None or limit > 0, "compile.memory_limit_gb", limit, "> 0")
+        _check_comm_model(self.compile.comm_model)
         check_layout_keys(p)
         check_data(self)
         check_validation(self.validation, self.data.streaming)
@@ -459,6 +467,23 @@ def _check_cp(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
         return
     with config_errors():
         dims.check_cp(cfg.training.seq_len, args.n_heads, "training.seq_len", "model.n_heads")
+
+
+COMM_MODEL_SOURCES = ("calibrate", "fabric")  # compile.comm_model's words; else a path
+
+
+def _check_comm_model(value: str) -> None:
+    """``compile.comm_model``: one of ``COMM_MODEL_SOURCES`` or a readable calibration
+    file (its world size is checked when the backend meets its process group)."""
+    if value in COMM_MODEL_SOURCES:
+        return
+    try:
+        read_comm_model(value)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"compile.comm_model = {value!r}: {e}; choose "
+                          f"{choices(COMM_MODEL_SOURCES)} or the path of a calibration "
+                          f"file (python -m simplefsdp.calibrate --no-probe lists the "
+                          f"cached ones)") from None
 
 
 def _check_shapes(args: ModelArgs, p: ParallelConfig) -> None:

@@ -32,6 +32,7 @@ import fnmatch
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -39,6 +40,7 @@ import simplefsdp
 
 from .._torch_compat import data_dependent_shapes, raise_recompile_limits
 from .._torch_compat.unbacked import forward_side_effects_once
+from ..compiler import cost
 from ..compiler.cost.state import optimizer_state_bytes
 from ..config.job import DTYPES, PG_TIMEOUT_S, JobConfig
 from ..errors import ConfigError
@@ -119,10 +121,33 @@ def compile_backend_for(mesh: DeviceMesh, cfg: JobConfig, model: nn.Module | Non
     outside = 0
     if model is not None and c.memory_limit_gb is not None:
         outside = optimizer_state_bytes(OPTIMIZER, model.parameters())
+    comm_model = pinned_comm_model(c.comm_model) if c.bucketing in ("auto", "greedy") \
+        else None
     return simplefsdp.compile_backend(backend=c.backend, bucketing=c.bucketing,
                                       reordering=c.reordering, module_plan=None,
                                       memory_limit_gb=c.memory_limit_gb, group=group,
-                                      state_bytes_outside_graphs=outside, mesh=dp_mesh)
+                                      state_bytes_outside_graphs=outside, mesh=dp_mesh,
+                                      comm_model=comm_model)
+
+
+def pinned_comm_model(source: str) -> cost.CommModel | None:
+    """``compile.comm_model`` as the backend takes it: None to calibrate (the backend
+    does, on the process groups it plans for); the fabric table's figures for the default
+    group ("fabric": nothing timed or cached, every rank alike); or a calibration file's,
+    which must have been calibrated on this job's world size (the default group's)."""
+    if source == "calibrate":
+        return None
+    if source == "fabric":
+        return cost.get_comm_model(calibrate_on_miss=False, cache=False)
+    model = cost.comm.read_comm_model(source)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if model.world_size != world:
+        raise ConfigError(f"compile.comm_model = {source!r} was calibrated on "
+                          f"{model.world_size} ranks, this job runs {world}: pick a file "
+                          f"calibrated on {world} ranks (a run with compile.comm_model = "
+                          f"'calibrate' caches one; python -m simplefsdp.calibrate --no-probe "
+                          f"lists them) or set compile.comm_model = 'calibrate'")
+    return model
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,

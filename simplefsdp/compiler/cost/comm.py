@@ -46,7 +46,7 @@ from .probes import (
 )
 
 __all__ = ["COLLECTIVE_KINDS", "CommModel", "calibrate", "default_comm_model",
-           "get_comm_model"]
+           "get_comm_model", "read_comm_model"]
 
 
 
@@ -138,6 +138,26 @@ def default_comm_model(world_size: int, fabric: str = "gloo_cpu_loopback") -> Co
         world_size=n,
         source=f"default:{fabric}",
     )
+
+
+def read_comm_model(path: str | os.PathLike) -> CommModel:
+    """The model in a calibration file: a cache file as :func:`get_comm_model` writes it
+    (``key``, ``model``, ...; ``python -m simplefsdp.calibrate`` lists them) or a bare
+    ``CommModel.to_dict()``. ``source`` names the file. Raises ``OSError`` when it cannot
+    be read and ``ValueError`` when it holds no model, saying what is missing."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    model = data.get("model", data) if isinstance(data, dict) else None
+    try:
+        found = CommModel.from_dict(model)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        raise ValueError(f"{path} holds no comm model: a calibration file has "
+                         f"{', '.join(COLLECTIVE_KINDS)} as [alpha_s, beta_s_per_byte] "
+                         f"(under \"model\" in a cache file)") from None
+    return dataclasses.replace(found, source=f"file:{path}")
 
 
 FAKE_GPUS_PER_NODE = 8  # a fake group's world is laid out on nodes of this many GPUs
