@@ -767,9 +767,15 @@ def float8():
 def _offload_step(policy, blocks, width, steps):
     """(median step seconds, peak device bytes, copies, bytes copied) of one run;
     ``policy``: a ``CPUOffloadPolicy`` or None (everything on the device)."""
+    import gc
+
     import simplefsdp as sf
     from simplefsdp import offload
 
+    gc.collect()  # the previous run's model and optimizer (reference cycles through hooks)
+    if ARGS.device == "cuda":
+        torch.cuda.empty_cache()
+    held_before = torch.cuda.memory_allocated() if ARGS.device == "cuda" else None
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
@@ -793,7 +799,8 @@ def _offload_step(policy, blocks, width, steps):
         host[0].reset_counts()
         step()
         copies = (dict(host[0].copies), dict(host[0].bytes))
-    return {"step_s": seconds, "peak_device_bytes": peak, "copies_one_step": copies,
+    return {"step_s": seconds, "peak_device_bytes": peak, "allocated_before": held_before,
+            "copies_one_step": copies,
             "pinned": host[0].pin_memory if host else None,
             "params": sum(p.numel() for p in model.parameters())}
 

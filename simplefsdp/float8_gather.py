@@ -123,7 +123,7 @@ def float8_gather_for(module: nn.Module, name: str, gather) -> object | None:
                          "offload_policy; convert with all_gather=False, or pass "
                          "reshard_after_forward=True and no offload_policy")
     mesh, tp_group = gather.dp_mesh, _tp_group(gather)
-    gather.float8_scale = None
+    gather.float8_scale = gather.float8_scale_of = None
 
     def gather_fn(sharded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # under TP ``sharded`` is the DP view of this rank's TP piece: the gather over the
@@ -131,7 +131,9 @@ def float8_gather_for(module: nn.Module, name: str, gather) -> object | None:
         spec = _GatherSpec(mesh.get_group(0).group_name, mesh.size(), ParallelDims.local_rank(mesh),
                            sharded.shape[0], gather.reduce_op, gather.reduce_dtype,
                            gather.param_dtype or sharded.dtype, tp_group)
-        return gather_float8(sharded.to_local(), sharded.shape, spec, gather.float8_scale)
+        fresh = gather.float8_scale_of == _shard_version(sharded)
+        return gather_float8(sharded.to_local(), sharded.shape, spec,
+                             gather.float8_scale if fresh else None)
 
     return gather_fn
 
@@ -184,14 +186,28 @@ def _agree_over_tp(amax: torch.Tensor, tp_groups: list[str | None]) -> torch.Ten
     return amax
 
 
+def _shard_version(sharded) -> int | None:
+    """The version of the sharded parameter (the DTensor's own counter, bumped by every
+    in-place update, the optimizer step's too; its ``to_local()`` view's is not); None
+    while compiling, where the scale is always the graph's own."""
+    return None if torch.compiler.is_compiling() else sharded._version
+
+
 def install_float8_scales(model: nn.Module) -> None:
     """One amax all-reduce per forward for every float8-gathered weight (as torchao's
     ``precompute_float8_dynamic_scale_for_fsdp``, but inside the forward, so it is in
     the compiled graph and never stale): a pre-hook on the data-parallel root all-reduces
     (``max``) the stacked local amaxes of the weights sharing a group and leaves each
-    weight's scale on its gather; a post-hook forgets them. It sits at the top of the
-    graph, so the all-gathers' float8 shards depend only on it and our bucketing can
-    still hoist them."""
+    weight's scale on its gather, with the version of the shard it was taken from. It
+    sits at the top of the graph, so the all-gathers' float8 shards depend only on it
+    and our bucketing can still hoist them.
+
+    Eager, the scale stays after the forward for as long as its shard is unchanged: a
+    backward's re-gather and a selective-AC recomputation must cast with the scale the
+    forward used, without new amax ops or all-reduces (selective AC replays a block's
+    kept ops by count: one op more than the forward stored fails the backward). A read
+    after the optimizer step finds another version and agrees its own scale. Compiled,
+    the graph recomputes inside itself; a post-hook forgets the scales there."""
     gathers = _float8_gathers(model)
     if not gathers:
         return
@@ -206,12 +222,15 @@ def install_float8_scales(model: nn.Module) -> None:
             amax = _agree_over_tp(_all_reduce_max(amax, group_name),
                                   [_tp_group(gather) for gather, _ in members])
             scales = scale_from_amax(amax, E4M3)
-            for i, (gather, _) in enumerate(members):
+            for i, (gather, sharded) in enumerate(members):
                 gather.float8_scale = scales[i]
+                gather.float8_scale_of = _shard_version(sharded)
 
     def forget_scales(module, args, output) -> None:
+        if not torch.compiler.is_compiling():
+            return  # eager: kept while the shard is unchanged (see above)
         for gather, _ in gathers:
-            gather.float8_scale = None
+            gather.float8_scale = gather.float8_scale_of = None
 
     model.register_forward_pre_hook(agree_scales)
     model.register_forward_hook(forget_scales, always_call=True)

@@ -10,6 +10,7 @@ that fails is re-raised in the test process with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -44,6 +45,30 @@ TEST_TIMEOUT_S = 1200  # the whole group of processes
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
            "simplefsdp", "simplefsdp.train.trainer", "torch._inductor.compile_fx",
            "matplotlib.pyplot", "transformers.modeling_utils"]
+
+
+# Ranks never see a GPU: they are gloo ranks computing on CPU tensors, on any host. On a
+# CUDA machine an import the server preloads (torch, triton or transformers built for
+# CUDA) can initialize the CUDA driver in the server; a rank forked from it then fails
+# its first CUDA call ("CUDA error: initialization error", e.g. in AdamW's graph-capture
+# check, which asks CUDA whenever a GPU is visible). Hidden from the server and the ranks.
+HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@contextlib.contextmanager
+def _gpus_hidden():
+    """``HIDDEN_GPUS`` in this process's environment while ranks start (the first start
+    launches the server, which keeps the environment it started with)."""
+    saved = {key: os.environ.get(key) for key in HIDDEN_GPUS}
+    os.environ.update(HIDDEN_GPUS)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def stop_forkserver() -> None:
@@ -137,13 +162,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     # another process could take meanwhile: EADDRINUSE under load); it outlives every rank
     store = host_store(world_size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     port = store.port
-    env = dict(os.environ)
+    env = dict(os.environ, **HIDDEN_GPUS)
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, env,
                                                     (_CallersFd(1), _CallersFd(2)), args, queue),
                          daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _gpus_hidden():
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:

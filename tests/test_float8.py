@@ -29,6 +29,7 @@ from toy import DIM, HIDDEN, OpCalls, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 from simplefsdp.compiler.collectives import ALL_GATHER, KINDS, find_collectives, is_data_parallel
+from simplefsdp.float8 import Float8Linear
 
 STEPS = 3
 # (recipe, all_gather, backend): eager and compiled float8 all-gathers, and rowwise
@@ -685,3 +686,65 @@ def test_selective_ac_keeps_every_other_float8_matmul():
         assert (ac_forward, ac_backward - backward) == (forward, recomputed), ac
         assert ac_loss == loss and grads.keys() == ac_grads.keys()
         assert all(torch.equal(grads[n], ac_grads[n]) for n in grads), ac
+
+
+# ------------------------------------- activation checkpointing with the float8 gather
+def _llama(world: int, ac: str):
+    """A 2-block Llama, float8 (tensorwise) with the float8 all-gather, under ``ac``, on
+    ``world`` ranks: the trainer's order (convert, checkpoint, shard)."""
+    from simplefsdp.models.llama import ModelArgs, Transformer
+    from simplefsdp.parallel.activation_checkpoint import apply_ac
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  vocab_size=64, multiple_of=16, max_seq_len=16))
+    sf.convert_to_float8(model, recipe="tensorwise", all_gather=True)
+    apply_ac(model, ac)
+    return sf.data_parallel(model, sf.make_mesh(dp_shard=world, device_type="cpu"))
+
+
+def _gathered_ac_steps(rank: int, world: int) -> dict:
+    """Two optimizer steps per AC mode (losses, whole gradients), and one block called
+    on its own after the last step, before and after a forward of the whole model."""
+    tokens = torch.randint(0, 64, (2 * world, 17), generator=torch.Generator().manual_seed(1))
+    mine = tokens[2 * rank:2 * rank + 2]
+    out = {}
+    for ac in ("none", "selective", "full"):
+        model = _llama(world, ac)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        steps = []
+        for _ in range(2):
+            logits = model(mine[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten())
+            loss.backward()
+            steps.append((loss.item(), {n.replace("._checkpoint_wrapped_module", ""):
+                                        _full(p.grad) for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        out[ac] = steps
+    # the optimizer changed every weight since the last forward agreed their scales: a
+    # linear called on its own must agree new ones, as the next forward of the model does
+    linear = next(m for m in model.modules() if isinstance(m, Float8Linear))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        alone = linear(x)
+        model(mine[:, :-1])  # agrees every scale from the weights as they are now
+        after_forward = linear(x)
+    return out | {"alone": alone, "after_forward": after_forward}
+
+
+def test_activation_checkpointing_with_the_float8_gather_equals_none():
+    """Selective and full AC with float8-gathered weights, eager, 2 ranks: the same
+    losses and gradients, bitwise, as without AC, over two optimizer steps (the
+    recomputation casts with the scale the forward agreed: a selective block replays
+    its kept ops by count and failed the backward when the recomputation agreed a
+    scale again). A weight read after the optimizer step, outside the model's forward,
+    casts with its new amax."""
+    for out in run_ranks(_gathered_ac_steps, 2):
+        reference = out["none"]
+        for ac in ("selective", "full"):
+            for (loss, grads), (ref_loss, ref_grads) in zip(out[ac], reference, strict=True):
+                assert loss == ref_loss, ac
+                assert grads.keys() == ref_grads.keys()
+                assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), ac
+        assert torch.equal(out["alone"], out["after_forward"])

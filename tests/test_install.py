@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +35,20 @@ def _venv(folder: Path, torch_version: str | None) -> Path:
     return folder / "bin"
 
 
-def _setup(bin_dir: Path, shell: str) -> subprocess.CompletedProcess:
-    """Run ``shell`` after sourcing scripts/pip.sh, with the venv's python first on PATH
-    and pip replaced by a recorder."""
+def _setup(bin_dir: Path, shell: str, gpu: bool = False) -> subprocess.CompletedProcess:
+    """Run ``shell`` after sourcing scripts/pip.sh, with pip replaced by a recorder and
+    only the venv's python and, with ``gpu``, a stand-in ``nvidia-smi`` on PATH (the
+    scripts need no other program), so the host's own driver tools never decide."""
+    tools = bin_dir.parent / "tools"
+    tools.mkdir(exist_ok=True)
+    if gpu:
+        (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA stand-in'\n")
+        (tools / "nvidia-smi").chmod(0o755)
     script = ("set -euo pipefail; source scripts/pip.sh; "
               "quiet_pip() { echo \"pip install $*\"; }; " + shell)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(bin_dir.parent)}
-    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {"PATH": f"{bin_dir}:{tools}", "HOME": str(bin_dir.parent)}
+    return subprocess.run([shutil.which("bash"), "-c", script], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("version", ["2.11.0", "2.12.1+cu128", "2.13.0+cpu"])
@@ -73,6 +80,9 @@ def test_torch_is_installed_only_where_missing(tmp_path):
     assert "no torch installed: installing torch==2.13.0" in done.stdout
     assert re.search(r"^pip install torch==2\.13\.0 --extra-index-url "
                      r"https://download\.pytorch\.org/whl/cpu$", done.stdout, re.M), done.stdout
+    gpu = _setup(bin_dir, "ensure_torch", gpu=True)  # a driver: PyPI's CUDA build
+    assert gpu.returncode == 0, gpu.stderr
+    assert re.search(r"^pip install torch==2\.13\.0$", gpu.stdout, re.M), gpu.stdout
 
 
 def test_the_scripts_use_the_policy_and_pyproject_agrees():

@@ -63,3 +63,23 @@ def test_a_returned_tensor_outlives_its_rank():
     rank, status, payload = queue.get(timeout=60)
     assert (rank, status) == (0, "ok"), payload
     assert torch.equal(pickle.loads(payload)["x"], torch.arange(1000.0))
+
+
+def _sees_a_gpu(rank: int, world: int) -> tuple[str | None, bool]:
+    import torch
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
+
+
+@pytest.mark.quick
+def test_ranks_and_their_server_never_see_a_gpu(monkeypatch):
+    # set for the caller (as on a GPU host): the ranks and the server hide it all the same
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_ranks(_sees_a_gpu, 2) == [("", False)] * 2
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's own is left as it was
+    import multiprocessing.forkserver as forkserver
+
+    pid = forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        server_env = f.read().split(b"\0")
+    assert b"CUDA_VISIBLE_DEVICES=" in server_env, "the server started with a GPU visible"
