@@ -22,7 +22,8 @@ import copy
 import importlib.util
 from dataclasses import dataclass, field
 
-from ..config.job import CompileBackend, Device, DType, ModelConfig
+from ..config.compile import CompileBackend
+from ..config.job import Device, DType, ModelConfig
 from ..config.reader import config_help, read_config, split_argv
 from ..config.shapes import check_seq_len
 from ..errors import ConfigError, require
