@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rank_runner import run_ranks
-from toy import Toy, global_batch, loss_fn
+from toy import Block, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 
@@ -239,3 +239,70 @@ def test_a_frame_left_to_eager_inside_a_compiled_forward_gathers():
     graphs around it do (before: the sharded DTensor, "mixed torch.Tensor and DTensor").
     aot_eager runs eager's ops: the loss and every gradient bitwise equal to eager's."""
     run_ranks(_eager_frame_in_compiled_forward, 2)
+
+
+_DEPTHS_SEEN: list[int] = []  # the compiled-forward depth each eager gelu ran at
+
+
+@torch.compiler.disable
+def _gelu_left_to_eager(x: torch.Tensor) -> torch.Tensor:
+    """A frame Dynamo leaves to eager inside a block: records the compiled-forward depth
+    (``data_parallel._compiled_forward_depth``) it runs at."""
+    import importlib
+
+    _DEPTHS_SEEN.append(importlib.import_module("simplefsdp.data_parallel")
+                        ._compiled_forward_depth)
+    return torch.nn.functional.gelu(x)
+
+
+class _BlockWithEagerFrame(Block):
+    """The toy's block with a graph break inside (its gelu left to eager), as a block
+    Dynamo cannot trace whole (a Hugging Face layer, an untraceable dispatch): under a
+    compiled model its checkpoint cannot be traced into the graph, so it runs eagerly
+    around the block's compiled frames, and backward's recomputation calls those frames
+    again, from outside the compiled forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * self.down(_gelu_left_to_eager(self.up(self.norm(x))))
+
+
+def _recomputed_frames(rank: int, world: int) -> dict:
+    from torch._dynamo.utils import guard_failures
+
+    from simplefsdp.parallel.activation_checkpoint import checkpointed
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Toy(n_layers=2)
+        model.layers = torch.nn.ModuleList(checkpointed(_BlockWithEagerFrame(), "full")
+                                           for _ in range(2))
+        model = sf.data_parallel(model, sf.make_mesh(dp_shard=world))
+        _DEPTHS_SEEN.clear()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        results.append(_step(run, rank, world))
+    (loss, grads), (loss_c, grads_c) = results
+    assert torch.equal(loss, loss_c)
+    for g, g_c in zip(grads, grads_c, strict=True):
+        assert (g is None and g_c is None) or torch.equal(g, g_c)
+    return {"depths": list(_DEPTHS_SEEN),
+            "depth_guards": [str(r) for rs in guard_failures.values() for r in rs
+                             if "_compiled_forward_depth" in str(r)]}
+
+
+def test_a_block_recomputed_from_backward_reuses_its_compiled_frames():
+    """Full AC on blocks Dynamo cannot trace whole (a graph break inside each), compiled
+    with aot_eager on 2 gloo ranks: each block's compiled frames run at compiled-forward
+    depth 2 in forward (the root's hooks and the block's) and at depth 1 when backward
+    recomputes it (the root has returned). The counter moves by a call Dynamo replays
+    after the graph (``_torch_compat.replay_after_graph``), so its value is in no guard
+    and the recomputation reuses the forward's frames: no guard fails on it. Traced, the
+    update put the value in the frames' guards, each block compiled again for its
+    recomputation, and a model with many blocks (DeepSeek-V3 16B's 27, torch 2.11) passed
+    the recompile limit, recomputed eagerly and saved other tensors than its compiled
+    forward ("Recomputed values ... have different metadata"). The loss and every
+    gradient bitwise equal to eager's (aot_eager runs eager's ops)."""
+    for per_rank in run_ranks(_recomputed_frames, 2):
+        # forward: 2 blocks at depth 2; backward recomputes them (last first) at depth 1
+        assert per_rank["depths"] == [2, 2, 1, 1], per_rank
+        assert per_rank["depth_guards"] == [], per_rank
