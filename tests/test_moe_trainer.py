@@ -457,9 +457,9 @@ def test_selective_ac_keeps_the_token_exchanges(tmp_path):
     losses within 1e-5 relative (Inductor's fused kernels may sum in another order).
     ``test_compiled_equals_eager`` checks the aot_eager cell bitwise. (This model's
     routed block traces whole into the model's graph, its checkpoint too, so no frame is
-    called again from backward here: that the compiled-forward depth counter keeps a
-    recomputation on the forward's frames is ``tests/test_compiler.py``'s
-    ``test_a_block_recomputed_from_backward_reuses_its_compiled_frames``.)"""
+    entered at another compiled-forward depth here: that the depth counter stays out of
+    Dynamo's guards (no recompile for it) is ``tests/test_compiler.py``'s
+    ``test_the_forward_depth_counter_stays_out_of_guards``.)"""
     found = run_ranks(_exchanges_per_ac_mode, 2, str(tmp_path))
     for per_rank in found:
         assert {run: n for run, (_, n) in per_rank.items()} == \
