@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rank_runner import run_ranks
-from toy import Toy, global_batch, loss_fn
+from toy import Block, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 
@@ -239,3 +239,77 @@ def test_a_frame_left_to_eager_inside_a_compiled_forward_gathers():
     graphs around it do (before: the sharded DTensor, "mixed torch.Tensor and DTensor").
     aot_eager runs eager's ops: the loss and every gradient bitwise equal to eager's."""
     run_ranks(_eager_frame_in_compiled_forward, 2)
+
+
+_DEPTHS_SEEN: list[int] = []  # the compiled-forward depth each eager gelu ran at
+
+
+@torch.compiler.disable
+def _gelu_left_to_eager(x: torch.Tensor) -> torch.Tensor:
+    """A frame Dynamo leaves to eager inside a block: records the compiled-forward depth
+    (``data_parallel._compiled_forward_depth``) it runs at."""
+    import importlib
+
+    _DEPTHS_SEEN.append(importlib.import_module("simplefsdp.data_parallel")
+                        ._compiled_forward_depth)
+    return torch.nn.functional.gelu(x)
+
+
+class _BlockWithEagerFrame(Block):
+    """The toy's block with a graph break inside (its gelu left to eager), as a block
+    Dynamo cannot trace whole (a Hugging Face layer, an untraceable dispatch): under a
+    compiled model its checkpoint cannot be traced into one graph with it, and the model
+    runs as several compiled frames around eager ones."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * self.down(_gelu_left_to_eager(self.up(self.norm(x))))
+
+
+def _frames_around_eager_blocks(rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+    from torch._dynamo.utils import guard_failures
+
+    from simplefsdp.parallel.activation_checkpoint import checkpointed
+
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Toy(n_layers=2, tie=False)
+        model.layers = torch.nn.ModuleList(checkpointed(_BlockWithEagerFrame(), "full")
+                                           for _ in range(2))
+        model = sf.data_parallel(model, sf.make_mesh(dp_shard=world))
+        _DEPTHS_SEEN.clear()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        tokens = global_batch(0, world)[2 * rank:2 * rank + 2]
+        losses = []
+        for _ in range(2):  # the second step enters the first step's frames again
+            logits = run(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            losses.append(loss.detach())
+        results.append((losses, _grads(model)))
+    (losses, grads), (losses_c, grads_c) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_c, strict=True))
+    for g, g_c in zip(grads, grads_c, strict=True):
+        assert (g is None and g_c is None) or torch.equal(g, g_c)
+    return {"depths": list(_DEPTHS_SEEN),
+            "depth_guards": [str(r) for rs in guard_failures.values() for r in rs
+                             if "_compiled_forward_depth" in str(r)]}
+
+
+def test_the_forward_depth_counter_stays_out_of_guards():
+    """Full AC on blocks Dynamo cannot trace whole (a graph break inside each), compiled
+    with aot_eager on 2 gloo ranks, 2 steps: the model runs as compiled frames around
+    the blocks' eager gelu, which runs at compiled-forward depth 1 (so it gathers). The
+    counter moves by a call Dynamo replays after the graph holding it
+    (``_torch_compat.replay_after_graph``), so its value is in no frame's guards: no
+    guard fails on it. Traced, the update put the value in the guards, and frames
+    compiled at one depth were entered at another (here on torch 2.13:
+    ``G['_compiled_forward_depth'] == 0`` and ``== 2`` failing), so they compiled again;
+    a model with many blocks (DeepSeek-V3 16B's 27, torch 2.11, a block recomputed from
+    backward) passed the recompile limit, recomputed eagerly and saved other tensors
+    than its compiled forward ("Recomputed values ... have different metadata"). Losses
+    and every gradient bitwise equal to eager's (aot_eager runs eager's ops)."""
+    for per_rank in run_ranks(_frames_around_eager_blocks, 2):
+        assert per_rank["depths"] and set(per_rank["depths"]) == {1}, per_rank
+        assert per_rank["depth_guards"] == [], per_rank
