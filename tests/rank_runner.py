@@ -10,7 +10,6 @@ that fails is re-raised in the test process with that rank's traceback.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -21,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 from simplefsdp.net import host_store, join_local_group
 
@@ -53,22 +53,6 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dyn
 # its first CUDA call ("CUDA error: initialization error", e.g. in AdamW's graph-capture
 # check, which asks CUDA whenever a GPU is visible). Hidden from the server and the ranks.
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
-
-
-@contextlib.contextmanager
-def _gpus_hidden():
-    """``HIDDEN_GPUS`` in this process's environment while ranks start (the first start
-    launches the server, which keeps the environment it started with)."""
-    saved = {key: os.environ.get(key) for key in HIDDEN_GPUS}
-    os.environ.update(HIDDEN_GPUS)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def stop_forkserver() -> None:
@@ -167,7 +151,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                                                     (_CallersFd(1), _CallersFd(2)), args, queue),
                          daemon=True)
              for r in range(world_size)]
-    with _gpus_hidden():
+    # the first start launches the server, which keeps the environment it started with
+    with mock.patch.dict(os.environ, HIDDEN_GPUS):
         for p in procs:
             p.start()
     results: dict[int, Any] = {}
