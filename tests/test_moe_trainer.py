@@ -82,9 +82,12 @@ MLA_LAYOUTS = {"mla_ep1": [*MLA, *LAYOUTS["ep1"]], "mla_ep2_fsdp": [*MLA, *LAYOU
 # the experts see inputs a few ulps off; the measured worst (1.57e-5 tp2_ep2 when it ran, 1.72e-5
 # tp2_ep1, 1.25e-5 tp2_ep4, 7.8e-6 cp2_tp2_ep2) is one element of 4096 (an expert weight
 # whose gradient is near AdamW's eps, where lr * g / (|g| + eps) swings): about twice
-# that.
+# that. MLA under EP 2 x FSDP 2 has the same single near-eps element on a host whose BLAS
+# rounds otherwise (an AVX2-only CPU: 1.07e-5 on one of 8192 experts' gate_up_proj
+# elements, every other element under 2.3e-6), so it gets the same bound. A lost gradient
+# term moves thousands of elements by ~1e-3, thirty times the bound.
 PARAM_ATOL = {name: 3.5e-5 for name in ("tp2_ep1", "tp2_ep4", "cp2_tp2_ep2", "hsdp_tp2_ep2",
-                                        "ddp_tp2_ep2")}
+                                        "ddp_tp2_ep2", "mla_ep2_fsdp")}
 
 
 def _runs(rank: int, world: int, out: str) -> dict:
@@ -325,7 +328,8 @@ def test_mla_trains_under_fsdp_and_ep(runs):
     want, got = _params(out / "mla_ep1"), _params(out / "mla_ep2_fsdp")
     assert set(got) == set(want)
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=0, atol=PARAM_ATOL["mla_ep2_fsdp"],
+                                   msg=name)
     assert "layers.1.attention.wk.weight" not in got
     assert (got["layers.1.attention.kv_norm.weight"] - 1).abs().max() > 1e-3  # init: ones
     start = _initial_model(tuple(MLA)).state_dict()["layers.1.attention.wkv_b.weight"]
