@@ -52,8 +52,12 @@ def _measured_peak(rank, world, overrides):
     return held + least_transient(step, torch.device("cpu"))
 
 
+# Eager without AC (batch 4, 64 tokens, 2 ranks) is the benchmark's "simplefsdp-eager"
+# job: test_bench_predicted_column_matches_the_measured_peak compares the planner's
+# prediction for it with the same measurement (held state + the least transient of the
+# profiled steps) under the same 10%, so it is not measured again here.
 @pytest.mark.parametrize("ac,compiled", [("none", "true"), ("selective", "true"),
-                                         ("none", "false"), ("full", "false")])
+                                         ("full", "false")])
 def test_debug_model_memory_matches_a_measured_two_rank_run(planner, ac, compiled):
     # Compiled runs use Inductor, whose code frees each saved activation after its last
     # use in backward, as the planner's liveness does; aot_eager's boxed backward keeps
@@ -68,7 +72,8 @@ def test_debug_model_memory_matches_a_measured_two_rank_run(planner, ac, compile
     # of 3 profiled steps: a missed free only adds); the prediction is liveness over the
     # same compiled graphs plus the eager loss, or (eager) the same eager step replayed
     # on fake tensors, eager resharding and the gradients' arrival included. Reached:
-    # compiled (Inductor) none -2.2%, selective -9.3%; eager none -1.0%, full -1.3%.
+    # compiled (Inductor) none -2.2%, selective -9.3%; eager full -1.3% (eager none -1.0%:
+    # the benchmark's test).
     # Compiled selective AC is bounded at 15%: Inductor's partitioner chooses what to
     # save on Inductor's own decompositions, the planner's trace uses aot_eager's.
     tolerance = 0.15 if (ac, compiled) == ("selective", "true") else 0.10

@@ -88,7 +88,7 @@ def test_saved_bytes_per_block_match_the_selective_policy_by_hand(planner):
 SMALL = ("configs/llama3_8b.toml", ["--model.n_layers", "2", "--compile.bucketing", "manual"])
 
 
-def _keep_vs_exhaustive(path, overrides, gpus, per_node):
+def _keep_vs_exhaustive(path, overrides, gpus, per_node, folder):
     from simplefsdp.hardware import gpu_profile
     from simplefsdp.plan.search import layouts, search, speed_bound
     from simplefsdp.plan.trace import trace
@@ -102,14 +102,11 @@ def _keep_vs_exhaustive(path, overrides, gpus, per_node):
     keep3 = search(cfg, gpus, "h100-sxm", per_node, keep=3, stats=keep3_stats)
     traces = trace.cache_info()._asdict()
     # the pruned search narrowed to one layout of each tp (pp 1, no AC, batch 1), here
-    # (traced above) and in two worker processes (a task each: tp 1 and tp 2), each
-    # tracing its own graphs (not this process's cache, whose counts are read above)
+    # (traced above) and in two worker processes (``_workers_search``)
     narrowed_stats: dict = {}
     narrowed = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=narrowed_stats,
                       constrain=_one_layout_per_tp)
-    workers_stats: dict = {}
-    workers = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=workers_stats, workers=2,
-                     constrain=_one_layout_per_tp)
+    workers, workers_stats = _workers_search(cfg, gpus, per_node, folder)
     configs = {(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp, c.parallel.pp,
                 c.activation_checkpoint.mode, c.training.batch_size): c
                for c in layouts(cfg, gpus, per_node)}
@@ -132,6 +129,37 @@ def _one_layout_per_tp(c):
     kept = c.parallel.pp == 1 and c.activation_checkpoint.mode == "none" \
         and c.training.batch_size == 1
     return c if kept else None
+
+
+def _tp2_layout(c):
+    """``search``'s ``constrain``: ``_one_layout_per_tp``'s layout of tp 2 only."""
+    return c if c.parallel.tp == 2 and _one_layout_per_tp(c) is not None else None
+
+
+def _workers_search(cfg, gpus, per_node, folder) -> tuple[list, dict]:
+    """The search narrowed to one layout of each tp in two worker processes (a task each:
+    tp 1 and tp 2), with the planner's disk cache on in ``folder``, which holds tp 2's
+    role figures (stored here first, from this process's traces): the tp 2 worker reads
+    them back, the tp 1 worker traces its own graphs (not this process's cache). One
+    worker tracing proves the work is not done here; the other, that workers read the
+    disk cache. tp 1's speed bound is over tp 2's tokens/s (checked by the test), so the
+    bar tp 2's row sets never prunes tp 1, whichever worker reports first."""
+    from simplefsdp.plan.search import search
+
+    saved = os.environ.get("SIMPLEFSDP_CACHE_DIR")
+    os.environ["SIMPLEFSDP_CACHE_DIR"], os.environ["SIMPLEFSDP_PLAN_CACHE"] = folder, "1"
+    try:
+        search(cfg, gpus, "h100-sxm", per_node, constrain=_tp2_layout)  # stores its figures
+        stats: dict = {}
+        rows = search(cfg, gpus, "h100-sxm", per_node, keep=1, stats=stats, workers=2,
+                      constrain=_one_layout_per_tp)
+    finally:
+        os.environ["SIMPLEFSDP_PLAN_CACHE"] = "0"
+        if saved is None:
+            del os.environ["SIMPLEFSDP_CACHE_DIR"]
+        else:
+            os.environ["SIMPLEFSDP_CACHE_DIR"] = saved
+    return rows, stats
 
 
 def _floor_against_predictions(rows, configs) -> list[tuple[float, float]]:
@@ -196,10 +224,10 @@ def _comm_bound(cfg, dev, row) -> dict:
 
 
 @pytest.fixture(scope="module")
-def searches(planner):
+def searches(planner, tmp_path_factory):
     """The searches of SMALL on 2 GPUs of 2 per node (tp 1 and 2, pp 1 and 2), in one
     planner call: keep 1, exhaustive, keep 3, and keep 1 in two worker processes."""
-    return planner(_keep_vs_exhaustive, *SMALL, 2, 2)
+    return planner(_keep_vs_exhaustive, *SMALL, 2, 2, str(tmp_path_factory.mktemp("figures")))
 
 
 def test_search_keep_prunes_by_speed_bound_and_traces_each_graph_once(searches):
@@ -369,15 +397,22 @@ def test_fitting_knob_row_raises_the_bar(monkeypatch):
 
 
 def test_search_workers_split_by_tp(searches):
-    """Two worker processes (tp 1 and tp 2, each tracing its own graphs) find the same
-    best row as one process, and report their traces; the search narrowed to one layout
-    of each tp (a worker's trace costs what one in this process does, and a worker
-    starts by importing torch)."""
-    rows, stats = searches[:2]
+    """Two worker processes (tp 1 tracing its own graphs, tp 2 reading its figures from
+    the disk cache: ``_workers_search``) find the same best row as one process, and
+    report their traces; the search narrowed to one layout of each tp (a worker's trace
+    costs what one in this process does, and a worker starts by importing torch)."""
+    rows, stats, bounds = searches[:3]
     assert rows["narrowed"][0] == rows["workers"][0]
     assert all((r["pp"], r["ac"], r["batch_size"]) == (1, "none", 1)
                for r in rows["narrowed"] + rows["workers"]) and rows["workers"][0]["fits"]
-    assert stats["narrowed"]["traces"] == 0 and stats["workers"]["traces"] > 0
+    # tp 1's bound is over tp 2's tokens/s: the bar tp 2's row sets never prunes tp 1,
+    # whichever worker takes which task first
+    narrowed = {r["tp"]: (b, r["tokens_per_s_per_gpu"])
+                for (b, _), r in zip(bounds, rows["full"], strict=True)
+                if (r["pp"], r["ac"], r["batch_size"]) == (1, "none", 1)}
+    assert narrowed[1][0] >= narrowed[2][1], narrowed
+    # tp 1's 1- and 2-block graphs, traced in its worker; none for tp 2 (from disk)
+    assert stats["narrowed"]["traces"] == 0 and stats["workers"]["traces"] == 2
     for name in ("pruned", "narrowed", "workers"):
         assert stats[name]["predicted"] == len(rows[name]), name
 
