@@ -91,11 +91,8 @@ def _limit_above_manual(rank, world):
     from simplefsdp.compiler.simulate import simulate
     from simplefsdp.config.job import load_config
 
-    # 2 of the debug model's 4 blocks: the auto compile (Inductor, FX cache off while the
-    # pass plans) and its plan's peak checks scale with the blocks; with 2 the unlimited
-    # plan still gathers both blocks at once, a block more than manual bucketing holds
-    cfg = load_config(None, ["--model.name", "debug", "--model.n_layers", "2",
-                             "--training.batch_size", "4", "--training.seq_len", "128"])
+    cfg = load_config(None, ["--model.name", "debug", "--training.batch_size", "4",
+                             "--training.seq_len", "128"])
     mesh = simplefsdp.make_mesh(dp_shard=world, device_type="cpu")
     x = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(rank))
     runnable, model, optimizer, _ = _build(
