@@ -481,13 +481,6 @@ def test_fake_process_group(tmp_path):
     assert not list(tmp_path.glob("comm_model_*.json")), "a fake group was calibrated"
 
 
-def _one_block(world: int):
-    """The toy with one block: each Inductor compile below costs less, and one block
-    still gives each graph several gathers to plan (its own, the embedding's, the norm's)."""
-    torch.manual_seed(0)
-    return sf.data_parallel(Toy(n_layers=1), sf.make_mesh(dp_shard=world))
-
-
 def _compile_and_report(rank: int, world: int, cache_dir: str, key_tag: str,
                         plan_caches: list[bool]) -> list:
     """Inductor bucketing="auto" on the toy, compiled once per entry of ``plan_caches``
@@ -509,14 +502,17 @@ def _compile_and_report(rank: int, world: int, cache_dir: str, key_tag: str,
     # (on a host loaded by other jobs it may legitimately recalibrate, which changes the
     # plan cache's key; the probe is tested in test_calibration_probe.py)
     drift.disagreements = lambda *args, **kwargs: []
-    eager = _step(_one_block(world), rank, world)
+    # one block: each Inductor compile costs less, and each graph still has several
+    # gathers to plan (the block's, the embedding's, the norm's)
+    eager = _step(_fresh(world, n_layers=1), rank, world)
     out = []
     for plan_cache in plan_caches:
         torch._dynamo.reset()
         counters.clear()
         be = sf.compile_backend(backend="inductor", bucketing="auto", plan_cache=plan_cache)
         started = time.perf_counter()
-        result = _step(torch.compile(_one_block(world), fullgraph=True, backend=be), rank, world)
+        model = torch.compile(_fresh(world, n_layers=1), fullgraph=True, backend=be)
+        result = _step(model, rank, world)
         seconds = time.perf_counter() - started
         assert _diff(result, eager) <= INDUCTOR_ATOL
         out.append({"seconds": seconds, "hits": counters["inductor"]["fxgraph_cache_hit"],

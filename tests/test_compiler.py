@@ -32,9 +32,9 @@ def _step(model, rank, world):
     return loss.detach(), _grads(model)
 
 
-def _fresh(world, **kwargs):
+def _fresh(world, n_layers=2, **kwargs):
     torch.manual_seed(0)
-    return sf.data_parallel(Toy(n_layers=2), sf.make_mesh(dp_shard=world), **kwargs)
+    return sf.data_parallel(Toy(n_layers=n_layers), sf.make_mesh(dp_shard=world), **kwargs)
 
 
 def _check_schedule(report) -> None:
