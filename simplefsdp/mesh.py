@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._torch_compat import flatten_mesh, slice_flattened
@@ -41,6 +42,30 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
 CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring across
 DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
+
+
+# The meshes this process built over real process groups, by layout (``_shared_mesh``).
+_MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _shared_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh of ``ranks`` (dims ``names``) over the current process group: one this
+    process built before for the same layout, while something still holds it (a model's
+    DTensors do), else a new one. Each mesh creates a process group per dim (on gloo a
+    transport thread that wakes every 10 ms for as long as the group lives; on NCCL
+    communicators that hold GPU memory), so a second model, a compiled copy or a trainer
+    run again on the same layout shares the first one's groups instead of adding its
+    own. A mesh built over a process group since destroyed is never handed out again."""
+    world = dist.group.WORLD
+    if world is None:  # no process group: DeviceMesh raises its own error
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    key = (device_type, names, tuple(ranks.shape), tuple(ranks.flatten().tolist()))
+    mesh = _MESHES.get(key)
+    if mesh is None or mesh._simplefsdp_world() is not world:
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        mesh._simplefsdp_world = weakref.ref(world)
+        _MESHES[key] = mesh
+    return mesh
 
 
 # The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
@@ -296,10 +321,13 @@ class ParallelDims:
         (``torchrun`` + ``dist.init_process_group``), with ``world_size`` ranks.
         ``fake``: a mesh over a fake process group's world (the planner's traces)."""
         shape = tuple(self.sizes.values())
+        ranks = torch.arange(self.world_size).view(shape)
         if fake:
-            ranks = torch.arange(self.world_size).view(shape)
             return DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        if dist.is_initialized() and dist.get_world_size() != self.world_size:
+            raise ValueError(f"the mesh needs {self.world_size} ranks, the process group "
+                             f"has {dist.get_world_size()}")
+        return _shared_mesh(device_type, ranks, MESH_DIMS)
 
     @staticmethod
     def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
@@ -368,7 +396,7 @@ class ParallelDims:
         if etp > 1:  # the job's tp dim follows, unflattened
             tail = tail[:-1]
         ranks = ranks.unflatten(at, (ranks.shape[at] // ep, *tail))
-        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+        return _shared_mesh(mesh.device_type, ranks, EXPERT_MESH_DIMS)
 
     @staticmethod
     def check_ep(ep: int, ranks: int, names: str, why: str, prefix: str = "") -> None:

@@ -20,6 +20,14 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported: tune the collector of this process (and so of a
+    pytest-xdist worker) as the rank processes do (``rank_runner.tune_gc``)."""
+    from rank_runner import tune_gc
+
+    tune_gc()
+
+
 def _planner_call(fn, args):
     """``fn(*args)`` in the planner's process, its trace caches emptied first and the
     planner's disk cache off (``plan.disk_cache``; a call that tests it turns it on in a
@@ -33,6 +41,15 @@ def _planner_call(fn, args):
     eager_memory.cache_clear()
     os.environ["SIMPLEFSDP_PLAN_CACHE"] = "0"
     return fn(*args)
+
+
+def _warm_planner():
+    """The planner process's imports, then its collector tuned as a rank's is."""
+    from rank_runner import tune_gc
+
+    import simplefsdp.plan  # noqa: F401
+
+    tune_gc()
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +67,7 @@ def planner():
 
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     worker = pool.submit(os.getpid).result()
+    pool.submit(_warm_planner).result()
     try:
         yield lambda fn, *args: pool.submit(_planner_call, fn, args).result()
     finally:

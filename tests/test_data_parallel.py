@@ -303,3 +303,32 @@ def _plain_copy_from_state_dict(rank: int, world: int) -> None:
 
 def test_world_size_one_state_dict_loads_into_plain_model():
     run_ranks(_plain_copy_from_state_dict, 1)
+
+
+
+def _meshes_shared_per_process_group(rank, world):
+    """Meshes and experts' meshes of one layout built twice; then the world-of-one
+    layout again after the process group is destroyed and a new one joined."""
+    from simplefsdp.mesh import ParallelDims
+
+    first = sf.make_mesh(dp_shard=world)
+    again = sf.make_mesh(dp_shard=world)
+    other = sf.make_mesh(dp_replicate=world, dp_shard=1)
+    experts = ParallelDims.expert_mesh(first, world), ParallelDims.expert_mesh(again, world)
+    shared = [first is again, other is not first, experts[0] is experts[1]]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fresh = sf.make_mesh(dp_shard=1)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=fresh.get_group("dp_shard"))  # one of the new group's
+    return shared, fresh is not first, float(total)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_make_mesh_shares_groups_until_the_process_group_is_destroyed(world):
+    """A layout built twice in one process is one mesh (one set of process groups, not
+    two), the experts' too; another layout is another mesh. A mesh built over a process
+    group since destroyed is never handed out again: with one rank, the layout built
+    after a new process group is the first one's."""
+    for shared, fresh, total in run_ranks(_meshes_shared_per_process_group, world):
+        assert shared == [True, world > 1, True] and fresh and total == 1.0
