@@ -45,17 +45,20 @@ DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
 
 
 # The meshes this process built over real process groups, by layout (``_shared_mesh``).
-_MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Held for good, not weakly: whether a mesh is reused must not depend on when a garbage
+# collection ran, which differs between ranks (building one is collective).
+_MESHES: dict[tuple, DeviceMesh] = {}
 
 
 def _shared_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
-    """The mesh of ``ranks`` (dims ``names``) over the current process group: one this
-    process built before for the same layout, while something still holds it (a model's
-    DTensors do), else a new one. Each mesh creates a process group per dim (on gloo a
-    transport thread that wakes every 10 ms for as long as the group lives; on NCCL
-    communicators that hold GPU memory), so a second model, a compiled copy or a trainer
-    run again on the same layout shares the first one's groups instead of adding its
-    own. A mesh built over a process group since destroyed is never handed out again."""
+    """The mesh of ``ranks`` (dims ``names``) over the current process group: the one
+    this process built before for the same layout, else a new one. Each mesh creates a
+    process group per dim (on gloo a transport thread that wakes every 10 ms for as long
+    as the process group lives; on NCCL communicators that hold GPU memory), and torch
+    keeps every group until the default one is destroyed, so a second model, a compiled
+    copy or a trainer run again in the same process shares the first one's groups
+    instead of adding its own. A mesh built over a process group since destroyed is
+    never handed out again (``shutdown_distributed`` releases its groups)."""
     world = dist.group.WORLD
     if world is None:  # no process group: DeviceMesh raises its own error
         return DeviceMesh(device_type, ranks, mesh_dim_names=names)
@@ -462,17 +465,19 @@ def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
                 ) -> dist.ProcessGroup | None:
     """This rank's pipeline stage (the ranks sharing its ``pp`` coordinate) as a process
     group, or None without pipeline parallelism (all ranks are then one stage).
-    Collective: every rank creates every stage's group, in the same order."""
+    Collective the first time for a mesh and ``timeout``: every rank creates every stage's
+    group, in the same order; later calls return the same group."""
     names = mesh.mesh_dim_names or ()
     if "pp" not in names or mesh["pp"].size() == 1:
         return None
-    stages = mesh.mesh.movedim(names.index("pp"), 0).flatten(1).tolist()
-    mine = None
-    for ranks in stages:
-        group = dist.new_group(ranks, timeout=timeout)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+    made = mesh.__dict__.setdefault("_simplefsdp_stage_groups", {})  # one per timeout
+    if timeout not in made:  # the mesh is shared per layout (_shared_mesh): so are these
+        stages = mesh.mesh.movedim(names.index("pp"), 0).flatten(1).tolist()
+        for ranks in stages:
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                made[timeout] = group
+    return made[timeout]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
