@@ -59,11 +59,11 @@ HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 # Python's cyclic garbage collector, as the suite's processes use it: compiling (Dynamo,
 # AOTAutograd, our passes) makes millions of short-lived container objects, so with the
 # defaults (a young collection every 700 allocations; full ones that walk every object
-# the imports made) the collector took about a tenth of a compiling process's CPU.
-# Frozen: the objects alive now (torch's and our imports) are never garbage, and full
-# collections no longer walk them. Young collections every 20,000 allocations: cycles
-# are still freed within a step. Nothing in the tests depends on when a cycle is freed
-# (the memory checks collect explicitly or count reachable tensors).
+# the imports made) collecting took a large share of a compiling process's CPU
+# (docs/performance.md, "The test suite"). Frozen: the objects alive now (torch's and
+# our imports) are never garbage, and full collections no longer walk them. Young
+# collections every 20,000 allocations: cycles are still freed within a step. A check
+# that depends on a cycle being freed by a given point collects itself (gc.collect()).
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
