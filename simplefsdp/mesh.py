@@ -24,8 +24,6 @@ Errors are ValueErrors naming each size as the caller spells it (``prefix``:
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._torch_compat import flatten_mesh, slice_flattened
+from .shared_groups import shared_mesh, stage_group  # noqa: F401 - stage_group: imported from here
 
 # The built mesh, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
@@ -42,33 +41,6 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp_ring", "cp_ulysses", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp_ring", "cp_ulysses", "tp")
 CP_DIMS = ("cp_ring", "cp_ulysses")  # context parallelism: Ulysses inside, ring across
 DEGREES = ("pp", "dp_replicate", "dp_shard", *CP_DIMS, "tp", "ep")
-
-
-# The meshes this process built over real process groups, by layout (``_shared_mesh``).
-# Held for good, not weakly: whether a mesh is reused must not depend on when a garbage
-# collection ran, which differs between ranks (building one is collective).
-_MESHES: dict[tuple, DeviceMesh] = {}
-
-
-def _shared_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
-    """The mesh of ``ranks`` (dims ``names``) over the current process group: the one
-    this process built before for the same layout, else a new one. Each mesh creates a
-    process group per dim (on gloo a transport thread that wakes every 10 ms for as long
-    as the process group lives; on NCCL communicators that hold GPU memory), and torch
-    keeps every group until the default one is destroyed, so a second model, a compiled
-    copy or a trainer run again in the same process shares the first one's groups
-    instead of adding its own. A mesh built over a process group since destroyed is
-    never handed out again (``shutdown_distributed`` releases its groups)."""
-    world = dist.group.WORLD
-    if world is None:  # no process group: DeviceMesh raises its own error
-        return DeviceMesh(device_type, ranks, mesh_dim_names=names)
-    key = (device_type, names, tuple(ranks.shape), tuple(ranks.flatten().tolist()))
-    mesh = _MESHES.get(key)
-    if mesh is None or mesh._simplefsdp_world() is not world:
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-        mesh._simplefsdp_world = weakref.ref(world)
-        _MESHES[key] = mesh
-    return mesh
 
 
 # The key of the node metadata (``node.meta["custom"]``) that names the data-parallel
@@ -330,7 +302,7 @@ class ParallelDims:
         if dist.is_initialized() and dist.get_world_size() != self.world_size:
             raise ValueError(f"the mesh needs {self.world_size} ranks, the process group "
                              f"has {dist.get_world_size()}")
-        return _shared_mesh(device_type, ranks, MESH_DIMS)
+        return shared_mesh(device_type, ranks, MESH_DIMS)
 
     @staticmethod
     def data_parallel_mesh(mesh: DeviceMesh, mode: str) -> DeviceMesh:
@@ -399,7 +371,7 @@ class ParallelDims:
         if etp > 1:  # the job's tp dim follows, unflattened
             tail = tail[:-1]
         ranks = ranks.unflatten(at, (ranks.shape[at] // ep, *tail))
-        return _shared_mesh(mesh.device_type, ranks, EXPERT_MESH_DIMS)
+        return shared_mesh(mesh.device_type, ranks, EXPERT_MESH_DIMS)
 
     @staticmethod
     def check_ep(ep: int, ranks: int, names: str, why: str, prefix: str = "") -> None:
@@ -459,25 +431,6 @@ def make_mesh(dp_shard: int = -1, dp_replicate: int = 1, tp: int = 1, pp: int = 
     dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                         cp_ring=cp_ring, cp_ulysses=cp_ulysses)
     return dims.resolve(dist.get_world_size()).build_mesh(device_type)
-
-
-def stage_group(mesh: DeviceMesh, timeout: datetime.timedelta | None = None
-                ) -> dist.ProcessGroup | None:
-    """This rank's pipeline stage (the ranks sharing its ``pp`` coordinate) as a process
-    group, or None without pipeline parallelism (all ranks are then one stage).
-    Collective the first time for a mesh and ``timeout``: every rank creates every stage's
-    group, in the same order; later calls return the same group."""
-    names = mesh.mesh_dim_names or ()
-    if "pp" not in names or mesh["pp"].size() == 1:
-        return None
-    made = mesh.__dict__.setdefault("_simplefsdp_stage_groups", {})  # one per timeout
-    if timeout not in made:  # the mesh is shared per layout (_shared_mesh): so are these
-        stages = mesh.mesh.movedim(names.index("pp"), 0).flatten(1).tolist()
-        for ranks in stages:
-            group = dist.new_group(ranks, timeout=timeout)
-            if dist.get_rank() in ranks:
-                made[timeout] = group
-    return made[timeout]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
