@@ -305,7 +305,6 @@ def test_world_size_one_state_dict_loads_into_plain_model():
     run_ranks(_plain_copy_from_state_dict, 1)
 
 
-
 def _meshes_shared_per_process_group(rank, world):
     """Meshes and experts' meshes of one layout built twice; then the world-of-one
     layout again after the process group is destroyed and a new one joined."""
@@ -320,7 +319,7 @@ def _meshes_shared_per_process_group(rank, world):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     fresh = sf.make_mesh(dp_shard=1)
     total = torch.ones(1)
-    dist.all_reduce(total, group=fresh.get_group("dp_shard"))  # one of the new group's
+    dist.all_reduce(total, group=fresh.get_group("dp_shard"))  # its group is live
     return shared, fresh is not first, float(total)
 
 
