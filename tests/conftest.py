@@ -21,11 +21,11 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_finish(session):
-    """Every test module is imported: tune the collector of this process (and so of a
-    pytest-xdist worker) as the rank processes do (``rank_runner.tune_gc``)."""
-    from rank_runner import tune_gc
+    """Every test module is imported: tune this process (and so a pytest-xdist worker)
+    as the rank processes are (``rank_runner.tune_process``)."""
+    from rank_runner import tune_process
 
-    tune_gc()
+    tune_process()
 
 
 def _planner_call(fn, args):
@@ -44,12 +44,12 @@ def _planner_call(fn, args):
 
 
 def _warm_planner():
-    """The planner process's imports, then its collector tuned as a rank's is."""
-    from rank_runner import tune_gc
+    """The planner process's imports, then the process tuned as a rank is."""
+    from rank_runner import tune_process
 
     import simplefsdp.plan  # noqa: F401
 
-    tune_gc()
+    tune_process()
 
 
 @pytest.fixture(scope="session")

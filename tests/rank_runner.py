@@ -67,12 +67,25 @@ HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
-def tune_gc() -> None:
-    """Freeze what is alive now and collect less often (``GC_THRESHOLDS``): a rank
-    process at its start (after the server's imports), pytest's own process and the
-    planner's after collection (tests/conftest.py)."""
+# Inductor's C++ for CPU, as the suite's processes compile it: scalar loops, not
+# vectorized (``cpp.simdlen = 1`` matches no vector ISA). What the tests check of an
+# Inductor compile (our passes' FX graphs, the collectives, numerics within each test's
+# stated tolerance, Inductor's buffer reuse in the memory tests) does not depend on the
+# vector width; choosing vector tilings (sympy) and compiling vectorized C++ took over a
+# quarter of the Inductor composition cells' CPU (docs/performance.md, "The test suite").
+INDUCTOR_SIMDLEN = 1
+
+
+def tune_process() -> None:
+    """Freeze what is alive now and collect less often (``GC_THRESHOLDS``); Inductor's
+    CPU code scalar (``INDUCTOR_SIMDLEN``): a rank process at its start (after the
+    server's imports), pytest's own process and the planner's after collection
+    (tests/conftest.py)."""
+    import torch._inductor.config as inductor_config
+
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    inductor_config.cpp.simdlen = INDUCTOR_SIMDLEN
 
 
 def stop_forkserver() -> None:
@@ -125,7 +138,7 @@ def _worker(fn, rank, world_size, port, env, _std_fds, args, queue):
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # ranks share 2 cores; oversubscription only slows them
-    tune_gc()
+    tune_process()
     try:
         join_local_group("gloo", port, rank, world_size,
                          datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
