@@ -71,8 +71,9 @@ GC_THRESHOLDS = (20_000, 20, 20)
 # vectorized (``cpp.simdlen = 1`` matches no vector ISA). What the tests check of an
 # Inductor compile (our passes' FX graphs, the collectives, numerics within each test's
 # stated tolerance, Inductor's buffer reuse in the memory tests) does not depend on the
-# vector width; choosing vector tilings (sympy) and compiling vectorized C++ took over a
-# quarter of the Inductor composition cells' CPU (docs/performance.md, "The test suite").
+# vector width. Choosing vector tilings (sympy) was about half of the Inductor composition
+# cells' codegen; tests that run many compiled steps pay a little back in slower kernels
+# (figures: docs/performance.md, "The test suite").
 INDUCTOR_SIMDLEN = 1
 
 
