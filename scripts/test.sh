@@ -4,9 +4,11 @@
 #   bash scripts/test.sh            the whole suite (what CI runs)
 #   bash scripts/test.sh --quick    the tests marked `quick` (pytest -m quick): minutes
 # Other arguments go to pytest, e.g. bash scripts/test.sh tests/test_docs.py -x
-# SIMPLEFSDP_TEST_WORKERS=N (N > 1) runs test files on N pytest-xdist workers, a whole
-# file per worker (its module fixtures run once). Default 1 (one pytest process): on 2
-# cores two workers ran slower than one (docs/performance.md, "The test suite").
+# Two streams by default (two pytest-xdist workers, --dist loadgroup): the tests that start
+# ranks, in order, and beside them the tests marked one_process (tests/conftest.py).
+# SIMPLEFSDP_TEST_WORKERS=1 runs one pytest process; N > 2 runs test files on N workers, a
+# whole file per worker (more cores): on 2 cores two files of ranks at once ran slower
+# than one (docs/performance.md, "The test suite").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,8 +22,10 @@ if [[ "${1:-}" == "--quick" ]]; then
     shift
     tier=(-m quick)
 fi
-workers=(); n="${SIMPLEFSDP_TEST_WORKERS:-1}"
-if [[ "$n" != 1 ]]; then
-    workers=(-n "$n" --dist loadfile)
-fi
+n="${SIMPLEFSDP_TEST_WORKERS:-2}"
+case "$n" in
+    1) workers=() ;;
+    2) workers=(-n 2 --dist loadgroup) ;;
+    *) workers=(-n "$n" --dist loadfile) ;;
+esac
 python -m pytest -q --durations=40 "${workers[@]}" "${tier[@]}" "$@"

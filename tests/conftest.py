@@ -20,6 +20,34 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+# The suite's two streams (``scripts/test.sh``: two pytest-xdist workers, ``--dist
+# loadgroup``): the tests marked ``one_process`` start no ranks (they run in pytest's
+# process, the planner's, or one child at a time), the others start ranks. On 2 cores a
+# test's ranks leave part of a core idle (waiting in collectives, starting up): the
+# one-process tests run beside them. Two files of ranks at once would oversubscribe the
+# cores, so every test that starts ranks is in one stream, in the files' order.
+ONE_PROCESS, RANKS = "one_process", "ranks"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Each test joins its stream's ``xdist_group`` (before pytest-xdist reads the marks);
+    without ``--dist loadgroup`` the groups change nothing."""
+    for item in items:
+        stream = ONE_PROCESS if item.get_closest_marker(ONE_PROCESS) else RANKS
+        item.add_marker(pytest.mark.xdist_group(stream))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A ``one_process`` test (its fixtures included) that starts ranks fails: its mark
+    would put ranks beside the other stream's ranks (``rank_runner.run_ranks``)."""
+    import rank_runner
+
+    rank_runner.RANKS_REFUSED_BY = (item.nodeid if item.get_closest_marker(ONE_PROCESS)
+                                    else None)
+
+
 def pytest_collection_finish(session):
     """Every test module is imported: tune this process (and so a pytest-xdist worker)
     as the rank processes are (``rank_runner.tune_process``)."""

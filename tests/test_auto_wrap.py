@@ -464,6 +464,7 @@ def _in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result(timeout=600)
 
 
+@pytest.mark.one_process
 def test_fake_process_group(tmp_path):
     # The planner (issue 14) compiles under a fake group of many ranks: before, the
     # agreement's store raised "Not implemented". Now the comm model comes from the

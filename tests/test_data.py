@@ -16,7 +16,9 @@ from simplefsdp.corpus.text import (
     read_corpus,
 )
 
-pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
+# unit checks in one process: the whole file is in the quick tier and the one-process
+# stream (conftest.py)
+pytestmark = [pytest.mark.quick, pytest.mark.one_process]
 
 
 @pytest.fixture(scope="module")

@@ -478,6 +478,7 @@ def _planner_trace(float8: bool) -> dict:
             "prologue": prologue}
 
 
+@pytest.mark.one_process
 def test_planner_traces_a_float8_step(planner):
     """The planner traces ``[float8]`` as the trainer runs it (it refused it before:
     the root's scale-agreeing pre-hook compiles as its own inference graph, and the

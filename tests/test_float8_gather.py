@@ -214,6 +214,7 @@ def _planner_tp_trace() -> dict:
     return out
 
 
+@pytest.mark.one_process
 def test_planner_traces_the_float8_gather_with_tp(planner):
     """By hand: the debug block's 7 converted linears hold 184,320 weights
     (``test_float8.test_planner_traces_a_float8_step``); TP 2 splits each in two, so a

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.quick  # bare venvs, no torch import: seconds
+# bare venvs, no torch import: seconds; no ranks (the one-process stream, conftest.py)
+pytestmark = [pytest.mark.quick, pytest.mark.one_process]
 
 
 def _venv(folder: Path, torch_version: str | None) -> Path:

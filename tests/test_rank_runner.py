@@ -83,3 +83,20 @@ def test_ranks_and_their_server_never_see_a_gpu(monkeypatch):
     with open(f"/proc/{pid}/environ", "rb") as f:
         server_env = f.read().split(b"\0")
     assert b"CUDA_VISIBLE_DEVICES=" in server_env, "the server started with a GPU visible"
+
+
+@pytest.mark.quick
+@pytest.mark.one_process
+def test_a_one_process_test_cannot_start_ranks(request):
+    """The suite's two streams (conftest.py): this test is in the one-process group, and
+    starting ranks from it fails before any rank starts, naming the test and the fix."""
+    assert request.node.get_closest_marker("xdist_group").args == ("one_process",)
+    with pytest.raises(RuntimeError, match=r"test_a_one_process_test_cannot_start_ranks\S* is "
+                       "marked one_process but starts ranks: remove its mark"):
+        run_ranks(_report, 2, False)
+
+
+@pytest.mark.quick
+def test_a_test_that_starts_ranks_is_in_the_ranks_stream(request):
+    assert request.node.get_closest_marker("xdist_group").args == ("ranks",)
+    assert run_ranks(_report, 1, False)[0][1] == 1
