@@ -4,11 +4,11 @@
 #   bash scripts/test.sh            the whole suite (what CI runs)
 #   bash scripts/test.sh --quick    the tests marked `quick` (pytest -m quick): minutes
 # Other arguments go to pytest, e.g. bash scripts/test.sh tests/test_docs.py -x
-# Two streams by default (two pytest-xdist workers, --dist loadgroup): the tests that start
-# ranks, in order, and beside them the tests marked one_process (tests/conftest.py).
-# SIMPLEFSDP_TEST_WORKERS=1 runs one pytest process; N > 2 runs test files on N workers, a
-# whole file per worker (more cores): on 2 cores two files of ranks at once ran slower
-# than one (docs/performance.md, "The test suite").
+# Two pytest-xdist workers by default (--dist loadgroup): the tests marked many_ranks (more
+# than 2 processes at once) one after another in one worker, every other test file whole
+# on whichever worker is free (tests/conftest.py). SIMPLEFSDP_TEST_WORKERS=1 runs one
+# pytest process; N > 2 runs test files on N workers, a whole file per worker (more cores):
+# on 2 cores two files of 4 ranks at once ran slower than one (docs/performance.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

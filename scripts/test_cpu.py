@@ -1,7 +1,7 @@
 """Run pytest and print the CPU seconds of the whole process tree, rank processes included.
 
     python scripts/test_cpu.py tests/test_composition.py -q --durations=15
-    python scripts/test_cpu.py -m quick -q -n 2 --dist loadfile   # as scripts/test.sh
+    python scripts/test_cpu.py -m quick -q -n 2 --dist loadgroup   # as scripts/test.sh
 
 ``/usr/bin/time pytest ...`` undercounts a multi-rank test: rank processes are forked
 by multiprocessing's forkserver (tests/rank_runner.py), which reaps them, and Python 3.11

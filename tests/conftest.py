@@ -20,32 +20,35 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
-# The suite's two streams (``scripts/test.sh``: two pytest-xdist workers, ``--dist
-# loadgroup``): the tests marked ``one_process`` start no ranks (they run in pytest's
-# process, the planner's, or one child at a time), the others start ranks. On 2 cores a
-# test's ranks leave part of a core idle (waiting in collectives, starting up): the
-# one-process tests run beside them. Two files of ranks at once would oversubscribe the
-# cores, so every test that starts ranks is in one stream, in the files' order.
-ONE_PROCESS, RANKS = "one_process", "ranks"
+# Two test processes share 2 cores (``scripts/test.sh``: two pytest-xdist workers,
+# ``--dist loadgroup``): a test's ranks leave part of the cores idle (waiting in
+# collectives, starting up), which a test in the other process uses. Two groups of 4
+# ranks at once would oversubscribe the cores and waste more than they overlap, so the
+# tests marked ``many_ranks`` (more than ``MOST_RANKS_UNMARKED`` processes at once) run
+# one after another in one worker, and every other test file goes whole (its module
+# fixtures once) to whichever worker is free.
+MANY_RANKS = "many_ranks"
+MOST_RANKS_UNMARKED = 2
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Each test joins its stream's ``xdist_group`` (before pytest-xdist reads the marks);
-    without ``--dist loadgroup`` the groups change nothing."""
+    """Each test joins its ``xdist_group`` (before pytest-xdist reads the marks): the
+    ``many_ranks`` group, else its file's; without ``--dist loadgroup`` they change nothing."""
     for item in items:
-        stream = ONE_PROCESS if item.get_closest_marker(ONE_PROCESS) else RANKS
-        item.add_marker(pytest.mark.xdist_group(stream))
+        group = MANY_RANKS if item.get_closest_marker(MANY_RANKS) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """A ``one_process`` test (its fixtures included) that starts ranks fails: its mark
-    would put ranks beside the other stream's ranks (``rank_runner.run_ranks``)."""
+    """A test (its fixtures included) not marked ``many_ranks`` that starts more than
+    ``MOST_RANKS_UNMARKED`` ranks fails (``rank_runner.run_ranks``): it would run beside
+    the other worker's ranks."""
     import rank_runner
 
-    rank_runner.RANKS_REFUSED_BY = (item.nodeid if item.get_closest_marker(ONE_PROCESS)
-                                    else None)
+    rank_runner.RANK_LIMIT = (None if item.get_closest_marker(MANY_RANKS)
+                              else (item.nodeid, MOST_RANKS_UNMARKED))
 
 
 def pytest_collection_finish(session):

@@ -54,9 +54,9 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dyn
 # its first CUDA call ("CUDA error: initialization error", e.g. in AdamW's graph-capture
 # check, which asks CUDA whenever a GPU is visible). Hidden from the server and the ranks.
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
-# The test now running, if it is marked ``one_process`` (set by conftest.py before its
-# fixtures): ``run_ranks`` refuses to start ranks for it.
-RANKS_REFUSED_BY: str | None = None
+# (the test now running, the most ranks it may start at once), set by conftest.py before
+# its fixtures; None: no limit (a ``many_ranks`` test, or outside pytest).
+RANK_LIMIT: tuple[str, int] | None = None
 
 
 # Python's cyclic garbage collector, as the suite's processes use it: compiling (Dynamo,
@@ -178,9 +178,9 @@ class RankFailure(RuntimeError):
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_s: float = TEST_TIMEOUT_S) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank."""
-    if RANKS_REFUSED_BY is not None:
-        raise RuntimeError(f"{RANKS_REFUSED_BY} is marked one_process but starts ranks: "
-                           "remove its mark (tests/conftest.py, the suite's two streams)")
+    if RANK_LIMIT is not None and world_size > RANK_LIMIT[1]:
+        raise RuntimeError(f"{RANK_LIMIT[0]} starts {world_size} ranks, more than "
+                           f"{RANK_LIMIT[1]}: mark it many_ranks (tests/conftest.py)")
     ctx = _context()
     queue = ctx.Queue()
     # this process hosts the ranks' store (no port chosen free and bound later, which

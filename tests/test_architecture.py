@@ -33,9 +33,7 @@ from pathlib import Path
 
 import pytest
 
-# unit checks in one process: the whole file is in the quick tier and the one-process
-# stream (conftest.py)
-pytestmark = [pytest.mark.quick, pytest.mark.one_process]
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
 
 PACKAGE = Path(__file__).resolve().parent.parent / "simplefsdp"
 COMPAT = PACKAGE / "_torch_compat"

@@ -416,6 +416,7 @@ def _hybrid_and_stages(rank: int, world: int, cache_dir: str) -> dict:
     return {"graphs": len(plans)}
 
 
+@pytest.mark.many_ranks
 def test_hybrid_shard_ranks_agree_and_stage_groups(tmp_path):
     assert run_ranks(_hybrid_and_stages, 4, str(tmp_path))[0] == {"graphs": 2}
 
@@ -464,7 +465,6 @@ def _in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result(timeout=600)
 
 
-@pytest.mark.one_process
 def test_fake_process_group(tmp_path):
     # The planner (issue 14) compiles under a fake group of many ranks: before, the
     # agreement's store raised "Not implemented". Now the comm model comes from the

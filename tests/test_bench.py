@@ -521,6 +521,7 @@ def _ep_gradients(rank: int, world: int) -> dict:
     return found
 
 
+@pytest.mark.many_ranks
 def test_ep_variants_gradients_are_the_global_mean():
     """On 4 gloo ranks (EP 2: each EP group's experts also sharded over 2 ranks, so FSDP2
     reduce-scatters them), ours and FSDP2's EP variants, after one backward and the

@@ -39,6 +39,8 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 

@@ -233,7 +233,6 @@ open_caches(SimpleNamespace(dataset=sys.argv[1], weights=[], text_field="text",
 """
 
 
-@pytest.mark.one_process
 def test_a_killed_build_leaves_no_usable_cache(tmp_path: Path):
     data = _jsonl(tmp_path / "a.jsonl", DOCS)
     cache = tmp_path / "cache"
@@ -498,7 +497,6 @@ def test_streamed_mixture_follows_the_weights_and_resumes(tmp_path: Path):
         _stream(str(a), 1, 2).load_state_dict(state)
 
 
-@pytest.mark.one_process
 def test_document_mask_equals_each_document_alone():
     """Three documents packed (the last cut off) with the mask give, token for token, the
     logits of each document run alone (positions from 0, plain causal attention)."""

@@ -16,9 +16,7 @@ from simplefsdp.corpus.text import (
     read_corpus,
 )
 
-# unit checks in one process: the whole file is in the quick tier and the one-process
-# stream (conftest.py)
-pytestmark = [pytest.mark.quick, pytest.mark.one_process]
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ def _parity_vs_reference(rank: int, world: int) -> dict[str, tuple[float, float]
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.many_ranks)])
 def test_parity_with_single_process_reference(world):
     figures = run_ranks(_parity_vs_reference, world)[0]
     print(f"world {world}: (max relative loss diff, max param diff) per mode: {figures}")
@@ -180,7 +180,7 @@ def _cases(rank: int, world: int) -> dict[str, object]:
     return {"gathers_forward": fwd, "gathers_forward_backward": fwd_bwd}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.many_ranks)])
 def test_uneven_tied_frozen_buffers_reshard(world):
     print(run_ranks(_cases, world)[0])
 

@@ -14,11 +14,14 @@ SGD steps on a 4 -> 3 -> 2 model stay far below that).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from rank_runner import run_ranks
 from torch import nn
 
 import simplefsdp as sf
+
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
 
 STEPS = 3
 

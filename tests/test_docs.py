@@ -33,8 +33,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 HISTORY = ROOT / "docs" / "measurements"

@@ -478,7 +478,6 @@ def _planner_trace(float8: bool) -> dict:
             "prologue": prologue}
 
 
-@pytest.mark.one_process
 def test_planner_traces_a_float8_step(planner):
     """The planner traces ``[float8]`` as the trainer runs it (it refused it before:
     the root's scale-agreeing pre-hook compiles as its own inference graph, and the
@@ -587,6 +586,7 @@ def _tp_runs(rank: int, world: int, backends) -> list[tuple[list[float], dict]]:
 TP_TOL = 1e-5
 
 
+@pytest.mark.many_ranks
 @pytest.mark.parametrize("dp, backends", [
     (1, (None, "aot_eager")), pytest.param(2, (None,), marks=pytest.mark.quick)],
     ids=["tp2", "tp2_fsdp2"])

@@ -36,6 +36,8 @@ from test_float8 import (
 
 import simplefsdp as sf
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 DP, TP = 2, 2
 # (float8 all_gather, backend): the high-precision gather (the run to equal), the float8
 # gather eager and compiled
@@ -214,7 +216,6 @@ def _planner_tp_trace() -> dict:
     return out
 
 
-@pytest.mark.one_process
 def test_planner_traces_the_float8_gather_with_tp(planner):
     """By hand: the debug block's 7 converted linears hold 184,320 weights
     (``test_float8.test_planner_traces_a_float8_step``); TP 2 splits each in two, so a

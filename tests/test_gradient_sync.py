@@ -138,8 +138,8 @@ CASES = {2: (("fully_shard", False), ("replicate", False)),
 @pytest.mark.parametrize("world, compiled", [
     pytest.param(2, False, id="2-eager", marks=pytest.mark.quick),
     pytest.param(2, True, id="2-compiled"),
-    pytest.param(4, False, id="4-eager"),
-    pytest.param(4, True, id="4-compiled"),
+    pytest.param(4, False, id="4-eager", marks=pytest.mark.many_ranks),
+    pytest.param(4, True, id="4-compiled", marks=pytest.mark.many_ranks),
 ])
 def test_sync_off_accumulates_and_reduces_once(world, compiled):
     report = run_ranks(_sync_off_parity, world, CASES[world], compiled)[0]

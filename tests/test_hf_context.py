@@ -35,6 +35,8 @@ from rank_runner import run_ranks  # noqa: E402
 from simplefsdp.config.job import load_config  # noqa: E402
 from simplefsdp.errors import ConfigError
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 SEQ = 32
 SHAPE = dict(vocab_size=256, hidden_size=48, intermediate_size=72, num_hidden_layers=2,

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# bare venvs, no torch import: seconds; no ranks (the one-process stream, conftest.py)
-pytestmark = [pytest.mark.quick, pytest.mark.one_process]
+pytestmark = pytest.mark.quick  # bare venvs, no torch import: seconds
 
 
 def _venv(folder: Path, torch_version: str | None) -> Path:

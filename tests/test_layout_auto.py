@@ -22,6 +22,8 @@ from rank_runner import run_ranks
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 WORLD = 4
 # two micro-steps a step: the search's gradient-sync row (sync on the last micro-step,
 # one reduction a step instead of two) is a candidate, and the fastest that fits
@@ -202,7 +204,6 @@ def _knob_choices(cfg, fixed: dict, below: float) -> dict:
     return {"offload": offload, "reshard": reshard, "reshard_needs": need}
 
 
-@pytest.mark.one_process
 def test_memory_limit_only_full_ac_meets_and_fixed_batch(planner, tmp_path):
     """Under a limit between full AC's need and the others' (their predictions), the
     choice is full AC; the fixed batch (1; the free search picks 2) is kept; below full
@@ -258,7 +259,6 @@ def test_nothing_fits_is_a_config_error(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing was trained
 
 
-@pytest.mark.one_process
 def test_nothing_planned_names_the_failed_trace_and_the_fixed_keys():
     """When no candidate could be predicted although its memory floor is far under the
     limit (here: the debug model on a 141 GB profile), the error says the planner failed
@@ -288,7 +288,6 @@ def _traced_tp8_ring4() -> dict:
     return predict(cfg, 128, "h100-sxm").to_dict()
 
 
-@pytest.mark.one_process
 def test_planner_traces_tp8_with_ring4(planner):
     """Traced meshes hold 2 replicas x 2 shards x CP x TP ranks: TP 8 with CP 4 needs 128
     fake ranks (the planner's fake world had 64, and such layouts failed to trace)."""

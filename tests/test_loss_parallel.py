@@ -138,7 +138,6 @@ LLAMA_70B = ["--parallel.dp_shard", "32", "--parallel.tp", "8", "--activation_ch
              "--training.mixed_precision_param", "bfloat16"]
 
 
-@pytest.mark.one_process
 def test_planner_counts_an_eighth_of_the_logits_on_70b(planner):
     """The planner's loss term under loss parallel. Its active peak is the backward's
     loss peak: the saved block inputs plus the eager float32 cross-entropy's 16 B per

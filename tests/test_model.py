@@ -20,9 +20,7 @@ from simplefsdp.models.llama import (
     rope_cache,
 )
 
-# unit checks in one process: the whole file is in the quick tier and the one-process
-# stream (conftest.py)
-pytestmark = [pytest.mark.quick, pytest.mark.one_process]
+pytestmark = pytest.mark.quick  # unit checks in one process: the whole file is in the quick tier
 
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                  multiple_of=16, max_seq_len=32)

@@ -11,8 +11,6 @@ from simplefsdp import _torch_compat
 from simplefsdp.models import moe
 from simplefsdp.models.llama import num_params
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 DIM, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 2
 
 

@@ -21,6 +21,8 @@ from toy import relabel_odd_bytes
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 # A tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2, a shared expert,
 # balance loss with a large coefficient (so that it moves the weights visibly). 2 steps:
 # the second runs on the weights and AdamW state the first step's gradients set, so a

@@ -29,7 +29,10 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from rank_runner import free_port, run_ranks
+
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"

@@ -112,7 +112,6 @@ GRAPH_TRAINER_FULL = ("full", 2, True, 7006, 32.07)
 # which our prediction (48.84 GiB reserved) holds and the published run does not.
 
 
-@pytest.mark.one_process
 def test_published_runs(planner):
     rows = []
     for ac, batch, compiled, _, _ in PUBLISHED:
@@ -152,7 +151,6 @@ def _cli_main(argv: list[str]) -> int:
     return main(argv)
 
 
-@pytest.mark.one_process
 def test_cli_json_fields(planner, tmp_path):
     """The planner's command line (its ``main``, in the session's planner process: a
     fresh interpreter would import torch again; ``python -m simplefsdp.plan`` itself
@@ -170,7 +168,6 @@ def test_cli_json_fields(planner, tmp_path):
     assert row["fits"] and 0 < row["mfu"] < 1
 
 
-@pytest.mark.one_process
 @pytest.mark.quick
 def test_cli_bad_input_is_named():
     run = subprocess.run([sys.executable, "-m", "simplefsdp.plan", "--gpus", "8",
@@ -188,7 +185,6 @@ def _rescaled_vs_traced(overrides):
     return vars(graph_memory(two, 4)), vars(graph_memory(four, 4))
 
 
-@pytest.mark.one_process
 @pytest.mark.quick
 @pytest.mark.parametrize("compiled", ["false", "true"])
 def test_shard_rescaling_matches_a_trace_at_that_size(planner, compiled):
@@ -198,7 +194,6 @@ def test_shard_rescaling_matches_a_trace_at_that_size(planner, compiled):
     assert rescaled == traced  # exact: shard sizes divide evenly here
 
 
-@pytest.mark.one_process
 @pytest.mark.quick
 def test_layouts_cover_the_gpus():
     from simplefsdp.plan.search import layouts
@@ -224,7 +219,6 @@ def test_layouts_cover_the_gpus():
     assert all(c.parallel.dims().cp > 1 for c in layouts(cfg, 16, 8, cp=True))
 
 
-@pytest.mark.one_process
 def test_bench_variants_map_to_trainer_jobs():
     from simplefsdp.plan.bench import bench_job
 
@@ -284,7 +278,6 @@ def _tp_pp_last_stage():
         cfg.model.model_args().dim, eager.peak
 
 
-@pytest.mark.one_process
 def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states(planner):
     """Under TP + sequence parallel a pipeline stage receives its TP rank's piece of the
     sequence: the last stage of tp 2 x pp 2 is traced on (batch, seq / 2, dim) (traced
@@ -297,7 +290,6 @@ def test_tp_pp_last_stage_takes_sequence_sharded_hidden_states(planner):
     assert eager_peak > 0
 
 
-@pytest.mark.one_process
 def test_eager_reshard_recognises_fake_tensors():
     """The planner replays the eager step on fake tensors: eager resharding must drop a
     saved view of a fake gathered parameter (packed as a re-gather recipe) as it does a
@@ -331,7 +323,6 @@ def _full_ac_saved() -> list[int]:
     return [graph_memory(trace(trace_key(cfg, "full", k, 4, 1, 2)), 2).saved for k in (1, 2)]
 
 
-@pytest.mark.one_process
 def test_compiled_full_ac_saves_only_block_inputs(planner):
     """Issue 27: the planner's compiled full-AC trace recomputes. Per block, its forward
     saves for backward exactly the block's input: batch 4 x seq 64 x dim 128 x 4 B
@@ -380,7 +371,6 @@ def _loss_time_bytes() -> dict:
     return out
 
 
-@pytest.mark.one_process
 def test_loss_time_peak_by_hand(planner):
     """Issue 27's compiled transient is the eager cross-entropy on bf16 logits; its bytes
     per logit, counted by hand from the ops torch runs (``aten`` kernels without loss

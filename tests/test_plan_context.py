@@ -11,8 +11,6 @@ import torch
 
 from simplefsdp.config.job import load_config
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 DEBUG = ["--training.seq_len", "64", "--training.batch_size", "2", "--compile.enable",
          "true", "--compile.bucketing", "manual", "--activation_checkpoint.mode", "none"]
 

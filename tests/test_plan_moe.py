@@ -15,8 +15,6 @@ from simplefsdp.models.llama import ffn_hidden_dim, flops_per_token, num_params
 from simplefsdp.models.moe import MOE_PRESETS, MoETransformer
 from simplefsdp.plan import memory, moe, timing
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 
 def test_activated_flops_per_token_by_hand():
     """debug_moe (dim 128, 4 blocks, 4 heads of 32, 2 KV heads, vocabulary 256, 8

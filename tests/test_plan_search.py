@@ -14,8 +14,6 @@ import pytest
 
 from simplefsdp.config.job import load_config
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 # The anomaly's own layout: 405B, tp 8 (sequence parallel), bf16 compute, selective AC,
 # batch 2 (fake tensors: tracing costs the same at any width).
 LLAMA_405B = ("configs/llama3_405b.toml", [

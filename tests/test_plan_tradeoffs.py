@@ -18,8 +18,6 @@ from simplefsdp.hardware import GPU_PROFILES, KNOWN_FABRICS
 from simplefsdp.mesh import ParallelDims
 from simplefsdp.plan import timing, tradeoffs
 
-pytestmark = pytest.mark.one_process  # no test here starts ranks (conftest.py: streams)
-
 GPUS, PER_NODE, BLOCKS = 16, 8, 4
 FULL, RANK = 8e6, 8e6 / GPUS
 DEV = GPU_PROFILES["h100-sxm"]

@@ -85,18 +85,20 @@ def test_ranks_and_their_server_never_see_a_gpu(monkeypatch):
     assert b"CUDA_VISIBLE_DEVICES=" in server_env, "the server started with a GPU visible"
 
 
+
 @pytest.mark.quick
-@pytest.mark.one_process
-def test_a_one_process_test_cannot_start_ranks(request):
-    """The suite's two streams (conftest.py): this test is in the one-process group, and
-    starting ranks from it fails before any rank starts, naming the test and the fix."""
-    assert request.node.get_closest_marker("xdist_group").args == ("one_process",)
-    with pytest.raises(RuntimeError, match=r"test_a_one_process_test_cannot_start_ranks\S* is "
-                       "marked one_process but starts ranks: remove its mark"):
-        run_ranks(_report, 2, False)
+def test_a_test_not_marked_many_ranks_starts_at_most_two(request):
+    """The suite's two workers (conftest.py): this test's file is its group, and more than
+    2 ranks from it fail before any rank starts, naming the test and the fix."""
+    assert request.node.get_closest_marker("xdist_group").args == ("test_rank_runner",)
+    assert run_ranks(_report, 2, False)[0][1] == 2
+    with pytest.raises(RuntimeError, match=r"test_a_test_not_marked_many_ranks_starts_at_most_"
+                       r"two\S* starts 3 ranks, more than 2: mark it many_ranks"):
+        run_ranks(_report, 3, False)
 
 
 @pytest.mark.quick
-def test_a_test_that_starts_ranks_is_in_the_ranks_stream(request):
-    assert request.node.get_closest_marker("xdist_group").args == ("ranks",)
-    assert run_ranks(_report, 1, False)[0][1] == 1
+@pytest.mark.many_ranks
+def test_a_many_ranks_test_starts_more(request):
+    assert request.node.get_closest_marker("xdist_group").args == ("many_ranks",)
+    assert run_ranks(_report, 3, False)[0][1] == 3

@@ -31,6 +31,8 @@ from simplefsdp.parallel.tensor import IGNORE_INDEX
 from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import list_checkpoints
 
+pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+
 STEPS = 8
 
 
