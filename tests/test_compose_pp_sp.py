@@ -39,7 +39,7 @@ import pytest
 import torch
 from rank_runner import run_ranks
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3

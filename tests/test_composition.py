@@ -37,7 +37,7 @@ from simplefsdp.compiler.cost.comm import default_comm_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import composition_matrix as matrix  # noqa: E402
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 # The auto cells' comm model: the fabric table's CPU loopback figures for 4 ranks.
 FIXED_COMM = default_comm_model(4)

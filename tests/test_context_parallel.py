@@ -64,7 +64,7 @@ from simplefsdp.errors import ConfigError
 from simplefsdp.parallel.context import positions
 from simplefsdp.parallel.ring import GatheredKVAttention, natural_order
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 

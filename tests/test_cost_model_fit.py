@@ -11,7 +11,7 @@ from rank_runner import run_ranks
 from simplefsdp.compiler.cost import CommModel, comm, fit
 from simplefsdp.compiler.simulate import CollectiveCost, simulate
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 SIZES = [4096 * 4 ** i for i in range(7)]  # the CPU calibration sizes, 4 KiB .. 16 MiB
 ALPHA, BETA = 5e-4, 1.5e-9  # a gloo-like latency and per-byte time

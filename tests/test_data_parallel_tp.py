@@ -21,7 +21,7 @@ from torch import nn
 
 import simplefsdp as sf
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 STEPS = 3
 

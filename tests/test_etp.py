@@ -23,7 +23,7 @@ from simplefsdp._torch_compat import dynamo_counters
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 # test_moe_trainer's tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2,
 # a shared expert, a balance loss with a large coefficient.

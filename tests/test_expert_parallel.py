@@ -14,7 +14,7 @@ from simplefsdp.mesh import ParallelDims
 from simplefsdp.models import moe
 from simplefsdp.parallel import expert
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 ARGS = moe.MoEArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
                    num_experts=8, top_k=2, moe_hidden_dim=32, shared_hidden_dim=32,

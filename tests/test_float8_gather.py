@@ -36,7 +36,7 @@ from test_float8 import (
 
 import simplefsdp as sf
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 DP, TP = 2, 2
 # (float8 all_gather, backend): the high-precision gather (the run to equal), the float8

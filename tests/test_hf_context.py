@@ -35,7 +35,7 @@ from rank_runner import run_ranks  # noqa: E402
 from simplefsdp.config.job import load_config  # noqa: E402
 from simplefsdp.errors import ConfigError
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 SEQ = 32

@@ -38,7 +38,7 @@ from test_hf import (  # noqa: E402
     train_keeping_model,
 )
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 EXPERTS = 12  # over 10: file order must be transformers' natural one (10 after 9)

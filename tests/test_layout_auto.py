@@ -22,7 +22,7 @@ from rank_runner import run_ranks
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 WORLD = 4
 # two micro-steps a step: the search's gradient-sync row (sync on the last micro-step,

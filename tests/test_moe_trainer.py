@@ -21,7 +21,7 @@ from toy import relabel_odd_bytes
 from simplefsdp.config.job import load_config
 from simplefsdp.errors import ConfigError
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 # A tiny debug_moe: 2 blocks of width 32, 4 experts of width 32, top-2, a shared expert,
 # balance loss with a large coefficient (so that it moves the weights visibly). 2 steps:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from rank_runner import free_port, run_ranks
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"

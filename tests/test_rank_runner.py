@@ -85,7 +85,6 @@ def test_ranks_and_their_server_never_see_a_gpu(monkeypatch):
     assert b"CUDA_VISIBLE_DEVICES=" in server_env, "the server started with a GPU visible"
 
 
-
 @pytest.mark.quick
 def test_a_test_not_marked_many_ranks_starts_at_most_two(request):
     """The suite's two workers (conftest.py): this test's file is its group, and more than

@@ -31,7 +31,7 @@ from toy import Toy, global_batch, loss_fn
 
 import simplefsdp as sf
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 WORLD, GROUP, STEPS = 4, 2, 2
 GATHER, SCATTER = "_c10d_functional::all_gather_into_tensor", \

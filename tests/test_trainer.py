@@ -31,7 +31,7 @@ from simplefsdp.parallel.tensor import IGNORE_INDEX
 from simplefsdp.train.__main__ import main
 from simplefsdp.train.checkpoint import list_checkpoints
 
-pytestmark = pytest.mark.many_ranks  # 4-rank groups (conftest.py)
+pytestmark = pytest.mark.many_ranks  # more than 2 ranks at once (conftest.py)
 
 STEPS = 8
 
