@@ -28,6 +28,8 @@ short still returns what it measured):
    shape (the planner's float8 rate), then rank 0's Llama 3 8B FSDP 8 step in bf16 and
    with ``[float8]`` (tensorwise, float8 all-gather), eager, under the fake process group
    (its gathered bytes are unwritten memory: timing and memory only, not the loss).
+   ``float8_compiled``: the same comparison compiled (Inductor, one bucket per block) at
+   Llama 3 8B's widths and 4 blocks, where Inductor fuses the casts.
 9. ``cpu_offload`` (issue 48): a stack of 4096-wide MLP blocks (~0.4 B parameters)
    under ``data_parallel`` on a one-rank NCCL group, with and without
    ``CPUOffloadPolicy(pin_memory=True)``: step seconds (forward, backward, AdamW on the
@@ -764,6 +766,25 @@ def float8():
     return out
 
 
+@section("float8_compiled")
+def float8_compiled():
+    """Rank 0's compiled step (Inductor, one bucket per block) in bf16 and with
+    ``[float8]``, Llama 3 8B's widths at 4 blocks (a whole 32-block compile would take the
+    section's budget), fake process group of 8: where Inductor fuses the casts."""
+    from simplefsdp.float8 import check_scaled_mm
+
+    why = check_scaled_mm(ARGS.device)
+    if why is not None:
+        return {"skipped": why}
+    config, gpus, shape, backend = ("configs/debug.toml", 2, [], "aot_eager") if ARGS.tiny \
+        else ("configs/llama3_8b.toml", 8, ["--model.n_layers", "4"], "inductor")
+    common = [*shape, "--training.batch_size", "1", "--training.mixed_precision_param",
+              "bfloat16", "--compile.enable", "true", "--compile.backend", backend,
+              "--compile.bucketing", "manual"]
+    return {name: _step(config, [*common, "--float8.enable", on], gpus, 3)
+            for name, on in (("bf16", "false"), ("float8", "true"))}
+
+
 def _offload_step(policy, blocks, width, steps):
     """(median step seconds, peak device bytes, copies, bytes copied) of one run;
     ``policy``: a ``CPUOffloadPolicy`` or None (everything on the device)."""
@@ -1091,7 +1112,8 @@ def main():
     parser.add_argument("--budget-pytest", type=float, default=200,
                         help="pytest_cuda: seconds before pytest is killed")
     parser.add_argument("--budget-float8", type=float, default=0,
-                        help="float8 in a child process killed after this many seconds "
+                        help="float8 (and float8_compiled) in a child process killed "
+                             "after this many seconds "
                              "(0: in this process, unbounded)")
     parser.add_argument("--budget-offload", type=float, default=0,
                         help="cpu_offload likewise")
@@ -1100,10 +1122,11 @@ def main():
     ARGS = parser.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
     sections = [env, ring_single, ring_threads, mla_model, attention, experts, mla,
-                step_deepseek, step_262k, *MOE, float8, cpu_offload, train_tools,
+                step_deepseek, step_262k, *MOE, float8, float8_compiled, cpu_offload, train_tools,
                 overlap_8b, pytest_cuda]
     by_name = {fn.__name__: fn for fn in sections}
-    for name, budget in (("float8", ARGS.budget_float8), ("cpu_offload", ARGS.budget_offload)):
+    for name, budget in (("float8", ARGS.budget_float8), ("float8_compiled", ARGS.budget_float8),
+                         ("cpu_offload", ARGS.budget_offload)):
         if budget > 0:
             by_name[name] = _in_child(name, budget)
     chosen = [n for n in ARGS.only.split(",") if n] or list(by_name)
