@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .attention import attention_with_lse, attention_with_lse_backward, cudnn_attention
+from .staging import stager_stages_twice
 from .teardown import destroy_library, release_mesh_groups
 from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 
@@ -42,7 +43,8 @@ __all__ = [
     "grouped_mm_aligned", "missing_inductor_options", "nccl_flight_recorder", "op_schema",
     "OpOverload", "profiler_events", "raise_recompile_limits", "register_work",
     "release_mesh_groups", "replay_after_graph", "resolve_process_group", "root_mesh",
-    "slice_flattened", "storage_key", "StridedShard", "symint_hint", "TorchDispatchMode",
+    "slice_flattened", "stager_stages_twice", "storage_key", "StridedShard", "symint_hint",
+    "TorchDispatchMode",
     "tree_flatten", "tree_map",
 ]
 

@@ -5,7 +5,8 @@
   into host memory, so the next steps may change the parameters and optimizer state),
   then a background thread writes the files while training goes on.
 * ``async_pinned``: the same with page-locked (pinned) staging buffers, which a GPU
-  copies into by DMA and which torch keeps from one save to the next. On a CPU-only
+  copies into by DMA and which torch keeps from one save to the next (torch 2.11's
+  stager stages once: there each save gets a new one). On a CPU-only
   machine there is nothing to pin (no device copy): torch ignores the flag with a
   warning and the staging is a plain host copy, as in ``async``.
 
@@ -26,6 +27,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from .._torch_compat import stager_stages_twice
+
 AsyncMode = Literal["sync", "async", "async_pinned"]
 
 
@@ -39,9 +42,12 @@ class CheckpointWriter:
         if mode != "sync":
             if dist.is_initialized():  # a collective: every rank builds its writer
                 self.group = dist.new_group(backend="gloo")
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=mode == "async_pinned", use_shared_memory=False,
-                use_async_staging=False, use_non_blocking_copy=False))
+            self.stager = self._new_stager()
+
+    def _new_stager(self) -> DefaultStager:
+        return DefaultStager(StagingOptions(
+            use_pinned_memory=self.mode == "async_pinned", use_shared_memory=False,
+            use_async_staging=False, use_non_blocking_copy=False))
 
     def start(self, state: dict[str, Any], folder: Path) -> Future | None:
         """Write ``state`` into ``folder``: done on return (``sync``, None), or staged
@@ -50,6 +56,9 @@ class CheckpointWriter:
         if self.stager is None:
             dcp.save(state, checkpoint_id=str(folder))
             return None
+        if not stager_stages_twice():  # torch 2.11: a stager stages one save only
+            self.stager.close()
+            self.stager = self._new_stager()
         result = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
                                 async_stager=self.stager)
         return getattr(result, "upload_completion", result)
