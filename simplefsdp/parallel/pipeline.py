@@ -22,6 +22,7 @@ from ..config.shapes import check_pipeline
 from ..mesh import ParallelDims
 from ..models.llama import Transformer
 from ..models.moe import COUNTERS
+from .tensor import IGNORE_INDEX
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
@@ -66,6 +67,23 @@ def build_schedule(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.d
     stage = PipelineStage(stage_module, stage_index, pp, device, group=pp_mesh.get_group())
     kind = Schedule1F1B if n_microbatches >= pp else ScheduleGPipe
     return kind(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False), stage
+
+
+def run_schedule(schedule, first: bool, last: bool, inputs: torch.Tensor,
+                 targets: torch.Tensor, train: bool = True) -> list[torch.Tensor]:
+    """One batch through ``schedule`` (``step``, or forward-only ``eval`` when not
+    ``train``): the first stage feeds the tokens, the last one the targets; returns the
+    microbatches' losses (empty off the last stage). An MoE stage's aux-loss weights
+    (tokens counted per row) go along. The tokens go contiguous: torch 2.11's stages
+    check a microbatch's strides against the contiguous ones they were built with, and a
+    batch cut from longer rows (``inputs = rows[:, :-1]``) keeps the rows' strides."""
+    losses: list[torch.Tensor] = []
+    extra = {} if aux_loss_stage(schedule) is None else {
+        "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
+    run = schedule.step if train else schedule.eval
+    run(*((inputs.contiguous(),) if first else ()), target=targets if last else None,
+        losses=losses, **extra)
+    return losses
 
 
 def aux_loss_stage(schedule) -> AuxLossStage | None:

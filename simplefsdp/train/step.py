@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..mesh import local_shard
-from ..parallel.pipeline import aux_loss_stage
+from ..parallel.pipeline import aux_loss_stage, run_schedule
 from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
 from .guard import NonFiniteError, step_flags
 from .watchdog import phase
@@ -106,13 +106,9 @@ def forward_backward(s: Setup, batches: list[Batch], global_tokens: torch.Tensor
                     loss = loss + aux
                 loss.backward()
             else:
-                losses: list[torch.Tensor] = []
                 carrier = aux_loss_stage(s.pipeline_schedule)  # each stage's aux joins backward
-                extra = {} if carrier is None else {
-                    "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
-                s.pipeline_schedule.step(*((inputs,) if s.at.first else ()),
-                                target=targets if s.at.last else None, losses=losses,
-                                **extra)
+                losses = run_schedule(s.pipeline_schedule, s.at.first, s.at.last, inputs,
+                                      targets)
                 for mb_loss in losses:
                     step_loss += mb_loss.detach() / global_tokens
                 aux = carrier.take_aux() if carrier is not None else None

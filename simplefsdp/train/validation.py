@@ -36,7 +36,7 @@ from ..corpus.text import gather_windows
 from ..errors import ConfigError
 from ..models.moe import COUNTERS
 from ..parallel.context import cp_batches
-from ..parallel.pipeline import aux_loss_stage
+from ..parallel.pipeline import aux_loss_stage, run_schedule
 from ..parallel.tensor import IGNORE_INDEX, loss_context, token_loss_sum
 
 if TYPE_CHECKING:
@@ -136,12 +136,9 @@ def _forward_loss(s: Setup, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     """The batch's summed token loss on this rank (0 off the last pipeline stage)."""
     if s.pipeline_schedule is None:
         return token_loss_sum(s.runnable(inputs), targets)
-    losses: list[torch.Tensor] = []
     carrier = aux_loss_stage(s.pipeline_schedule)
-    extra = {} if carrier is None else {
-        "aux_weight": (targets != IGNORE_INDEX).sum(1).to(torch.float32)}
-    s.pipeline_schedule.eval(*((inputs,) if s.at.first else ()),
-                    target=targets if s.at.last else None, losses=losses, **extra)
+    losses = run_schedule(s.pipeline_schedule, s.at.first, s.at.last, inputs, targets,
+                          train=False)
     if carrier is not None:
         carrier.take_aux()  # the balance loss of held-out tokens joins no step
     return sum((loss.detach() for loss in losses), torch.zeros((), device=s.device))
