@@ -749,3 +749,33 @@ def test_activation_checkpointing_with_the_float8_gather_equals_none():
                 assert grads.keys() == ref_grads.keys()
                 assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), ac
         assert torch.equal(out["alone"], out["after_forward"])
+
+
+@pytest.mark.quick
+def test_rowwise_scales_without_a_rowwise_cpu_kernel_match_the_kernel(monkeypatch):
+    """torch 2.11's CPU ``_scaled_mm`` takes tensorwise scales only; there ``scaled_mm``
+    dequantizes and multiplies in float32. That path (forced), and the kernel where this
+    torch's takes rowwise scales, must equal the product computed in float64 up to float32
+    sums: within 2 k eps32 (|A| @ |B|) per element (k terms), plus one bf16 rounding step
+    (2^-8 relative) where the output is bf16. A scale left out or applied twice is off by
+    the scales' spread (1e2 here), far beyond."""
+    from simplefsdp._torch_compat import float8 as compat
+
+    paths = [True, False] if compat._cpu_takes_rowwise_scales() else [False]
+    torch.manual_seed(0)
+    for m, k, n in ((32, 64, 48), (7, 96, 5), (128, 32, 16)):
+        a, b = torch.randn(m, k) * torch.logspace(-1, 1, m)[:, None], torch.randn(n, k)
+        sa, sb = a.abs().amax(1, keepdim=True) / 448, b.abs().amax(1, keepdim=True).t() / 448
+        a8 = (a / sa).to(torch.float8_e4m3fn)
+        b8 = (b / sb.t()).to(torch.float8_e4m3fn).t()
+        exact = (a8.double() * sa.double()) @ (b8.double() * sb.double())
+        magnitude = exact.new_tensor((a8.double() * sa).abs() @ (b8.double() * sb).abs())
+        for dtype, kernel in ((d, p) for d in (torch.bfloat16, torch.float32) for p in paths):
+            with monkeypatch.context() as patch:
+                patch.setattr(compat, "_cpu_takes_rowwise_scales", lambda k=kernel: k)
+                got = compat.scaled_mm(a8, b8, sa, sb, dtype)
+            bound = 2 * k * 2**-24 * magnitude
+            if dtype == torch.bfloat16:
+                bound = bound + exact.abs() * 2**-8
+            assert got.dtype == dtype
+            assert ((got.double() - exact).abs() <= bound).all(), (m, k, n, dtype, kernel)
