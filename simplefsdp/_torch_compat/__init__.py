@@ -26,9 +26,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .attention import attention_with_lse, attention_with_lse_backward, cudnn_attention
+from .redistribute import redistribute_strided_shards_as_2_13
 from .staging import stager_stages_twice
 from .teardown import destroy_library, release_mesh_groups
 from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
+
+# Installed on import, before any DTensor is redistributed: torch 2.11 neither plans nor
+# runs redistributions of expert tensor parallelism's _StridedShard layouts, which torch
+# 2.13 does (greedy plan, steps through Replicate); see redistribute.py.
+redistribute_strided_shards_as_2_13()
 
 __all__ = [
     "all_gather_autograd", "all_to_all_single", "all_to_all_single_autograd",
