@@ -22,6 +22,9 @@ DTENSOR_OPS = "_dtensor"
 CHECKPOINT_CONTEXT_FN_LOGGER = "torch._higher_order_ops.wrap"
 # Where that warning is logged from (a frame of the logger's module).
 CHECKPOINT_CONTEXT_FN_FRAME = "tag_activation_checkpoint_impl"
+# The region's meta key that frame reads its context_fn from (2.13 binds it to a local
+# ``context_fn`` before warning, 2.11 only after). checked: 2.11, 2.13.
+CHECKPOINT_CONTEXT_FN_META = "_checkpoint_context_fn"
 _ATTENTION_OPS = ("_scaled_dot_product_flash_attention",
                   "_scaled_dot_product_flash_attention_for_cpu",
                   "_scaled_dot_product_efficient_attention",

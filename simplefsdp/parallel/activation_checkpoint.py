@@ -36,6 +36,7 @@ from .._torch_compat.float8 import scaled_mm_op
 from .._torch_compat.internals import (
     CHECKPOINT_CONTEXT_FN_FRAME,
     CHECKPOINT_CONTEXT_FN_LOGGER,
+    CHECKPOINT_CONTEXT_FN_META,
     attention_ops,
     checkpoint_keywords,
     checkpointed_inner,
@@ -255,11 +256,11 @@ class _OurCheckpointRegions(logging.Filter):
     """Drops torch's context_fn warning where the region is ours and holds no in-place
     op; any other region's warning passes, as does everything else on that logger.
 
-    It reads the region from the frame of torch's ``tag_activation_checkpoint_impl``
-    (torch 2.13), which logs the warning; where that frame is not found (another torch),
-    the warning passes. torch logs it once per process: after ours is dropped, a later
-    region of someone else's in the same process is not warned about (in the trainer and
-    the planner every region is ours)."""
+    It reads the region, and the context_fn in its meta, from the frame of torch's
+    ``tag_activation_checkpoint_impl`` (torch 2.11-2.13), which logs the warning; where
+    that frame is not found (another torch), the warning passes. torch logs it once per
+    process: after ours is dropped, a later region of someone else's in the same process
+    is not warned about (in the trainer and the planner every region is ours)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not _CONTEXT_FN_WARNING.match(record.getMessage()):
@@ -268,7 +269,9 @@ class _OurCheckpointRegions(logging.Filter):
         while frame is not None:
             if frame.f_code.co_name == CHECKPOINT_CONTEXT_FN_FRAME and \
                     frame.f_globals.get("__name__") == CHECKPOINT_CONTEXT_FN_LOGGER:
-                fn, region = frame.f_locals.get("context_fn"), frame.f_locals.get("gmod")
+                region = frame.f_locals.get("gmod")
+                meta = getattr(region, "meta", {})
+                fn = meta.get(CHECKPOINT_CONTEXT_FN_META) if isinstance(meta, dict) else None
                 ours = any(fn is mine for mine in _our_context_fns())
                 return not (ours and isinstance(region, nn.Module) and
                             not _has_in_place_op(region))
