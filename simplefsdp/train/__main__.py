@@ -54,6 +54,9 @@ from .trainer import BatchTransform, fingerprint, resolved, train
 CONFIG_ERROR = 78
 NON_FINITE = 3
 CHECKPOINT_ERROR = 4
+# Under torchrun, how long the ranks that do not print a configuration error wait before
+# exiting, so that the one that prints it is not stopped first.
+PRINTER_HEAD_START_S = 2.0
 
 
 def main(argv: list[str] | None = None,
@@ -178,6 +181,10 @@ def configuration_error(error: ConfigError, hint: bool = True) -> int:
     _leave_for_torchrun(message)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # torchrun stops the other workers once one exits: the printing rank gets a head
+        # start (on a loaded host it was stopped before it printed)
+        time.sleep(PRINTER_HEAD_START_S)
     return CONFIG_ERROR
 
 
