@@ -563,10 +563,11 @@ def test_ep_variants_gradients_are_the_global_mean():
 # weights and activations), far over SINGLE_PROCESS_ATOL (1e-5, what float32 variants
 # reach); 2e-4 says the dtype was applied. FSDP2's MixedPrecisionPolicy and ours cast
 # the same weights to bf16 but accumulate some sums in another order: measured 2.0e-5
-# apart; 5e-5 is well under the bf16-vs-float32 gap, so a variant that ignored the
-# policy fails it.
+# apart on torch 2.13, 7.8e-5 on 2.11 (FSDP2's own order differs there); 1.2e-4 is
+# under a quarter of the bf16-vs-float32 gap, so a variant that ignored the policy
+# fails it.
 BF16_SHOWS = 2e-4
-BF16_FSDP2_ATOL = 5e-5
+BF16_FSDP2_ATOL = 1.2e-4
 
 
 @pytest.mark.quick
