@@ -180,7 +180,9 @@ class GradientSyncControl:
             return None
         if not self.replica_on:
             return self.shard_sink, None
-        pending, self.pending_shard = self.pending_shard, None
+        pending = self.pending_shard
+        if pending is not None:  # written only then: torch 2.11's Dynamo refuses any
+            self.pending_shard = None  # attribute store inside a checkpointed region
         return None, pending
 
     def route_gradient(self, local: torch.Tensor, sharded: DTensor,
