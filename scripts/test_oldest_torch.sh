@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-/tmp/simplefsdp-torch2.11}
 if [ ! -x "$VENV/bin/python" ]; then
     python -m venv --system-site-packages "$VENV"
+    # the venv's own setuptools is older than pyproject.toml's license fields need
+    "$VENV/bin/python" -m pip uninstall -y -q setuptools
     "$VENV/bin/python" -m pip install -q "torch==2.11.0"
 fi
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
