@@ -51,11 +51,27 @@ def _check_schedule(report) -> None:
     for prev, nxt in zip(scatters, scatters[1:], strict=False):
         # previous reduce-scatter's wait deferred until just before the next one
         assert pos["wait reduce_scatter", prev] < pos["reduce_scatter", nxt]
+        if _one_op_gradients(prev, nxt):
+            # both gradients come out of one op, so the second is ready when the first
+            # is issued: nothing is left to overlap the first, and its wait comes right
+            # before the second. (Counting nodes here would count a no-op view that
+            # some torch versions add to the gradient: DTensor's to_local backward
+            # wraps it with from_local.)
+            assert pos["wait reduce_scatter", prev] + 1 == pos["reduce_scatter", nxt]
+            continue
         # ... so computation runs while it is in flight
         assert report.nodes_in_flight[f"reduce_scatter {prev}"] > 0, report.nodes_in_flight
     if report.graph == "forward":  # every prefetched gather overlaps computation
         for name in starts[1:]:
             assert report.nodes_in_flight[f"all_gather {name}"] > 0, report.nodes_in_flight
+
+
+def _one_op_gradients(prev: str, nxt: str) -> bool:
+    """Whether two buckets hold the weight's and the bias's gradient of one LayerNorm
+    (``bucketing="none"``: a bucket each), which one op (``native_layer_norm_backward``)
+    computes together."""
+    module = prev.rsplit("#", 1)[0]
+    return module.endswith("norm") and nxt.rsplit("#", 1)[0] == module
 
 
 def _compiled_variants(rank: int, world: int) -> dict:

@@ -22,6 +22,9 @@ layout is already right (no AC, selective AC, CUDA, a fixed torch) it changes no
 The tensors-without-version-check slice (pytorch#171353) and DeviceMesh as an opaque
 graph value (pytorch#169867) are torch 2.11's; a torch without them saves no opaque
 mesh and no such tensors, and the layout is already right there.
+:func:`partition` also drops saved symbolic booleans the backward never reads
+(:func:`drop_unread_saved_conditions`: torch 2.11 saves a traced ``torch._check``'s
+condition, which 2.11's Inductor cannot take as a backward input).
 :func:`inductor_partitioner` wraps it for Inductor's ``custom_partitioner_fn``.
 
 Full recomputation itself comes from the checkpoint wrapper, the same code path as eager.
@@ -106,6 +109,45 @@ def order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
     return fix
 
 
+def drop_unread_saved_conditions(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
+                                 num_fwd_outputs: int) -> list[str]:
+    """Drop the symbolic booleans the forward saves for a backward that never reads them
+    (from the forward's outputs and the backward's inputs, in place); returns their names.
+
+    A traced ``torch._check`` on data-dependent sizes (the MoE dispatch's
+    ``check_that``) is a ``SymBool`` read by a runtime assert. Inside a checkpointed
+    region the assert is tagged for recomputation, so torch 2.11's min-cut partitioner
+    saves the condition for backward, where the assert (no output) is then dead code:
+    the backward never reads it, and 2.11's Inductor refuses a graph input that is a
+    sympy condition rather than an expression (``GraphLowering.output``: "Unsupported
+    inductor graph input type: Equality"). Torch 2.13's partitioner does not save
+    assert-only booleans (``_is_assert_only_symbool``): nothing to drop there.
+    AOTAutograd counts the saved symbolic values from the forward's outputs after the
+    partitioner, so removing one from both graphs keeps its runtime consistent."""
+    fw_out = next(iter(fw_module.graph.find_nodes(op="output")))
+    outputs = list(fw_out.args[0])
+    saved = outputs[num_fwd_outputs:]
+    n_sym = 0
+    while n_sym < len(saved) and _kind(saved[len(saved) - 1 - n_sym]) == 3:
+        n_sym += 1
+    syms = saved[len(saved) - n_sym:]
+    # the backward's first inputs are the forward's saved symbolic values, in order
+    inputs = list(bw_module.graph.find_nodes(op="placeholder"))[:n_sym]
+    if len(inputs) != n_sym or any(_kind(i) != 3 for i in inputs):
+        return []
+    unread = [k for k, (value, read) in enumerate(zip(syms, inputs, strict=True))
+              if isinstance(value.meta.get("val"), torch.SymBool) and not read.users]
+    if not unread:
+        return []
+    for k in unread:
+        bw_module.graph.erase_node(inputs[k])
+    kept = [value for k, value in enumerate(syms) if k not in unread]
+    fw_out.args = (tuple(outputs[:len(outputs) - n_sym] + kept),) + tuple(fw_out.args[1:])
+    fw_module.recompile()
+    bw_module.recompile()
+    return [syms[k].name for k in unread]
+
+
 def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
               compiler: str = "inductor", **kwargs: Any
               ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -115,6 +157,9 @@ def partition(joint_module: fx.GraphModule, joint_inputs: Any, *, num_fwd_output
 
     fw, bw = min_cut_rematerialization_partition(
         joint_module, joint_inputs, compiler, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    dropped = drop_unread_saved_conditions(fw, bw, num_fwd_outputs)
+    if dropped:
+        log.info("saved conditions the backward does not read dropped: %s", dropped)
     fix = order_saved_values(fw, bw, num_fwd_outputs)
     if fix.skipped:  # the runtime will reject the layout; say why it was left as is
         log.warning("saved values left in the partitioner's order: %s", fix.skipped)
