@@ -10,9 +10,12 @@ has run, so the innermost region's policy is the last to write and wins. torch 2
 the tag into the node metadata *before* passing the op on, so an enclosing region's mode,
 which runs later, overwrites it: the block's policy decided, the casts were recomputed
 from the float32 shards instead of saved, and the int reshard's outer gathers ran again
-in backward. Where torch tags before the op (:func:`_innermost_region_tags` asks a tiny
-trace once), :func:`selective_checkpoint_contexts` adds the tagging after the op, as
-2.13 does; elsewhere it is torch's own. checked: 2.11 (tags added), 2.13 (torch's own).
+in backward. An op torch keeps out of the policy (``detach``) was left the tag of the op
+before it: the float8 gather's weight was saved for backward through a ``detach`` that
+took a view's ``MUST_SAVE``. Where torch tags before the op (:func:`_innermost_region_tags`
+asks a tiny trace once), :func:`selective_checkpoint_contexts` adds the tagging after the
+op, as 2.13 does; elsewhere it is torch's own. checked: 2.11 (tags added), 2.13 (torch's
+own).
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ def selective_checkpoint_contexts(policy_fn: Callable) -> tuple:
     """``create_selective_checkpoint_contexts(policy_fn)``, its forward mode leaving each
     op's new nodes of an AOTAutograd trace tagged with ``policy_fn``'s decision for that
     op, whatever an enclosing region's mode wrote (see the module docstring). Where
-    torch does not do so itself, a mode of ours above torch's adds it: ops torch keeps
-    out of the policy (``detach``, metadata queries) tagged ``PREFER_RECOMPUTE``, as 2.13
-    tags them; the ``detach`` nodes torch's mode adds after an op keep torch's tag."""
+    torch does not do so itself, a mode of ours above torch's adds it, and tags the ops
+    torch keeps out of the policy (``detach``, metadata queries) ``PREFER_RECOMPUTE``, as
+    2.13 does. 2.11 left such an op the tag its predecessor wrote: the ``detach`` after
+    the float8 gather's ``view`` took the view's ``MUST_SAVE`` (a ``detach`` is no view
+    to the partitioner, which saves what it may not recompute), and backward kept the
+    forward's gathered float8 weight instead of gathering it again."""
     if _innermost_region_tags():
         return create_selective_checkpoint_contexts(policy_fn)
     decision: list = [None]
@@ -48,11 +54,8 @@ def selective_checkpoint_contexts(policy_fn: Callable) -> tuple:
     return _TagsAfterTheOp(caching, decision), recompute
 
 
-_DETACH = torch.ops.aten.detach.default
-
-
 def _as_policy(decision) -> CheckpointPolicy:
-    if decision is None:  # an op torch does not ask the policy about
+    if decision is None:  # an op torch keeps out of the policy
         return CheckpointPolicy.PREFER_RECOMPUTE
     if isinstance(decision, bool):  # the policy's other spelling (torch's own reading)
         return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
@@ -98,11 +101,9 @@ class _TagsAfterTheOp(TorchDispatchMode):
         before = len(graph.nodes)
         self.decision[0] = None
         out = func(*args, **kwargs)
-        asked = self.decision[0] is not None
         policy = _as_policy(self.decision[0])
         for node in islice(reversed(graph.nodes), len(graph.nodes) - before):
-            if not asked or node.target is not _DETACH:
-                node.meta["recompute"] = policy
+            node.meta["recompute"] = policy
         return out
 
 
