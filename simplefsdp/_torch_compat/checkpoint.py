@@ -20,6 +20,7 @@ own).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from itertools import islice
@@ -29,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["selective_checkpoint_contexts"]
+__all__ = ["full_recompute_context_fn", "selective_checkpoint_contexts"]
 
 
 def selective_checkpoint_contexts(policy_fn: Callable) -> tuple:
@@ -132,3 +133,30 @@ def _innermost_region_tags() -> bool:
     sin = torch.ops.aten.sin.default
     return [n.meta.get("recompute") for n in gm.graph.nodes if n.target is sin] == [
         CheckpointPolicy.MUST_SAVE]
+
+
+def full_recompute_context_fn() -> Callable | None:
+    """The ``context_fn`` a full-AC block's checkpoint takes (None: none) so that, traced
+    by ``torch.compile``, every op of the block is tagged for recomputation, those of a
+    custom ``autograd.Function`` (the ring attention's) included, as eager full AC
+    recomputes them. torch 2.13 traces a checkpoint without ``context_fn`` through its
+    selective machinery with an always-recompute policy, whose dispatch mode sees those
+    ops (None here). torch 2.11 tagged the region's graph before the functions were
+    inlined: their ops stayed untagged, the partitioner saved them instead, and the
+    traced backward lacked the ring attention's forward (the planner's eager full-AC
+    step came out short by the attention's recomputation). There, a ``context_fn`` that
+    gives the selective contexts with an always-recompute policy while traced, and no
+    contexts in eager (plain full recomputation). checked: 2.11, 2.13."""
+    from torch._higher_order_ops import wrap
+
+    return None if hasattr(wrap, "_always_prefer_recompute") else _full_recompute_contexts
+
+
+def _always_recompute(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _full_recompute_contexts() -> tuple:
+    if get_proxy_mode() is None:  # eager
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return selective_checkpoint_contexts(_always_recompute)
