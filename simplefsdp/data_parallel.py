@@ -38,11 +38,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.fx.traceback import annotate
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from . import eager_reshard
 from ._torch_compat import (
@@ -52,6 +48,7 @@ from ._torch_compat import (
     root_mesh,
     slice_flattened,
 )
+from ._torch_compat.checkpoint import selective_checkpoint_contexts
 from .checks import check_ignored, check_model
 from .float8_gather import float8_gather_for, float8_weight, install_float8_scales
 from .gloo_kernel import install_gloo_collectives, uses_gloo
@@ -159,7 +156,8 @@ def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _gather_policy_contexts():
-    return create_selective_checkpoint_contexts(_recompute_gathers)
+    # the gather's region decides for its ops inside a block's selective checkpoint too
+    return selective_checkpoint_contexts(_recompute_gathers)
 
 
 class _ReplicateComputation(GradientSyncControl, ReshardToGroupReads):

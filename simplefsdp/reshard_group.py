@@ -33,14 +33,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.fx.traceback import annotate
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from . import eager_reshard
 from ._torch_compat import c10d_functional
+from ._torch_compat.checkpoint import selective_checkpoint_contexts
 from .errors import ConfigError, config_errors
 from .gradient_sync import gradient_flows
 from .mesh import ParallelDims, pad_dim0
@@ -172,7 +169,8 @@ def two_step_contexts(outer_group: str):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    # this region decides for its ops inside a block's selective checkpoint too
+    return selective_checkpoint_contexts(policy)
 
 
 class ReshardToGroupReads:

@@ -8,6 +8,7 @@ caches emptied per call) and traces as little as it can.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -80,6 +81,39 @@ def test_saved_bytes_per_block_match_the_selective_policy_by_hand(planner):
     assert expected == 508_561_408  # 485.0 MiB
     # exact: every saved tensor of the block is one of these, no temporaries counted
     assert slope == expected, (slope, expected, _SAVED_PER_BLOCK)
+
+
+def test_a_gather_region_decides_for_its_ops_inside_a_selective_block():
+    """The casts above are saved because the gather's own checkpoint region says so
+    (``data_parallel._recompute_gathers``) inside the block's selective region, whose
+    policy would recompute them. torch 2.11 let the enclosing region's tag win
+    (``_torch_compat.checkpoint``); traced here with ``make_fx``, on every version the
+    inner region's decision is the op's tag."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    from simplefsdp._torch_compat.checkpoint import selective_checkpoint_contexts
+
+    def region(contexts, fn):
+        return lambda t: checkpoint(fn, t, use_reentrant=False, preserve_rng_state=False,
+                                    context_fn=contexts)
+
+    block = functools.partial(create_selective_checkpoint_contexts,
+                              lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    gather = functools.partial(selective_checkpoint_contexts,
+                               lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+    with preserve_node_meta():
+        gm = make_fx(region(block, region(gather, torch.cos)))(
+            torch.ones(2, requires_grad=True))
+    tags = [n.meta.get("recompute") for n in gm.graph.nodes
+            if n.target is torch.ops.aten.cos.default]
+    assert tags == [CheckpointPolicy.MUST_SAVE], tags
 
 
 # Llama 3 8B's width (traces cost the same at any width; compute dominates the step, as

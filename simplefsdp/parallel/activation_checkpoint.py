@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._torch_compat import checkpoint_wrapper, custom_partitioner_base
+from .._torch_compat.checkpoint import full_recompute_context_fn
 from .._torch_compat.float8 import scaled_mm_op
 from .._torch_compat.internals import (
     CHECKPOINT_CONTEXT_FN_FRAME,
@@ -152,9 +153,12 @@ def checkpointed(block: nn.Module, mode: str) -> nn.Module:
     place the wrapper is built: our Llama's blocks and Hugging Face decoder layers)."""
     if mode not in ("full", "selective"):
         raise ConfigError(f"activation_checkpoint.mode = {mode!r} is unknown")
-    kwargs = {"context_fn": _routed_selective_context if _routes_tokens(block)
-              else _selective_context} \
-        if mode == "selective" else {}
+    if mode == "selective":
+        kwargs = {"context_fn": _routed_selective_context if _routes_tokens(block)
+                  else _selective_context}
+    else:  # full: on some torch a context_fn, so compiled full AC recomputes every op
+        full = full_recompute_context_fn()
+        kwargs = {} if full is None else {"context_fn": full}
     return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
 
 
@@ -188,7 +192,7 @@ def compile_checkpointed_blocks(model: nn.Module, backend) -> None:
         if inner is None:
             continue
         keywords = checkpoint_keywords(block)
-        if keywords.get("context_fn") is None:  # full
+        if keywords.get("context_fn") in (None, full_recompute_context_fn()):  # full
             inner.compile(backend=backend)
         elif _routes_tokens(block):  # selective: dispatch modes only, traced with the model
             keywords["context_fn"] = _compiled_routed_selective_context
@@ -231,7 +235,8 @@ def _our_context_fns() -> tuple:
     # the module by name: ``simplefsdp.data_parallel`` the attribute is the function
     gather = importlib.import_module("simplefsdp.data_parallel")
     return tuple(fn for fn in (getattr(gather, "_gather_policy_contexts", None),
-                               _selective_context, _compiled_routed_selective_context)
+                               _selective_context, _compiled_routed_selective_context,
+                               full_recompute_context_fn())
                  if fn is not None)
 
 
