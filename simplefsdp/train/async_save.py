@@ -19,6 +19,7 @@ training thread, done by ``CheckpointManager`` once every rank's write has finis
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -26,8 +27,6 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-from .._torch_compat import stager_stages_twice
 
 AsyncMode = Literal["sync", "async", "async_pinned"]
 
@@ -67,3 +66,24 @@ class CheckpointWriter:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+@functools.cache
+def stager_stages_twice() -> bool:
+    """True when one ``DefaultStager`` can stage more than one state dict (torch 2.13);
+    False where each save needs a stager of its own. torch 2.11's stager closes its
+    state-dict copier after every stage, which empties the copier's dispatch table: the
+    second ``async_save`` through it failed inside the copy (``KeyError: <class
+    'type'>``) and the checkpoint was lost. Probed once on a tiny state (no version list
+    to keep)."""
+    stager = DefaultStager(StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"state": {"step": 1}})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
