@@ -17,6 +17,7 @@ from rank_runner import run_ranks
 from toy import Block, Toy, global_batch, loss_fn
 
 import simplefsdp as sf
+from simplefsdp._torch_compat import disable_compile_caches
 
 INDUCTOR_ATOL = 1e-5
 
@@ -75,6 +76,11 @@ def _one_op_gradients(prev: str, nxt: str) -> bool:
 
 
 def _compiled_variants(rank: int, world: int) -> dict:
+    # The checks read our passes' reports, and an Inductor FX graph cache hit skips the
+    # passes (its compiled code already holds what they did): every compile here is cold.
+    # (On torch 2.11 a rerun's cache key matches the earlier run's; on 2.13 it never
+    # does: the DeviceMeshes among its graph inputs pickle their per-process hash.)
+    disable_compile_caches()
     eager = _fresh(world)
     eager_loss, eager_grads = _step(eager, rank, world)
     figures, schedules = {}, {}
