@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .attention import attention_with_lse, attention_with_lse_backward, cudnn_attention
 from .redistribute import redistribute_strided_shards_as_2_13
-from .sharding_prop import around_sharding_propagation
+from .sharding import around_sharding_propagation
 from .teardown import destroy_library, release_mesh_groups
 from .unbacked import all_to_all_single, check_size, check_that, data_dependent_shapes
 

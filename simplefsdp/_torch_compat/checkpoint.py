@@ -75,10 +75,6 @@ class _TagsAfterTheOp(TorchDispatchMode):
         super().__init__()
         self.caching, self.decision = caching, decision
 
-    @classmethod
-    def ignore_compile_internals(cls):  # as torch's own selective-checkpoint modes
-        return True
-
     def __enter__(self):
         self.caching.__enter__()
         try:

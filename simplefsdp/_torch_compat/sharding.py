@@ -1,10 +1,11 @@
-"""DTensor's sharding propagation, seen from the planner's eager memory tracker: the fake
-runs torch makes of an op on global-shape tensors are not this rank's memory."""
+"""DTensor's sharding propagation: the eager memory tracker (``plan/eager.py``) pauses
+while it runs an op on fake tensors of the global shape (nothing is allocated there)."""
+
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
-
-__all__ = ["around_sharding_propagation"]
 
 
 def around_sharding_propagation(ctx) -> Callable[[], None]:
@@ -42,12 +43,8 @@ def around_sharding_propagation(ctx) -> Callable[[], None]:
 
 def _around_tensor_meta_propagation(propagator: type, ctx) -> Callable[[], None]:
     """:func:`around_sharding_propagation` where torch has no ``_fake_mode_lock``."""
-    import functools
-
     saved = propagator.__dict__.get("_propagate_tensor_meta_non_cached")
     if saved is None:
-        import warnings
-
         warnings.warn("no ShardingPropagator._fake_mode_lock in this torch: eager memory "
                       "predictions also count DTensor's fake global-shape runs", stacklevel=3)
         return lambda: None
