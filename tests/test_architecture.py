@@ -750,8 +750,6 @@ def test_model_families_register_themselves():
 _FRAMEWORK_CALLED = frozenset({
     ("simplefsdp/_torch_compat/internals.py", "_apply"),  # ParallelStyle._apply's override
     ("simplefsdp/train/console.py", "emit"),  # logging.Handler.emit's override
-    # TorchDispatchMode.ignore_compile_internals's override
-    ("simplefsdp/_torch_compat/checkpoint.py", "ignore_compile_internals"),
 })
 
 
