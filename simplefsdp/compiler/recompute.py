@@ -68,18 +68,25 @@ class LayoutFix:
     skipped: str | None = None  # why nothing was done although the layout was off
 
 
-def order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
-                       num_fwd_outputs: int) -> LayoutFix:
-    """Reorder the forward's saved values (its outputs after the first
-    ``num_fwd_outputs``) into AOTAutograd's runtime layout (tensors, then tensors without
-    version check, then opaque objects, then symbolic sizes), and the backward's inputs
-    the same way. Stable: values of one kind keep their order. In place; recompiles."""
+def _saved_values(fw_module: fx.GraphModule, num_fwd_outputs: int):
+    """(the forward's output node, its outputs, the saved values among them, how many of
+    those at the end are symbolic sizes)."""
     fw_out = next(iter(fw_module.graph.find_nodes(op="output")))
     outputs = list(fw_out.args[0])
     saved = outputs[num_fwd_outputs:]
     n_sym = 0
     while n_sym < len(saved) and _kind(saved[len(saved) - 1 - n_sym]) == 3:
         n_sym += 1
+    return fw_out, outputs, saved, n_sym
+
+
+def order_saved_values(fw_module: fx.GraphModule, bw_module: fx.GraphModule,
+                       num_fwd_outputs: int) -> LayoutFix:
+    """Reorder the forward's saved values (its outputs after the first
+    ``num_fwd_outputs``) into AOTAutograd's runtime layout (tensors, then tensors without
+    version check, then opaque objects, then symbolic sizes), and the backward's inputs
+    the same way. Stable: values of one kind keep their order. In place; recompiles."""
+    fw_out, outputs, saved, n_sym = _saved_values(fw_module, num_fwd_outputs)
     body = saved[:len(saved) - n_sym]
     fix = LayoutFix(saved=len(body))
     order = sorted(range(len(body)), key=lambda i: _kind(body[i]))
@@ -124,12 +131,7 @@ def drop_unread_saved_conditions(fw_module: fx.GraphModule, bw_module: fx.GraphM
     assert-only booleans (``_is_assert_only_symbool``): nothing to drop there.
     AOTAutograd counts the saved symbolic values from the forward's outputs after the
     partitioner, so removing one from both graphs keeps its runtime consistent."""
-    fw_out = next(iter(fw_module.graph.find_nodes(op="output")))
-    outputs = list(fw_out.args[0])
-    saved = outputs[num_fwd_outputs:]
-    n_sym = 0
-    while n_sym < len(saved) and _kind(saved[len(saved) - 1 - n_sym]) == 3:
-        n_sym += 1
+    fw_out, outputs, saved, n_sym = _saved_values(fw_module, num_fwd_outputs)
     syms = saved[len(saved) - n_sym:]
     # the backward's first inputs are the forward's saved symbolic values, in order
     inputs = list(bw_module.graph.find_nodes(op="placeholder"))[:n_sym]
