@@ -41,12 +41,7 @@ class CheckpointWriter:
         if mode != "sync":
             if dist.is_initialized():  # a collective: every rank builds its writer
                 self.group = dist.new_group(backend="gloo")
-            self.stager = self._new_stager()
-
-    def _new_stager(self) -> DefaultStager:
-        return DefaultStager(StagingOptions(
-            use_pinned_memory=self.mode == "async_pinned", use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=False))
+            self.stager = _stager(pinned=mode == "async_pinned")
 
     def start(self, state: dict[str, Any], folder: Path) -> Future | None:
         """Write ``state`` into ``folder``: done on return (``sync``, None), or staged
@@ -57,7 +52,7 @@ class CheckpointWriter:
             return None
         if not stager_stages_twice():  # torch 2.11: a stager stages one save only
             self.stager.close()
-            self.stager = self._new_stager()
+            self.stager = _stager(pinned=self.mode == "async_pinned")
         result = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
                                 async_stager=self.stager)
         return getattr(result, "upload_completion", result)
@@ -68,6 +63,13 @@ class CheckpointWriter:
             self.stager = None
 
 
+def _stager(pinned: bool) -> DefaultStager:
+    """A stager copying on the training thread, into pinned host buffers or not."""
+    return DefaultStager(StagingOptions(
+        use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=False))
+
+
 @functools.cache
 def stager_stages_twice() -> bool:
     """True when one ``DefaultStager`` can stage more than one state dict (torch 2.13);
@@ -76,9 +78,7 @@ def stager_stages_twice() -> bool:
     second ``async_save`` through it failed inside the copy (``KeyError: <class
     'type'>``) and the checkpoint was lost. Probed once on a tiny state (no version list
     to keep)."""
-    stager = DefaultStager(StagingOptions(
-        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-        use_non_blocking_copy=False))
+    stager = _stager(pinned=False)
     try:
         for _ in range(2):
             stager.stage({"state": {"step": 1}})
