@@ -147,12 +147,8 @@ _GATHER_OPS = {
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: recompute the all-gather, its wait and views (free),
-    save the rest. Not MUST_SAVE on a view: torch 2.11 gives the ``detach`` after one (an
-    op the policy never sees) the view's tag, and min-cut keeps a MUST_SAVE detach: the
-    float8 gather's detached ``.view(E4M3)`` kept the gathered weight for backward."""
-    recompute = func in _GATHER_OPS or getattr(func, "is_view", False)
-    return CheckpointPolicy.MUST_RECOMPUTE if recompute else CheckpointPolicy.MUST_SAVE
+    """Selective-checkpoint policy: recompute the all-gather and its wait, save the rest."""
+    return CheckpointPolicy.MUST_RECOMPUTE if func in _GATHER_OPS else CheckpointPolicy.MUST_SAVE
 
 
 def _gather_policy_contexts():
